@@ -1,0 +1,267 @@
+"""Sharded checkpoints: safetensors shards plus a JSON manifest. Data, never pickles.
+
+Layout of OUT/checkpoints/:
+  step-000010/rank-00000.safetensors   this rank's slices of the flat vectors
+  step-000010/rank-00001.safetensors   (params, optim.master, optim.exp_avg,
+  ...                                   optim.exp_avg_sq) and its torch RNG state
+  step-000010/manifest.json            step, world size, strategy, model config,
+                                        parameter layout, every tensor's file and
+                                        flat slice, every file's bytes and sha256,
+                                        training state (optimizer steps, loader)
+  latest                               name of the newest complete step directory
+
+Crash safety: every rank writes into .tmp-step-000010/ and fsyncs; rank 0
+writes the manifest, fsyncs, renames the directory to its final name, and
+only then rewrites `latest` (itself via rename). A directory without a
+verified manifest is never loaded.
+
+Tensors are stored as slices of the *logical* flat vector (layout in the
+manifest), so loading assembles them by index and does not depend on how many
+ranks wrote them.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from .parallel.flat import FlatStrategy
+from .topology import Topology
+
+FORMAT = "minitrain-checkpoint/1"
+MANIFEST = "manifest.json"
+LATEST = "latest"
+
+
+class CheckpointError(Exception):
+    """A checkpoint is missing, incomplete, corrupt or does not fit this run."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def shard_file_name(rank: int) -> str:
+    return f"rank-{rank:05d}.safetensors"
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: Path, text: str) -> None:
+    """Write text to path via a temporary file, fsync and rename: all or nothing."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+# --- save -------------------------------------------------------------------------------
+def save(root: str | os.PathLike, step: int, topo: Topology, strategy: FlatStrategy,
+         train_state: dict, run_config: dict) -> Path:
+    """Collective: every rank calls it. Returns the final step directory."""
+    comm, rank = topo.dp, topo.rank
+    root = Path(root)
+    final, tmp = root / step_dir_name(step), root / f".tmp-{step_dir_name(step)}"
+    if topo.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
+        tmp.mkdir()
+    comm.barrier()
+
+    shards = {k: v.contiguous() for k, v in strategy.state_shards().items()}
+    shards["rng.torch"] = torch.get_rng_state()
+    path = tmp / shard_file_name(rank)
+    save_file(shards, str(path))
+    _fsync_file(path)
+    lo, hi = strategy.owned_range()
+    digest = bytes.fromhex(sha256_of(path))
+    row = torch.tensor([lo, hi, path.stat().st_size]
+                       + [int.from_bytes(digest[i:i + 8], "big", signed=True) for i in range(0, 32, 8)],
+                       dtype=torch.int64)
+    rows = comm.gather_rows(row).tolist()
+
+    if topo.is_main:
+        manifest = _manifest(step, topo, strategy, train_state, run_config, list(shards), rows)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        _fsync_file(tmp / MANIFEST)
+        _fsync_dir(tmp)
+        if final.exists():  # re-saving a step (e.g. after a rollback): swap, then drop the old one
+            old = root / f".old-{step_dir_name(step)}"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(root)
+        _write_durably(root / LATEST, final.name + "\n")
+    comm.barrier()
+    return final
+
+
+def _manifest(step, topo, strategy, train_state, run_config, keys, rows) -> dict:
+    flat = strategy.flat
+    dtype = str(flat.data.dtype).removeprefix("torch.")
+    files, tensors = [], []
+    for rank, (lo, hi, size, *digest_words) in enumerate(rows):
+        name = shard_file_name(rank)
+        digest = b"".join(w.to_bytes(8, "big", signed=True) for w in digest_words).hex()
+        files.append({"name": name, "rank": rank, "bytes": size, "sha256": digest})
+        if hi > lo:
+            for key in keys:
+                if key != "rng.torch":
+                    tensors.append({"key": key, "file": name, "dtype": dtype, "shape": [hi - lo], "slice": [lo, hi]})
+        tensors.append({"key": "rng.torch", "file": name, "dtype": "uint8", "rank": rank})
+    return {
+        "format": FORMAT,
+        "step": step,
+        "world_size": topo.world_size,
+        "layout": {"dp": topo.world_size, "tp": 1, "pp": 1},
+        "strategy": strategy.name,
+        "zero": run_config["train"]["zero"],
+        "model": run_config["model"],
+        "flat": {"numel": flat.numel, "padded_numel": flat.padded_numel, "padding": flat.padding,
+                 "segments": [{"name": s.name, "offset": s.offset, "shape": list(s.shape)} for s in flat.segments]},
+        "files": files,
+        "tensors": tensors,
+        "train_state": train_state,
+        "config": run_config,
+    }
+
+
+# --- find and verify ----------------------------------------------------------------------
+def resolve(path: str | os.PathLike) -> Path:
+    """A step directory from PATH: the directory itself if it has a manifest, else
+    the one its `latest` pointer names (PATH may be a checkpoints/ or run directory)."""
+    p = Path(path)
+    for base in (p, p / "checkpoints"):
+        if (base / MANIFEST).is_file():
+            return base
+        pointer = base / LATEST
+        if pointer.is_file():
+            name = pointer.read_text().strip()
+            target = base / name
+            if not name or "/" in name or not (target / MANIFEST).is_file():
+                raise CheckpointError(f"{pointer} names '{name}', which is not a complete checkpoint directory")
+            return target
+    if not p.exists():
+        raise CheckpointError(f"checkpoint path {p} does not exist")
+    raise CheckpointError(f"no checkpoint at {p}: expected a step directory with {MANIFEST}, "
+                          f"or a directory with a '{LATEST}' pointer")
+
+
+def find_latest(out_dir: str | os.PathLike) -> Path | None:
+    """For --resume auto: the newest checkpoint under OUT/checkpoints, or None if none was saved."""
+    root = Path(out_dir) / "checkpoints"
+    if not (root / LATEST).exists():
+        return None
+    return resolve(root)
+
+
+def read_manifest(step_dir: Path) -> dict:
+    path = step_dir / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing: not a complete checkpoint") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a {FORMAT} manifest")
+    return manifest
+
+
+def verify(path: str | os.PathLike) -> tuple[Path, dict]:
+    """Resolve PATH, check every file's size and sha256; return (step dir, manifest)."""
+    step_dir = resolve(path)
+    manifest = read_manifest(step_dir)
+    for entry in manifest["files"]:
+        f = step_dir / entry["name"]
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint file {f} is missing")
+        size = f.stat().st_size
+        if size != entry["bytes"]:
+            raise CheckpointError(f"checkpoint file {f} has {size} bytes, manifest says {entry['bytes']}")
+        digest = sha256_of(f)
+        if digest != entry["sha256"]:
+            raise CheckpointError(f"checkpoint file {f} is corrupt: sha256 {digest[:16]}... "
+                                  f"does not match the manifest's {entry['sha256'][:16]}...")
+    return step_dir, manifest
+
+
+# --- load -------------------------------------------------------------------------------
+def assemble_flat(step_dir: Path, manifest: dict) -> dict[str, torch.Tensor]:
+    """Every flat vector (params, optimizer state) as one full, unpadded tensor,
+    put together from whichever files hold its slices."""
+    numel = manifest["flat"]["numel"]
+    full: dict[str, torch.Tensor] = {}
+    covered: dict[str, int] = {}
+    for t in manifest["tensors"]:
+        if "slice" not in t:
+            continue
+        lo, hi = t["slice"]
+        value = _read_tensor(step_dir / t["file"], t["key"])
+        dest = full.setdefault(t["key"], torch.zeros(numel, dtype=value.dtype))
+        stop = min(hi, numel)
+        if stop > lo:
+            dest[lo:stop].copy_(value[:stop - lo])
+            covered[t["key"]] = covered.get(t["key"], 0) + stop - lo
+    for key, count in covered.items():
+        if count != numel:
+            raise CheckpointError(f"checkpoint {step_dir} covers {count} of {numel} elements of '{key}'")
+    return full
+
+
+def _read_tensor(path: Path, key: str) -> torch.Tensor:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.get_tensor(key)
+    except (SafetensorError, OSError, KeyError) as e:
+        raise CheckpointError(f"cannot read '{key}' from {path}: {e}") from None
+
+
+def load(path: str | os.PathLike, topo: Topology, strategy: FlatStrategy) -> dict:
+    """Verify, then restore parameters, optimizer state and (same world size) this
+    rank's RNG. Returns the saved training state (step, loader position, ...)."""
+    step_dir, manifest = verify(path)
+    mine = [(s.name, list(s.shape)) for s in strategy.flat.segments]
+    theirs = [(s["name"], s["shape"]) for s in manifest["flat"]["segments"]]
+    if mine != theirs:
+        diff = next((f"{a} vs {b}" for a, b in zip(mine, theirs) if a != b), f"{len(mine)} vs {len(theirs)} tensors")
+        raise CheckpointError(f"checkpoint {step_dir} holds a different model (this run vs checkpoint: {diff})")
+    full = assemble_flat(step_dir, manifest)
+    dtype = strategy.flat.data.dtype
+    if full["params"].dtype != dtype:
+        raise CheckpointError(f"checkpoint {step_dir} stores {full['params'].dtype}, this run trains in {dtype}")
+    strategy.load_state(full, manifest["train_state"]["optimizer_steps"])
+    if manifest["world_size"] == topo.world_size:
+        torch.set_rng_state(_read_tensor(step_dir / shard_file_name(topo.rank), "rng.torch"))
+    return manifest["train_state"]

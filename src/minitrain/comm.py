@@ -1,0 +1,102 @@
+"""The only module that calls torch.distributed collectives.
+
+Every call goes through `Comm._run`, which counts calls, payload bytes and
+wall seconds per op; step metrics take deltas of these counters. A Comm of
+world size 1 needs no process group: each op is the identity (a copy where an
+output buffer is given) and nothing is counted, since nothing moves.
+
+Payload bytes per call: all_reduce, broadcast, send, recv: the tensor;
+reduce_scatter: the full input; all_gather: the full output.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 renamed the single-tensor collectives; older releases (>= 2.4) have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; the message names the op and this rank."""
+
+
+@dataclass
+class OpStats:
+    calls: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+class Comm:
+    def __init__(self, rank: int = 0, world_size: int = 1, group=None):
+        self.rank, self.world_size, self.group = rank, world_size, group
+        self.stats: dict[str, OpStats] = {}
+
+    def _run(self, op: str, nbytes: int, fn) -> None:
+        stats = self.stats.setdefault(op, OpStats())
+        start = time.perf_counter()
+        try:
+            fn()
+        except RuntimeError as e:  # gloo reports timeouts and dead peers as RuntimeError
+            raise CollectiveError(f"{op} of {nbytes} bytes failed on rank {self.rank} "
+                                  f"of {self.world_size}: {e}") from e
+        stats.seconds += time.perf_counter() - start
+        stats.calls += 1
+        stats.bytes += nbytes
+
+    def totals(self) -> OpStats:
+        """Sum over all ops so far (take differences for per-step figures)."""
+        return OpStats(sum(s.calls for s in self.stats.values()),
+                       sum(s.bytes for s in self.stats.values()),
+                       sum(s.seconds for s in self.stats.values()))
+
+    # --- collectives -----------------------------------------------------------------
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        if self.world_size > 1:
+            self._run("broadcast", _nbytes(tensor), lambda: dist.broadcast(tensor, src, group=self.group))
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        """In place: tensor <- sum over ranks."""
+        if self.world_size > 1:
+            self._run("all_reduce", _nbytes(tensor), lambda: dist.all_reduce(tensor, group=self.group))
+
+    def reduce_scatter_sum(self, shard_out: torch.Tensor, full_in: torch.Tensor) -> None:
+        """shard_out <- this rank's 1/N slice of (sum over ranks of full_in)."""
+        if self.world_size == 1:
+            shard_out.copy_(full_in)
+            return
+        self._run("reduce_scatter", _nbytes(full_in),
+                  lambda: _reduce_scatter_single(shard_out, full_in, group=self.group))
+
+    def all_gather(self, full_out: torch.Tensor, shard_in: torch.Tensor) -> None:
+        """full_out <- concatenation of every rank's shard_in, in rank order."""
+        if self.world_size == 1:
+            full_out.copy_(shard_in)
+            return
+        self._run("all_gather", _nbytes(full_out),
+                  lambda: _all_gather_single(full_out, shard_in, group=self.group))
+
+    def gather_rows(self, row: torch.Tensor) -> torch.Tensor:
+        """Every rank's 1-D `row`, stacked into (world_size, len(row)) on every rank."""
+        out = torch.empty(self.world_size * row.numel(), dtype=row.dtype, device=row.device)
+        self.all_gather(out, row.contiguous())
+        return out.view(self.world_size, -1)
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        self._run("send", _nbytes(tensor), lambda: dist.send(tensor, dst, group=self.group))
+
+    def recv(self, tensor: torch.Tensor, src: int) -> None:
+        self._run("recv", _nbytes(tensor), lambda: dist.recv(tensor, src, group=self.group))
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            self._run("barrier", 0, lambda: dist.barrier(group=self.group))
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

@@ -1,0 +1,254 @@
+"""Typed run configuration.
+
+One dataclass per section; every field carries its help text, which is what
+`minitrain train --help` prints. Values are resolved in one order:
+defaults < preset (model section only) < TOML file (`--config`) < command line.
+`RunConfig.validate()` raises ConfigError with a sentence a user can act on.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on Python 3.10
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """Bad user input. The CLI prints the message on one line and exits 2."""
+
+
+def opt(default, help: str):
+    """A config field with its help text (shown by --help)."""
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class ModelConfig:
+    preset: str = opt("tiny", "named starting point: " + "tiny | small | gpt2-124m; explicit model fields override it")
+    n_layer: int = opt(2, "number of transformer blocks")
+    d_model: int = opt(32, "width of the residual stream")
+    n_head: int = opt(4, "attention heads; must divide d_model")
+    vocab_size: int = opt(64, "token vocabulary; must cover the corpus (the byte-level text corpus needs 256)")
+    seq_len: int = opt(16, "context length in tokens, also the length of every training example")
+    d_ff: int = opt(0, "hidden width of the MLP; 0 means 4 * d_model")
+    tie_weights: bool = opt(False, "share the token embedding with the LM head")
+
+    @property
+    def ffn_dim(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+
+PRESETS: dict[str, dict] = {
+    "tiny": dict(n_layer=2, d_model=32, n_head=4, vocab_size=64, seq_len=16, d_ff=0, tie_weights=False),
+    "small": dict(n_layer=4, d_model=256, n_head=8, vocab_size=256, seq_len=128, d_ff=0, tie_weights=False),
+    # GPT-2 small; vocab padded from 50257 to a multiple of 64 as nanoGPT does.
+    "gpt2-124m": dict(n_layer=12, d_model=768, n_head=12, vocab_size=50304, seq_len=1024, d_ff=0, tie_weights=True),
+}
+
+
+@dataclass
+class DataConfig:
+    corpus: str = opt("synthetic", "synthetic | text (the shipped byte-level prose) | path to a uint16 .bin token file")
+    synthetic_tokens: int = opt(65536, "length of the synthetic corpus in tokens")
+    corpus_seed: int = opt(0, "seed that generates the synthetic corpus (the data order uses train.seed)")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = opt(20, "optimizer steps to run (total, counting steps before a resume)")
+    batch_size: int = opt(4, "examples per rank per micro-batch")
+    grad_accum: int = opt(1, "micro-batches accumulated per optimizer step")
+    lr: float = opt(3e-3, "peak learning rate (reached after warmup)")
+    min_lr: float = opt(3e-4, "learning rate at the end of the cosine decay")
+    warmup_steps: int = opt(2, "linear warmup steps")
+    weight_decay: float = opt(0.1, "AdamW decoupled weight decay, applied to matrices only")
+    beta1: float = opt(0.9, "Adam beta1")
+    beta2: float = opt(0.95, "Adam beta2")
+    eps: float = opt(1e-8, "Adam epsilon")
+    grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0 disables clipping")
+    seed: int = opt(0, "seed for initialisation and data order; same seed, same run, bit for bit")
+    dtype: str = opt("float32", "float32 | float64 (float64 is for exact parity checks)")
+    zero: int = opt(0, "0 = data parallel (full optimizer state per rank), 1 = ZeRO-1 (optimizer state sharded)")
+    log_every: int = opt(1, "print a progress line every this many steps (rank 0); 0 = quiet")
+
+
+@dataclass
+class DistConfig:
+    nproc: int = opt(1, "ranks to spawn on this machine (ignored under torchrun, which sets the world size)")
+    backend: str = opt("auto", "auto | gloo | nccl; auto picks nccl when CUDA is available, else gloo")
+    timeout_s: float = opt(300.0, "process-group timeout: a collective stuck this long fails instead of hanging")
+    threads_per_rank: int = opt(1, "torch CPU threads per rank (1 avoids oversubscribing cores)")
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = opt(0, "save a sharded checkpoint every this many steps; 0 = never")
+    resume: str = opt("", "'' = start fresh, 'auto' = newest checkpoint under OUT if any, or a checkpoint path")
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
+    out: str = opt("runs/train", "directory for everything the run writes: metrics.jsonl, checkpoints/")
+
+    def validate(self) -> "RunConfig":
+        m, t, d = self.model, self.train, self.dist
+        if m.preset not in PRESETS:
+            raise ConfigError(f"unknown preset '{m.preset}'; choose one of: {', '.join(PRESETS)}")
+        for name in ("n_layer", "d_model", "n_head", "vocab_size", "seq_len"):
+            _require_positive(f"model.{name}", getattr(m, name))
+        if m.d_model % m.n_head:
+            raise ConfigError(f"model.n_head={m.n_head} does not divide model.d_model={m.d_model}; "
+                              "pick a head count that divides the width")
+        if m.d_ff < 0:
+            raise ConfigError(f"model.d_ff must be >= 0 (0 means 4 * d_model), got {m.d_ff}")
+        for name in ("steps", "batch_size", "grad_accum"):
+            _require_positive(f"train.{name}", getattr(t, name))
+        if d.nproc < 1:
+            raise ConfigError(f"world size must be at least 1 (got --nproc {d.nproc})")
+        _require_choice("train.zero", t.zero, (0, 1))
+        _require_choice("train.dtype", t.dtype, ("float32", "float64"))
+        _require_choice("dist.backend", d.backend, ("auto", "gloo", "nccl"))
+        if not t.lr > 0:
+            raise ConfigError(f"train.lr must be > 0, got {t.lr}")
+        if not 0 <= t.min_lr <= t.lr:
+            raise ConfigError(f"train.min_lr must lie in [0, lr={t.lr}], got {t.min_lr}")
+        for name in ("warmup_steps", "weight_decay", "grad_clip", "log_every"):
+            if getattr(t, name) < 0:
+                raise ConfigError(f"train.{name} must be >= 0, got {getattr(t, name)}")
+        if not (0 <= t.beta1 < 1 and 0 <= t.beta2 < 1) or t.eps <= 0:
+            raise ConfigError("Adam needs 0 <= beta1, beta2 < 1 and eps > 0")
+        if not d.timeout_s > 0:
+            raise ConfigError(f"dist.timeout_s must be > 0, got {d.timeout_s}")
+        _require_positive("dist.threads_per_rank", d.threads_per_rank)
+        if self.ckpt.every_steps < 0:
+            raise ConfigError(f"ckpt.every_steps must be >= 0, got {self.ckpt.every_steps}")
+        from .data import check_corpus  # late import: data depends on this module
+
+        check_corpus(self)
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _require_positive(name: str, value) -> None:
+    if value < 1:
+        raise ConfigError(f"{name} must be at least 1, got {value}")
+
+
+def _require_choice(name: str, value, choices: tuple) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(map(str, choices))}; got {value!r}")
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(RunConfig) if f.name != "out"}
+
+
+def field_specs() -> list[tuple[str, type, object, str]]:
+    """(dotted key, type, default, help) for every settable field, in declaration order."""
+    specs = []
+    for section in dataclasses.fields(RunConfig):
+        if section.name == "out":
+            specs.append(("out", str, section.default, section.metadata["help"]))
+            continue
+        cls = section.default_factory
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            specs.append((f"{section.name}.{f.name}", hints[f.name], f.default, f.metadata["help"]))
+    return specs
+
+
+def parse_bool(text: str) -> bool:
+    lowered = str(text).strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {text!r}")
+
+
+def coerce(key: str, kind: type, value):
+    """Convert a TOML or command-line value to the field's type, or raise ConfigError."""
+    try:
+        if kind is bool:
+            return value if isinstance(value, bool) else parse_bool(value)
+        if kind is int and isinstance(value, float):
+            raise ValueError("expected an integer")
+        if kind in (int, float) and isinstance(value, bool):
+            raise ValueError("expected a number")
+        return kind(value)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{key}: invalid {kind.__name__} value {value!r} ({e})") from None
+
+
+def load_toml(path: str | os.PathLike) -> dict[str, object]:
+    """Read a TOML config into dotted keys, e.g. {'train.lr': 0.001, 'out': 'runs/x'}."""
+    p = Path(path)
+    try:
+        raw = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {p}") from None
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"cannot read config file {p}: {e}") from None
+    flat: dict[str, object] = {}
+    for key, value in raw.items():
+        if isinstance(value, dict):
+            for sub, v in value.items():
+                flat[f"{key}.{sub}"] = v
+        else:
+            flat[key] = value
+    return flat
+
+
+def build_config(file_values: dict[str, object] | None = None,
+                 cli_values: dict[str, object] | None = None) -> RunConfig:
+    """Resolve defaults < preset < file < command line into a RunConfig (not yet validated)."""
+    specs = {key: kind for key, kind, _, _ in field_specs()}
+    file_values, cli_values = dict(file_values or {}), dict(cli_values or {})
+    for source, values in (("config file", file_values), ("command line", cli_values)):
+        unknown = sorted(set(values) - set(specs))
+        if unknown:
+            raise ConfigError(f"unknown setting '{unknown[0]}' in {source}; "
+                              "see `minitrain train --help` for the settable fields")
+    cfg = RunConfig()
+    preset = cli_values.get("model.preset", file_values.get("model.preset", cfg.model.preset))
+    preset = coerce("model.preset", str, preset)
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown preset '{preset}'; choose one of: {', '.join(PRESETS)}")
+    cfg.model = ModelConfig(preset=preset, **PRESETS[preset])
+    for values in (file_values, cli_values):
+        for key, value in values.items():
+            _set(cfg, key, coerce(key, specs[key], value))
+    return cfg
+
+
+def _set(cfg: RunConfig, key: str, value) -> None:
+    if "." in key:
+        section, name = key.split(".", 1)
+        setattr(getattr(cfg, section), name, value)
+    else:
+        setattr(cfg, key, value)
+
+
+def from_dict(values: dict) -> RunConfig:
+    """Rebuild a RunConfig from `to_dict()` output (e.g. a checkpoint manifest)."""
+    cfg = RunConfig(out=values.get("out", RunConfig.out))
+    for name in SECTIONS:
+        setattr(cfg, name, type(getattr(cfg, name))(**values.get(name, {})))
+    return cfg

@@ -1,0 +1,206 @@
+"""`minitrain demo`: the whole foundation in one run, with its invariants checked.
+
+N ranks (default 4) train the tiny GPT with data parallel + ZeRO-1 for S steps
+(default 20), save a sharded checkpoint at step S/2, and continue. Then every
+rank builds a fresh trainer, reloads the checkpoint, checks it byte-equal to
+the state it held when saving, trains to step S again, and checks the loss
+and every parameter and optimizer byte against the first run.
+
+The corpus is exactly one global batch (batch 4 per rank), so each step is a
+full-batch step on a fixed objective; with a small, decaying learning rate its
+loss must fall every step, which is invariant (a).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .config import RunConfig
+from .launch import launch
+from .metrics import MetricsWriter, format_table, human_bytes
+from .topology import Topology
+from .trainer import Trainer
+
+LOSS_RISE_TOLERANCE = 1e-6  # relative: float32 reductions reorder sums at ~1e-7
+DEMO_OUTPUTS = ("metrics.jsonl", "checkpoints", "report.json")
+
+
+@dataclass
+class DemoOptions:
+    world_size: int = 4
+    steps: int = 20
+    out: str = "runs/demo"
+
+
+def demo_config(opts: DemoOptions) -> RunConfig:
+    cfg = RunConfig(out=opts.out)
+    cfg.dist.nproc = opts.world_size
+    t = cfg.train
+    t.steps, t.zero, t.log_every = opts.steps, 1, 0
+    t.lr, t.min_lr, t.warmup_steps = 3e-3, 3e-4, 2
+    # One global batch of examples: every step sees the whole corpus, split across ranks.
+    cfg.data.synthetic_tokens = t.batch_size * opts.world_size * cfg.model.seq_len + 1
+    cfg.ckpt.every_steps = max(1, opts.steps // 2)
+    return cfg.validate()
+
+
+def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes (unlike ==, tells -0.0 from 0.0 and matches NaNs)."""
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
+
+
+def _state(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """Everything this rank holds that a resume must reproduce, cloned."""
+    s = trainer.strategy
+    state = {"params": s.flat.data.clone()}
+    state.update({f"optim.{k}": v.clone() for k, v in s.optimizer.state_tensors().items()})
+    return state
+
+
+def _same_state(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(bit_equal(a[k], b[k]) for k in a)
+
+
+def demo_worker(topo: Topology, cfg: RunConfig) -> dict | None:
+    out, steps = Path(cfg.out), cfg.train.steps
+    ckpt_step = cfg.ckpt.every_steps
+    start = time.perf_counter()
+
+    # Run A: straight through, checkpoint at ckpt_step.
+    trainer = Trainer(cfg, topo)
+    writer = MetricsWriter(out / "metrics.jsonl") if topo.is_main else None
+    records, ckpt_dir, saved_state = [], None, None
+    while trainer.step < steps:
+        rec = trainer.train_step()
+        records.append(rec)
+        if writer:
+            writer.write(asdict(rec))
+        if rec.step == ckpt_step:
+            ckpt_dir = trainer.save_checkpoint(out / "checkpoints")
+            saved_state = _state(trainer)
+    if writer:
+        writer.close()
+    final_state = _state(trainer)
+    run_seconds = time.perf_counter() - start
+
+    # Run B: a fresh trainer resumed from the checkpoint.
+    resumed = Trainer(cfg, topo)
+    resumed.load_checkpoint(ckpt_dir)
+    reload_equal = _same_state(_state(resumed), saved_state) and resumed.step == ckpt_step
+    resumed_records = [resumed.train_step() for _ in range(steps - resumed.step)]
+    resume_equal = (_same_state(_state(resumed), final_state)
+                    and [r.loss for r in resumed_records] == [r.loss for r in records[ckpt_step:]])
+
+    verdicts = topo.dp.gather_rows(torch.tensor([reload_equal, resume_equal], dtype=torch.int64))
+    if not topo.is_main:
+        return None
+    return {
+        "world_size": topo.world_size,
+        "steps": steps,
+        "checkpoint_step": ckpt_step,
+        "checkpoint_dir": str(ckpt_dir),
+        "params": trainer.strategy.flat.numel,
+        "padded_params": trainer.strategy.flat.padded_numel,
+        "padding": trainer.strategy.flat.padding,
+        "records": [asdict(r) for r in records],
+        "resumed_losses": [r.loss for r in resumed_records],
+        "expected_memory": trainer.strategy.expected_memory_bytes(),
+        "reload_equal_per_rank": [bool(v) for v in verdicts[:, 0].tolist()],
+        "resume_equal_per_rank": [bool(v) for v in verdicts[:, 1].tolist()],
+        "train_seconds": run_seconds,
+    }
+
+
+# --- the parent process: run, check, print ---------------------------------------------------
+def check_invariants(report: dict) -> list[tuple[str, bool, str]]:
+    """(name, passed, explanation) for invariants (a)-(d)."""
+    recs, n = report["records"], report["world_size"]
+    losses = [r["loss"] for r in recs]
+    rises = [(i + 2, b - a) for i, (a, b) in enumerate(zip(losses, losses[1:])) if b > a + LOSS_RISE_TOLERANCE * abs(a)]
+    worst = max((b - a for a, b in zip(losses, losses[1:])), default=0.0)
+    a = ("(a) loss non-increasing step to step", not rises,
+         f"largest step-to-step change {worst:+.3e}; tolerance {LOSS_RISE_TOLERANCE:g} x loss"
+         + (f"; rose at step {rises[0][0]} by {rises[0][1]:.3e}" if rises else ""))
+    uneven = [r["step"] for r in recs if len(set(r["param_norm_per_rank"])) != 1]
+    b = ("(b) parameter norm bit-identical on every rank", not uneven,
+         f"{n} ranks x {len(recs)} steps compared as exact float64 values"
+         + (f"; differs at steps {uneven[:5]}" if uneven else ""))
+    want = report["expected_memory"]["optimizer"]
+    got = recs[-1]["memory"]["optimizer"]
+    c = ("(c) optimizer bytes per rank == 12P/N", all(g == want for g in got),
+         f"12 x {report['padded_params']} / {n} = {want} bytes; measured {sorted(set(got))}")
+    reload_ok, resume_ok = all(report["reload_equal_per_rank"]), all(report["resume_equal_per_rank"])
+    d = ("(d) checkpoint reloads byte-equal; resumed run bit-identical", reload_ok and resume_ok,
+         f"step-{report['checkpoint_step']} state reloaded byte-equal on ranks {_ranks(report['reload_equal_per_rank'])}; "
+         f"resume to step {report['steps']}: loss and all parameter/optimizer bytes equal on ranks "
+         f"{_ranks(report['resume_equal_per_rank'])}")
+    return [a, b, c, d]
+
+
+def _ranks(flags: list[bool]) -> str:
+    good = [i for i, f in enumerate(flags) if f]
+    return f"{good} of {len(flags)}" if good else f"none of {len(flags)}"
+
+
+def render(report: dict, checks: list[tuple[str, bool, str]], out: Path) -> str:
+    recs, n = report["records"], report["world_size"]
+    lines = []
+    rows = [[r["step"], f"{r['loss']:.6f}", f"{r['grad_norm']:.4f}", f"{r['lr']:.2e}", f"{r['param_norm']:.6f}",
+             f"{1000 * r['step_time_s']:.1f}", f"{1000 * r['comm_time_s']:.1f}", r["comm_calls"],
+             "checkpoint saved" if r["step"] == report["checkpoint_step"] else ""] for r in recs]
+    lines += ["", "Loss per step (global mean over all ranks)",
+              format_table(["step", "loss", "grad_norm", "lr", "param_norm", "step_ms", "comm_ms", "collectives", ""],
+                           rows, ">>>>>>>><")]
+    exp = report["expected_memory"]
+    mem = recs[-1]["memory"]
+    rows = [[r, mem["params"][r], mem["grads"][r], mem["optimizer"][r], exp["optimizer"],
+             "yes" if mem["optimizer"][r] == exp["optimizer"] else "NO"] for r in range(n)]
+    lines += ["", f"Per-rank memory at rest, bytes (P = {report['padded_params']} padded params, "
+                  f"padding {report['padding']}, N = {n}; fp32 master + Adam m + v = 12 bytes/param)",
+              format_table(["rank", "params", "grads", "optimizer", "expected 12P/N", "match"], rows)]
+    manifest = json.loads((Path(report["checkpoint_dir"]) / "manifest.json").read_text())
+    total = sum(f["bytes"] for f in manifest["files"])
+    lines += ["", f"Checkpoint {report['checkpoint_dir']} (manifest.json)",
+              f"  step {manifest['step']}, world size {manifest['world_size']}, strategy {manifest['strategy']}, "
+              f"{len(manifest['files'])} shard files, {human_bytes(total)}, {len(manifest['tensors'])} tensor slices",
+              format_table(["file", "bytes", "sha256"],
+                           [[f["name"], f["bytes"], f["sha256"][:16] + "..."] for f in manifest["files"]], "<><")]
+    lines += ["", "Invariants"] + [f"  [{'PASS' if ok else 'FAIL'}] {name}: {why}" for name, ok, why in checks]
+    return "\n".join(lines)
+
+
+def run_demo(opts: DemoOptions) -> int:
+    """Run the demo, print its report; 0 when every invariant holds, else 1."""
+    cfg = demo_config(opts)
+    out = Path(cfg.out)
+    start = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    for name in DEMO_OUTPUTS:  # outputs of an earlier demo in the same directory
+        target = out / name
+        if target.is_dir():
+            shutil.rmtree(target)
+        elif target.exists():
+            target.unlink()
+    print(f"minitrain demo: {opts.world_size} ranks (gloo, CPU, 1 thread each), data parallel + ZeRO-1, "
+          f"tiny GPT, {opts.steps} steps, checkpoint at step {cfg.ckpt.every_steps}, outputs in {out}/", flush=True)
+    report = launch(demo_worker, opts.world_size, cfg, backend=cfg.dist.backend,
+                    pg_timeout_s=cfg.dist.timeout_s)[0]
+    checks = check_invariants(report)
+    print(render(report, checks, out))
+    (out / "report.json").write_text(json.dumps({**report, "invariants": [
+        {"name": name, "passed": ok, "detail": why} for name, ok, why in checks]}, indent=1))
+    elapsed = time.perf_counter() - start
+    if all(ok for _, ok, _ in checks):
+        print(f"\nRESUME VERIFIED  ({elapsed:.1f} s wall, training {report['train_seconds']:.1f} s; "
+              f"metrics: {out / 'metrics.jsonl'}, report: {out / 'report.json'})")
+        return 0
+    failed = ", ".join(name.split(")")[0] + ")" for name, ok, _ in checks if not ok)
+    print(f"\nDEMO FAILED: invariant {failed} violated (see above); {elapsed:.1f} s")
+    return 1
+

@@ -1,0 +1,198 @@
+"""Start ranks and make their failures loud.
+
+Two ways in:
+- `launch(fn, nproc, ...)` spawns `nproc` processes on 127.0.0.1 with a free
+  port and torchrun's environment variables, runs `fn(topology, *args)` on
+  each, and returns every rank's result. If any rank raises or dies, every
+  other rank is killed and `RankFailedError` carries the first failing rank
+  and its traceback (shown once). A hard `timeout_s` turns a hang into
+  `LaunchTimeoutError`. The test harness and `--nproc N` both use it.
+- `run_under_torchrun(fn, ...)` runs `fn` in this process, as the rank that
+  torchrun's environment names; torchrun itself tears down the other ranks.
+"""
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+
+# After the first failure, collect reports this long: the root cause usually
+# reports first, but peers whose collectives broke report right after.
+FAILURE_GRACE_S = 0.5
+
+
+@dataclass
+class RankFailure:
+    rank: int
+    detail: str  # traceback, or how the process ended
+    when: float  # time.time() of the failure, to pick the root cause
+
+
+class RankFailedError(RuntimeError):
+    def __init__(self, failure: RankFailure, others: list[int]):
+        self.rank, self.detail, self.others = failure.rank, failure.detail, others
+        also = f" (ranks {others} stopped after it)" if others else ""
+        super().__init__(f"rank {failure.rank} failed{also}:\n{failure.detail.rstrip()}")
+
+
+class LaunchTimeoutError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (never a hard-coded one)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """Linux: have the kernel kill this rank if the launcher dies, so no orphans."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def _rank_main(fn, args, rank, nproc, port, backend, pg_timeout_s, threads, conn) -> None:
+    _die_with_parent()
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                      LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+
+    from .topology import Topology
+
+    torch.set_num_threads(threads)
+    topo = None
+    try:
+        topo = Topology.from_env(backend, pg_timeout_s)
+        result = fn(topo, *args)
+        conn.send(("ok", result))
+    except BaseException:  # noqa: BLE001 - every failure must reach the launcher
+        conn.send(("error", traceback.format_exc(), time.time()))
+        conn.close()
+        os._exit(1)  # skip teardown that could block on dead peers; the launcher reaps us
+    if topo is not None:
+        topo.close()
+    conn.close()
+
+
+def launch(fn, nproc: int, *args, backend: str = "auto", pg_timeout_s: float = 300.0,
+           threads_per_rank: int = 1, timeout_s: float | None = None) -> list:
+    """Run fn(topology, *args) on nproc local ranks; return their results in rank order.
+
+    fn must be importable (a module-level function): ranks are spawned, not forked,
+    so no parent thread or CUDA state leaks into them.
+    """
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs, conns = [], {}
+    saved_env = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    # Children inherit this environment; torch.distributed.run does the same for nproc > 1.
+    os.environ.update(OMP_NUM_THREADS=str(threads_per_rank), MKL_NUM_THREADS=str(threads_per_rank))
+    try:
+        for rank in range(nproc):
+            recv_end, send_end = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_rank_main, name=f"minitrain-rank{rank}", daemon=True,
+                            args=(fn, args, rank, nproc, port, backend, pg_timeout_s, threads_per_rank, send_end))
+            p.start()
+            send_end.close()
+            procs.append(p)
+            conns[recv_end] = rank
+    finally:
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    try:
+        return _supervise(procs, conns, timeout_s)
+    finally:
+        _kill_all(procs)
+
+
+def _supervise(procs, conns: dict, timeout_s: float | None) -> list:
+    nproc = len(procs)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    sentinels = {p.sentinel: rank for rank, p in enumerate(procs)}
+    results: dict[int, object] = {}
+    failures: list[RankFailure] = []
+    first_failure_at = None
+
+    def read(conn) -> None:
+        rank = conns.pop(conn)
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg[0] == "ok":
+            results[rank] = msg[1]
+        else:
+            failures.append(RankFailure(rank, msg[1], msg[2]))
+
+    while len(results) < nproc:
+        now = time.monotonic()
+        if first_failure_at is not None and now - first_failure_at >= FAILURE_GRACE_S:
+            break
+        if deadline is not None and now >= deadline:
+            stuck = sorted(set(range(nproc)) - set(results))
+            raise LaunchTimeoutError(f"ranks {stuck} still running after {timeout_s:g} s; "
+                                     "killed the whole group (a hang, or a timeout set too short)")
+        wait_s = 0.1 if first_failure_at is not None else (None if deadline is None else deadline - now)
+        for obj in wait(list(conns) + list(sentinels), timeout=wait_s):
+            if obj in conns:
+                read(obj)
+            elif obj in sentinels:
+                rank = sentinels.pop(obj)
+                conn = next((c for c, r in conns.items() if r == rank), None)
+                if conn is not None and conn.poll():
+                    read(conn)
+                if rank not in results and all(f.rank != rank for f in failures):
+                    failures.append(RankFailure(rank, _exit_description(procs[rank].exitcode), time.time()))
+        if failures and first_failure_at is None:
+            first_failure_at = time.monotonic()
+    if failures:
+        root = min(failures, key=lambda f: f.when)
+        raise RankFailedError(root, sorted(f.rank for f in failures if f is not root))
+    return [results[r] for r in range(nproc)]
+
+
+def _exit_description(code: int | None) -> str:
+    if code is not None and code < 0:
+        return f"process killed by {signal.Signals(-code).name} before reporting a result"
+    return f"process exited with code {code} before reporting a result"
+
+
+def _kill_all(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=5)
+
+
+def run_under_torchrun(fn, *args, backend: str = "auto", pg_timeout_s: float = 300.0,
+                       threads_per_rank: int = 1):
+    """Run fn(topology, *args) as the rank torchrun's environment names; return its result."""
+    import torch
+
+    from .topology import Topology
+
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(threads_per_rank)
+    topo = Topology.from_env(backend, pg_timeout_s)
+    try:
+        return fn(topo, *args)
+    except BaseException:
+        print(f"[rank {topo.rank}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        raise
+    finally:
+        topo.close()

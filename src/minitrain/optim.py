@@ -1,0 +1,79 @@
+"""AdamW on one contiguous slice of the flat parameter vector, the LR schedule,
+and global-norm clipping.
+
+The same `FlatAdamW` serves data parallel (the slice is everything) and ZeRO-1
+(the slice is this rank's shard), so the two strategies differ only in how
+gradients arrive and parameters leave, which is what the parity tests check.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import TrainConfig
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate for 0-based optimizer step `step`: linear warmup to cfg.lr,
+    then cosine decay to cfg.min_lr at the last step."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    decay_steps = max(1, cfg.steps - cfg.warmup_steps - 1)
+    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
+
+
+def clip_coefficient(grad_norm: float, max_norm: float) -> float:
+    """Factor that scales gradients to a global norm of at most max_norm (1.0 if off)."""
+    if max_norm <= 0 or grad_norm <= max_norm:
+        return 1.0
+    return max_norm / (grad_norm + 1e-6)
+
+
+class FlatAdamW:
+    """Decoupled-weight-decay Adam (Loshchilov & Hutter) over flat indices [lo, hi).
+
+    State: a master copy of the parameters plus exp_avg (m) and exp_avg_sq (v),
+    each (hi - lo) elements: 12 bytes per parameter in float32 (ZeRO paper's K).
+    `decay_ranges` are the flat [start, stop) ranges that get weight decay
+    (matrices and embeddings; biases and LayerNorm gains do not, as in GPT-2).
+    """
+
+    STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
+
+    def __init__(self, params: torch.Tensor, lo: int, hi: int,
+                 decay_ranges: list[tuple[int, int]], cfg: TrainConfig):
+        self.lo, self.hi = lo, hi
+        self.betas, self.eps, self.weight_decay = (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay
+        self.master = params[lo:hi].clone()
+        self.exp_avg = torch.zeros_like(self.master)
+        self.exp_avg_sq = torch.zeros_like(self.master)
+        self.steps_taken = 0
+        # Decay ranges clipped to this slice and made slice-relative.
+        self.decay_ranges = [(max(a, lo) - lo, min(b, hi) - lo) for a, b in decay_ranges if a < hi and b > lo]
+
+    @torch.no_grad()
+    def step(self, grad: torch.Tensor, lr: float, grad_scale: float = 1.0) -> None:
+        """One update of the master slice from `grad` (same length), pre-multiplied by grad_scale."""
+        beta1, beta2 = self.betas
+        self.steps_taken += 1
+        if grad_scale != 1.0:
+            grad = grad * grad_scale
+        if self.weight_decay:
+            for a, b in self.decay_ranges:
+                self.master[a:b].mul_(1.0 - lr * self.weight_decay)
+        self.exp_avg.lerp_(grad, 1.0 - beta1)
+        self.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+        bias1 = 1.0 - beta1 ** self.steps_taken
+        bias2_sqrt = math.sqrt(1.0 - beta2 ** self.steps_taken)
+        # Same operation order as torch.optim.AdamW, so float64 runs agree to ~1e-15.
+        denom = (self.exp_avg_sq.sqrt() / bias2_sqrt).add_(self.eps)
+        self.master.addcdiv_(self.exp_avg, denom, value=-lr / bias1)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in self.STATE_NAMES}
+
+    def nbytes(self) -> int:
+        """Bytes held, measured from the tensors' storages."""
+        return sum(t.untyped_storage().nbytes() for t in self.state_tensors().values())

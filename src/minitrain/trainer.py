@@ -1,0 +1,157 @@
+"""The training loop: forward, backward, step, log, checkpoint.
+
+It calls no collective itself: gradient sync and parameter updates belong to
+the strategy, and the one per-step statistics exchange goes through the comm
+layer's `gather_rows`.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from . import checkpoint
+from .config import RunConfig
+from .data import ShardedLoader, load_corpus
+from .metrics import MetricsWriter
+from .model import MiniGPT
+from .optim import lr_at
+from .parallel import make_strategy
+from .topology import Topology
+
+MEMORY_KINDS = ("params", "grads", "optimizer")
+
+
+@dataclass
+class StepRecord:
+    """One line of metrics.jsonl. Per-rank lists are indexed by rank."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    param_norm: float
+    lr: float
+    tokens: int
+    tokens_seen: int
+    step_time_s: float
+    tokens_per_s: float
+    comm_time_s: float
+    comm_bytes: int
+    comm_calls: int
+    param_norm_per_rank: list[float]
+    memory: dict[str, list[int]]  # bytes at rest: {"params": [rank0, rank1, ...], ...}
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, topo: Topology):
+        self.cfg, self.topo = cfg, topo
+        dtype = getattr(torch, cfg.train.dtype)
+        torch.manual_seed(cfg.train.seed)
+        self.model = MiniGPT(cfg.model).to(device=topo.device, dtype=dtype)
+        self.strategy = make_strategy(self.model, topo.dp, cfg.train)
+        self.loader = ShardedLoader(load_corpus(cfg), cfg.model.seq_len, cfg.train.batch_size,
+                                    topo.rank, topo.world_size, cfg.train.seed)
+        self.step = 0  # optimizer steps completed
+        self.tokens_seen = 0
+        t = cfg.train
+        self.tokens_per_step = t.batch_size * t.grad_accum * topo.world_size * cfg.model.seq_len
+
+    def train_step(self) -> StepRecord:
+        cfg, comm = self.cfg.train, self.topo.dp
+        before = comm.totals()
+        start = time.perf_counter()
+        self.model.train()
+        self.strategy.zero_grad()
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for _ in range(cfg.grad_accum):
+            x, y = self.loader.next_batch()
+            loss = self.model(x.to(self.topo.device), y.to(self.topo.device))
+            # Mean over this rank's tokens / accumulation; the strategy averages over ranks,
+            # so the gradient is the mean over the global token count.
+            (loss / cfg.grad_accum).backward()
+            loss_sum += loss.detach().double().cpu()
+        lr = lr_at(self.step, cfg)
+        grad_norm = self.strategy.step(lr)
+        self.step += 1
+        self.tokens_seen += self.tokens_per_step
+
+        memory = self.strategy.memory_bytes()
+        row = torch.tensor([float(loss_sum) / cfg.grad_accum, self.strategy.param_norm()]
+                           + [float(memory[k]) for k in MEMORY_KINDS], dtype=torch.float64)
+        rows = comm.gather_rows(row)  # (world, 5), identical on every rank
+        elapsed = time.perf_counter() - start
+        after = comm.totals()
+        return StepRecord(
+            step=self.step,
+            loss=float(rows[:, 0].mean()),
+            grad_norm=grad_norm,
+            param_norm=float(rows[0, 1]),
+            lr=lr,
+            tokens=self.tokens_per_step,
+            tokens_seen=self.tokens_seen,
+            step_time_s=elapsed,
+            tokens_per_s=self.tokens_per_step / elapsed,
+            comm_time_s=after.seconds - before.seconds,
+            comm_bytes=after.bytes - before.bytes,
+            comm_calls=after.calls - before.calls,
+            param_norm_per_rank=rows[:, 1].tolist(),
+            memory={k: [int(v) for v in rows[:, 2 + i].tolist()] for i, k in enumerate(MEMORY_KINDS)},
+        )
+
+    def train_state(self) -> dict:
+        return {"step": self.step, "optimizer_steps": self.strategy.optimizer.steps_taken,
+                "tokens_seen": self.tokens_seen, "loader": self.loader.state_dict()}
+
+    def save_checkpoint(self, root: str | Path) -> Path:
+        return checkpoint.save(root, self.step, self.topo, self.strategy, self.train_state(), self.cfg.to_dict())
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        state = checkpoint.load(path, self.topo, self.strategy)
+        self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+        self.loader.load_state_dict(state["loader"])
+
+
+def resume_path(cfg: RunConfig) -> Path | None:
+    """Where to resume from: None (fresh), the newest checkpoint under OUT (auto), or PATH."""
+    if not cfg.ckpt.resume:
+        return None
+    if cfg.ckpt.resume == "auto":
+        return checkpoint.find_latest(cfg.out)
+    return checkpoint.resolve(cfg.ckpt.resume)
+
+
+def train_worker(topo: Topology, cfg: RunConfig) -> dict:
+    """What each rank runs for `minitrain train`. Rank 0 logs and returns the summary."""
+    out = Path(cfg.out)
+    trainer = Trainer(cfg, topo)
+    start_path = resume_path(cfg)
+    if start_path is not None:
+        trainer.load_checkpoint(start_path)
+    writer = MetricsWriter(out / "metrics.jsonl", resume_step=trainer.step if start_path else None) \
+        if topo.is_main else None
+    if topo.is_main and start_path is not None:
+        print(f"resumed from {start_path} at step {trainer.step}", flush=True)
+    saved, last = [], None
+    every, total = cfg.ckpt.every_steps, cfg.train.steps
+    while trainer.step < total:
+        last = trainer.train_step()
+        if writer:
+            writer.write(asdict(last))
+        if topo.is_main and cfg.train.log_every and (last.step % cfg.train.log_every == 0 or last.step == total):
+            print(progress_line(last, total), flush=True)
+        if every and (last.step % every == 0 or last.step == total):
+            saved.append(str(trainer.save_checkpoint(out / "checkpoints")))
+    if writer:
+        writer.close()
+    return {"steps": trainer.step, "final_loss": None if last is None else last.loss,
+            "resumed_from": None if start_path is None else str(start_path),
+            "checkpoints": saved, "metrics": str(out / "metrics.jsonl"),
+            "params": trainer.strategy.flat.numel, "world_size": topo.world_size}
+
+
+def progress_line(r: StepRecord, total: int) -> str:
+    width = len(str(total))
+    return (f"step {r.step:>{width}}/{total}  loss {r.loss:.4f}  grad_norm {r.grad_norm:.3f}  "
+            f"lr {r.lr:.2e}  {r.tokens_per_s:,.0f} tok/s  comm {1000 * r.comm_time_s:.1f} ms")

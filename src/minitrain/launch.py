@@ -26,6 +26,8 @@ from multiprocessing.connection import wait
 # After the first failure, collect reports this long: the root cause usually
 # reports first, but peers whose collectives broke report right after.
 FAILURE_GRACE_S = 0.5
+# Ranks that reported a result get this long to tear down before being killed.
+TEARDOWN_S = 10.0
 
 
 @dataclass
@@ -114,7 +116,10 @@ def launch(fn, nproc: int, *args, backend: str = "auto", pg_timeout_s: float = 3
             else:
                 os.environ[k] = v
     try:
-        return _supervise(procs, conns, timeout_s)
+        results = _supervise(procs, conns, timeout_s)
+        for p in procs:  # every rank reported; let each destroy its process group and exit
+            p.join(timeout=TEARDOWN_S)
+        return results
     finally:
         _kill_all(procs)
 
@@ -156,6 +161,7 @@ def _supervise(procs, conns: dict, timeout_s: float | None) -> list:
                 if conn is not None and conn.poll():
                     read(conn)
                 if rank not in results and all(f.rank != rank for f in failures):
+                    procs[rank].join(timeout=1)  # the sentinel fires before the exit code is reaped
                     failures.append(RankFailure(rank, _exit_description(procs[rank].exitcode), time.time()))
         if failures and first_failure_at is None:
             first_failure_at = time.monotonic()

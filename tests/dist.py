@@ -1,0 +1,50 @@
+"""The multi-rank test harness. Every multi-rank test goes through here.
+
+- `run_ranks(fn, world_size, *args)`: spawns `world_size` gloo ranks on a free
+  port, one thread each, runs `fn(topology, *args)` (a module-level function)
+  and returns every rank's result. A hard timeout kills the whole group; a
+  failure fails the test with the failing rank and its traceback.
+- `run_cli(*argv)`: runs the `minitrain` command (or torchrun) as a subprocess
+  in its own process group; a hard timeout kills the group.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from minitrain.launch import LaunchTimeoutError, RankFailedError, free_port, launch
+
+DEFAULT_TIMEOUT_S = 90.0
+
+
+def run_ranks(fn, world_size: int, *args, timeout_s: float = DEFAULT_TIMEOUT_S) -> list:
+    try:
+        return launch(fn, world_size, *args, backend="gloo", pg_timeout_s=timeout_s, timeout_s=timeout_s)
+    except RankFailedError as e:
+        pytest.fail(f"{fn.__name__} on {world_size} ranks: {e}", pytrace=False)
+    except LaunchTimeoutError as e:
+        pytest.fail(f"{fn.__name__} on {world_size} ranks timed out: {e}", pytrace=False)
+
+
+def run_cli(*argv: str, cwd=None, timeout_s: float = DEFAULT_TIMEOUT_S, torchrun_nproc: int = 0,
+            env: dict | None = None) -> subprocess.CompletedProcess:
+    """`minitrain ARGV...` (or torchrun with N local ranks), output captured as text."""
+    if torchrun_nproc:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={torchrun_nproc}",
+               "--nnodes=1", f"--master-port={free_port()}", "-m", "minitrain", *argv]
+    else:
+        cmd = [sys.executable, "-m", "minitrain", *argv]
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env={**os.environ, **(env or {})})
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"`{' '.join(argv)}` hung past {timeout_s:g} s; killed its process group.\n"
+                    f"stdout:\n{out}\nstderr:\n{err}", pytrace=False)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

@@ -1,0 +1,54 @@
+import torch
+
+from minitrain.comm import Comm
+
+from .dist import run_ranks
+
+
+def _collectives(topo):
+    comm, r, n = topo.dp, topo.rank, topo.world_size
+    t = torch.full((4,), float(r + 1), dtype=torch.float64)
+    comm.all_reduce_sum(t)
+    assert torch.all(t == n * (n + 1) / 2)
+    b = torch.full((3,), float(r))
+    comm.broadcast(b, src=n - 1)
+    assert torch.all(b == n - 1)
+    full = torch.arange(2 * n, dtype=torch.float32) * (r + 1)
+    shard = torch.empty(2)
+    comm.reduce_scatter_sum(shard, full)
+    assert torch.equal(shard, torch.arange(2 * r, 2 * r + 2, dtype=torch.float32) * (n * (n + 1) / 2))
+    gathered = torch.empty(2 * n)
+    comm.all_gather(gathered, shard)
+    assert torch.equal(gathered, torch.arange(2 * n, dtype=torch.float32) * (n * (n + 1) / 2))
+    rows = comm.gather_rows(torch.tensor([r, 10 * r], dtype=torch.int64))
+    assert rows.tolist() == [[i, 10 * i] for i in range(n)]
+    if r == 0:
+        comm.send(torch.tensor([42.0]), dst=1)
+    elif r == 1:
+        got = torch.zeros(1)
+        comm.recv(got, src=0)
+        assert got.item() == 42.0
+    comm.barrier()
+    return {op: (s.calls, s.bytes) for op, s in comm.stats.items()}
+
+
+def test_collectives_compute_and_count():
+    stats = run_ranks(_collectives, 3)
+    s0 = stats[0]
+    assert s0["all_reduce"] == (1, 32)
+    assert s0["broadcast"] == (1, 12)
+    assert s0["reduce_scatter"] == (1, 24)  # the full input
+    assert s0["all_gather"] == (2, 24 + 48)  # full outputs: 6 floats, then 3 ranks x 2 int64
+    assert s0["send"] == (1, 4) and stats[1]["recv"] == (1, 4) and "send" not in stats[2]
+    assert s0["barrier"] == (1, 0)
+
+
+def test_world_of_one_is_identity_and_moves_nothing():
+    comm = Comm()
+    t = torch.arange(4.0)
+    comm.all_reduce_sum(t)
+    out = torch.empty(4)
+    comm.reduce_scatter_sum(out, t)
+    comm.all_gather(out, t)
+    assert torch.equal(out, torch.arange(4.0)) and comm.gather_rows(t).shape == (1, 4)
+    assert comm.totals().calls == 0 and comm.totals().bytes == 0

@@ -1,0 +1,41 @@
+import pytest
+
+from minitrain.config import ConfigError, build_config, from_dict, load_toml
+
+
+def test_defaults_are_the_tiny_model():
+    cfg = build_config().validate()
+    m = cfg.model
+    assert (m.n_layer, m.d_model, m.n_head, m.vocab_size, m.seq_len, cfg.train.batch_size) == (2, 32, 4, 64, 16, 4)
+
+
+def test_precedence_defaults_preset_file_cli(tmp_path):
+    f = tmp_path / "run.toml"
+    f.write_text('out = "runs/x"\n[model]\npreset = "small"\nn_layer = 3\n[train]\nlr = 0.01\nsteps = 7\n')
+    cfg = build_config(load_toml(f), {"train.steps": 9})
+    assert cfg.model.d_model == 256  # from the preset the file names
+    assert cfg.model.n_layer == 3  # file beats preset
+    assert cfg.train.lr == 0.01 and cfg.train.steps == 9  # flag beats file
+    assert cfg.out == "runs/x"
+    assert from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"model.preset": "huge"}, "unknown preset 'huge'"),
+    ({"model.n_head": 5}, "does not divide"),
+    ({"dist.nproc": 0}, "world size must be at least 1"),
+    ({"train.zero": 3}, "train.zero must be one of"),
+    ({"train.min_lr": 1.0}, "min_lr"),
+    ({"train.steps": 1.5}, "invalid int"),
+    ({"nonsense.key": 1}, "unknown setting"),
+])
+def test_bad_values_raise_config_error(values, message):
+    with pytest.raises(ConfigError, match=message):
+        build_config(cli_values=values).validate()
+
+
+def test_bad_toml_is_a_config_error(tmp_path):
+    f = tmp_path / "bad.toml"
+    f.write_text("[train\nsteps=")
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_toml(f)

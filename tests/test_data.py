@@ -1,0 +1,92 @@
+import numpy as np
+import pytest
+import torch
+
+from minitrain.config import ConfigError, build_config
+from minitrain.data import ByteTokenizer, ShardedLoader, bin_corpus, check_corpus, make_corpus, text_corpus
+
+
+def test_synthetic_corpus_is_deterministic_and_structured():
+    a, b = make_corpus(3, 5000, 64), make_corpus(3, 5000, 64)
+    assert np.array_equal(a, b) and not np.array_equal(a, make_corpus(4, 5000, 64))
+    assert a.min() >= 0 and a.max() < 64
+    # Each token has at most three successors: learnable structure, not noise.
+    successors = {}
+    for x, y in zip(a[:-1], a[1:]):
+        successors.setdefault(int(x), set()).add(int(y))
+    assert max(len(s) for s in successors.values()) <= 3
+
+
+def test_text_corpus_round_trips_through_byte_tokenizer():
+    tokens = text_corpus()
+    assert len(tokens) > 20000 and tokens.max() < 256
+    text = ByteTokenizer().decode(tokens)
+    assert text.startswith("Field notes") and np.array_equal(ByteTokenizer().encode(text), tokens)
+
+
+def test_bin_corpus_is_memory_mapped(tmp_path):
+    path = tmp_path / "train.bin"
+    np.arange(1000, dtype=np.uint16).tofile(path)
+    tokens = bin_corpus(path)
+    assert isinstance(tokens, np.memmap) and tokens[999] == 999
+    loader = ShardedLoader(tokens, seq_len=10, batch_size=2, rank=0, world_size=1, seed=0)
+    x, y = loader.next_batch()
+    assert x.dtype == torch.int64 and torch.equal(x[:, 1:], y[:, :-1])
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_sharding_covers_each_example_once_without_overlap(world):
+    tokens = make_corpus(0, 16 * 100 + 1)
+    loaders = [ShardedLoader(tokens, 16, 4, r, world, seed=5) for r in range(world)]
+    per_epoch = loaders[0].batches_per_epoch
+    assert all(ld.batches_per_epoch == per_epoch for ld in loaders)  # same number of steps on every rank
+    seen = [np.concatenate([ld.rank_examples(0, b) for b in range(per_epoch)]) for ld in loaders]
+    everything = np.concatenate(seen)
+    assert len(everything) == len(set(everything.tolist())) == per_epoch * 4 * world  # no overlap
+    dropped = 100 - len(everything)
+    assert 0 <= dropped < 4 * world  # full coverage up to one partial global batch
+    # Example i of the epoch order goes to rank i % world.
+    order = loaders[0].epoch_order(0)
+    for r in range(world):
+        assert np.array_equal(seen[r], order[:per_epoch * 4 * world][r::world])
+
+
+def test_global_batch_is_the_same_whatever_the_world_size():
+    tokens = make_corpus(0, 16 * 64 + 1)
+    single = ShardedLoader(tokens, 16, 8, 0, 1, seed=1)
+    pair = [ShardedLoader(tokens, 16, 4, r, 2, seed=1) for r in range(2)]
+    for _ in range(10):  # crosses an epoch boundary (8 batches per epoch)
+        x1, _ = single.next_batch()
+        x2 = torch.cat([ld.next_batch()[0] for ld in pair])
+        assert sorted(map(tuple, x1.tolist())) == sorted(map(tuple, x2.tolist()))
+
+
+def test_epochs_reshuffle_and_state_resumes_exactly():
+    tokens = make_corpus(0, 16 * 40 + 1)
+    a = ShardedLoader(tokens, 16, 4, 1, 2, seed=9)
+    assert not np.array_equal(a.epoch_order(0), a.epoch_order(1))
+    for _ in range(7):
+        a.next_batch()
+    state = a.state_dict()
+    b = ShardedLoader(tokens, 16, 4, 1, 2, seed=9)
+    b.load_state_dict(state)
+    for _ in range(12):
+        xa, ya = a.next_batch()
+        xb, yb = b.next_batch()
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    other = ShardedLoader(tokens, 16, 2, 1, 2, seed=9)
+    with pytest.raises(ValueError, match="global_batch"):
+        other.load_state_dict(state)
+
+
+def test_check_corpus_explains_what_to_fix(tmp_path):
+    with pytest.raises(ConfigError, match="needs model.vocab_size >= 256"):
+        check_corpus(build_config(cli_values={"data.corpus": "text"}))
+    with pytest.raises(ConfigError, match="bigger corpus or a smaller batch"):
+        check_corpus(build_config(cli_values={"data.synthetic_tokens": 100, "dist.nproc": 4}))
+    with pytest.raises(ConfigError, match="neither"):
+        check_corpus(build_config(cli_values={"data.corpus": str(tmp_path / "missing.bin")}))
+    big = tmp_path / "big.bin"
+    np.array([0, 300] * 100, dtype=np.uint16).tofile(big)
+    with pytest.raises(ConfigError, match="vocab_size >= 301"):
+        check_corpus(build_config(cli_values={"data.corpus": str(big)}))

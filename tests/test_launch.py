@@ -1,0 +1,70 @@
+import os
+import time
+
+import pytest
+import torch
+
+from minitrain.launch import LaunchTimeoutError, RankFailedError, launch
+
+from .dist import run_ranks
+
+
+def _identity(topo):
+    return (topo.rank, topo.world_size, torch.get_num_threads(), os.environ["OMP_NUM_THREADS"], os.getpid())
+
+
+def _raise_on_rank_2(topo):
+    if topo.rank == 2:
+        raise ValueError("deliberate failure on rank 2")
+    t = torch.zeros(1)
+    topo.dp.all_reduce_sum(t)  # the others block here until rank 2's death breaks the collective
+
+
+def _killed_on_rank_1(topo):
+    if topo.rank == 1:
+        os._exit(7)
+    topo.dp.barrier()
+
+
+def _hang_on_rank_1(topo):
+    if topo.rank == 1:
+        time.sleep(600)
+    return os.getpid()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_ranks_get_identity_and_one_thread():
+    results = run_ranks(_identity, 4)
+    assert [r[:4] for r in results] == [(r, 4, 1, "1") for r in range(4)]
+    time.sleep(0.2)
+    assert not any(_alive(r[4]) for r in results)
+
+
+def test_failure_on_one_rank_ends_all_and_names_it():
+    start = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        launch(_raise_on_rank_2, 4, backend="gloo", pg_timeout_s=60, timeout_s=60)
+    assert time.monotonic() - start < 30  # noticed at once, not at the 60 s timeout
+    err = info.value
+    assert err.rank == 2 and "deliberate failure on rank 2" in err.detail and "Traceback" in err.detail
+    assert str(err).count("ValueError: deliberate failure") == 1  # the traceback is shown once
+
+
+def test_rank_killed_without_traceback_is_reported():
+    with pytest.raises(RankFailedError) as info:
+        launch(_killed_on_rank_1, 3, backend="gloo", pg_timeout_s=60, timeout_s=60)
+    assert info.value.rank == 1 and "exited with code 7" in info.value.detail
+
+
+def test_hang_hits_the_hard_timeout_and_kills_the_group():
+    start = time.monotonic()
+    with pytest.raises(LaunchTimeoutError, match=r"\[1\] still running"):
+        launch(_hang_on_rank_1, 2, backend="gloo", pg_timeout_s=60, timeout_s=8)
+    assert time.monotonic() - start < 18

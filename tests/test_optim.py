@@ -35,7 +35,7 @@ def test_flat_adamw_matches_torch_adamw_in_float64():
 
 
 def test_lr_schedule_warms_up_then_decays_to_min():
-    cfg = TrainConfig(lr=1.0, min_lr=0.1, warmup_steps=4, steps=20)
+    cfg = TrainConfig(lr=1.0, min_lr_ratio=0.1, warmup_steps=4, steps=20)
     assert [lr_at(s, cfg) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert lr_at(4, cfg) == 1.0 and math.isclose(lr_at(19, cfg), 0.1)
     lrs = [lr_at(s, cfg) for s in range(4, 20)]

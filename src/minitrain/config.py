@@ -70,7 +70,7 @@ class TrainConfig:
     batch_size: int = opt(4, "examples per rank per micro-batch")
     grad_accum: int = opt(1, "micro-batches accumulated per optimizer step")
     lr: float = opt(3e-3, "peak learning rate (reached after warmup)")
-    min_lr: float = opt(3e-4, "learning rate at the end of the cosine decay")
+    min_lr_ratio: float = opt(0.1, "learning rate at the end of the cosine decay, as a fraction of lr")
     warmup_steps: int = opt(2, "linear warmup steps")
     weight_decay: float = opt(0.1, "AdamW decoupled weight decay, applied to matrices only")
     beta1: float = opt(0.9, "Adam beta1")
@@ -126,8 +126,8 @@ class RunConfig:
         _require_choice("dist.backend", d.backend, ("auto", "gloo", "nccl"))
         if not t.lr > 0:
             raise ConfigError(f"train.lr must be > 0, got {t.lr}")
-        if not 0 <= t.min_lr <= t.lr:
-            raise ConfigError(f"train.min_lr must lie in [0, lr={t.lr}], got {t.min_lr}")
+        if not 0 <= t.min_lr_ratio <= 1:
+            raise ConfigError(f"train.min_lr_ratio must lie in [0, 1], got {t.min_lr_ratio}")
         for name in ("warmup_steps", "weight_decay", "grad_clip", "log_every"):
             if getattr(t, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(t, name)}")

@@ -42,7 +42,7 @@ def demo_config(opts: DemoOptions) -> RunConfig:
     cfg.dist.nproc = opts.world_size
     t = cfg.train
     t.steps, t.zero, t.log_every = opts.steps, 1, 0
-    t.lr, t.min_lr, t.warmup_steps = 3e-3, 3e-4, 2
+    t.lr, t.min_lr_ratio, t.warmup_steps = 3e-3, 0.1, 2
     # One global batch of examples: every step sees the whole corpus, split across ranks.
     cfg.data.synthetic_tokens = t.batch_size * opts.world_size * cfg.model.seq_len + 1
     cfg.ckpt.every_steps = max(1, opts.steps // 2)

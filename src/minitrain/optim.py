@@ -16,12 +16,13 @@ from .config import TrainConfig
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Learning rate for 0-based optimizer step `step`: linear warmup to cfg.lr,
-    then cosine decay to cfg.min_lr at the last step."""
+    then cosine decay to cfg.lr * cfg.min_lr_ratio at the last step."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     decay_steps = max(1, cfg.steps - cfg.warmup_steps - 1)
     progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
-    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
+    min_lr = cfg.lr * cfg.min_lr_ratio
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - min_lr)
 
 
 def clip_coefficient(grad_norm: float, max_norm: float) -> float:

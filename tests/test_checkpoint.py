@@ -1,0 +1,134 @@
+import json
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from minitrain import checkpoint
+from minitrain.checkpoint import CheckpointError
+from minitrain.config import build_config
+from minitrain.topology import Topology
+from minitrain.trainer import Trainer
+
+from .dist import run_ranks
+
+
+def _config(world, zero=1, steps=6):
+    return build_config(cli_values={"train.zero": zero, "train.steps": steps, "dist.nproc": world,
+                                    "train.log_every": 0}).validate()
+
+
+def _state(trainer):
+    s = trainer.strategy
+    return [s.flat.data.clone()] + [t.clone() for t in s.optimizer.state_tensors().values()]
+
+
+def _bits_equal(a, b):
+    return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b))
+
+
+def _save_reload_resume(topo, root):
+    """Save at step 3 of 6, reload into a fresh trainer, re-save, resume to 6."""
+    root = Path(root)
+    trainer = Trainer(_config(topo.world_size), topo)
+    for _ in range(3):
+        trainer.train_step()
+    first = trainer.save_checkpoint(root / "a")
+    saved = _state(trainer)
+    losses = [trainer.train_step().loss for _ in range(3)]
+    final = _state(trainer)
+
+    fresh = Trainer(_config(topo.world_size), topo)
+    fresh.load_checkpoint(first)
+    reload_equal = _bits_equal(_state(fresh), saved) and fresh.step == 3
+    second = fresh.save_checkpoint(root / "b")  # same state saved again
+    resumed_losses = [fresh.train_step().loss for _ in range(3)]
+    return {"reload_equal": reload_equal, "resume_equal": _bits_equal(_state(fresh), final),
+            "losses": (losses, resumed_losses), "dirs": (str(first), str(second))}
+
+
+def test_round_trip_is_byte_equal_and_resume_bit_identical(tmp_path):
+    results = run_ranks(_save_reload_resume, 2, str(tmp_path))
+    assert all(r["reload_equal"] and r["resume_equal"] for r in results)
+    assert results[0]["losses"][0] == results[0]["losses"][1]
+    first, second = map(Path, results[0]["dirs"])
+    for name in ("rank-00000.safetensors", "rank-00001.safetensors"):
+        assert (first / name).read_bytes() == (second / name).read_bytes()
+    manifest = json.loads((first / "manifest.json").read_text())
+    assert (manifest["step"], manifest["world_size"], manifest["strategy"]) == (3, 2, "zero1")
+    assert manifest["model"]["d_model"] == 32 and manifest["flat"]["padding"] == 0
+    slices = sorted(t["slice"] for t in manifest["tensors"] if t["key"] == "optim.exp_avg")
+    assert slices == [[0, 15040], [15040, 30080]]
+    assert (tmp_path / "a" / "latest").read_text().strip() == "step-000003"
+    assert not list(tmp_path.glob("a/.tmp-*"))  # the temporary directory was renamed away
+
+
+@pytest.fixture
+def saved(tmp_path) -> Path:
+    """A one-process checkpoint at step 2 (no ranks needed: corruption is checked on load)."""
+    trainer = Trainer(_config(1, zero=0), Topology.single())
+    trainer.train_step()
+    trainer.train_step()
+    return trainer.save_checkpoint(tmp_path / "checkpoints")
+
+
+def _load_fresh(path):
+    Trainer(_config(1, zero=0), Topology.single()).load_checkpoint(path)
+
+
+def test_flipped_byte_is_refused_naming_the_file(saved):
+    shard = saved / "rank-00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"rank-00000\.safetensors is corrupt: sha256"):
+        _load_fresh(saved)
+
+
+def test_truncated_shard_missing_manifest_and_garbage_latest_are_refused(saved):
+    shard = saved / "rank-00000.safetensors"
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=r"rank-00000\.safetensors has 100 bytes"):
+        checkpoint.verify(saved)
+    (saved / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="no checkpoint at"):
+        checkpoint.verify(saved)
+    (saved.parent / "latest").write_text("../../etc\n")
+    with pytest.raises(CheckpointError, match="latest names"):
+        checkpoint.verify(saved.parent)
+    assert issubclass(CheckpointError, Exception)
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_pickle_payload_is_never_executed(saved, tmp_path):
+    payload = _Payload()
+    payload.marker = tmp_path / "pwned"
+    shard = saved / "rank-00000.safetensors"
+    shard.write_bytes(pickle.dumps(payload))
+    with pytest.raises(CheckpointError, match="manifest says"):  # refused by size and checksum...
+        _load_fresh(saved)
+    manifest = json.loads((saved / "manifest.json").read_text())  # ...and by format, even if
+    manifest["files"][0].update(bytes=shard.stat().st_size, sha256=checkpoint.sha256_of(shard))  # re-signed
+    (saved / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="cannot read"):
+        _load_fresh(saved)
+    assert not payload.marker.exists()
+
+
+def test_different_model_is_refused(saved):
+    cfg = _config(1, zero=0)
+    cfg.model.n_layer = 3
+    with pytest.raises(CheckpointError, match="different model"):
+        Trainer(cfg, Topology.single()).load_checkpoint(saved)
+
+
+def test_find_latest_and_resolve(saved, tmp_path):
+    assert checkpoint.find_latest(tmp_path) == saved
+    assert checkpoint.resolve(tmp_path) == saved  # a run directory works too
+    assert checkpoint.find_latest(tmp_path / "elsewhere") is None

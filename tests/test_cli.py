@@ -1,0 +1,75 @@
+import json
+
+import pytest
+
+from .dist import run_cli
+
+METRIC_KEYS = {"step", "loss", "grad_norm", "param_norm", "lr", "tokens", "step_time_s", "tokens_per_s",
+               "comm_time_s", "comm_bytes", "memory"}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--preset", "huge"], "unknown preset 'huge'"),
+    (["train", "--model.n_head", "5"], "does not divide"),
+    (["train", "--nproc", "0"], "world size must be at least 1"),
+    (["train", "--steps", "ten"], "invalid int value: 'ten'"),
+    (["train", "--resume", "no/such/dir"], "does not exist"),
+    (["train", "--out", "/proc/no-such-dir/x"], "cannot write to output directory"),
+    (["demo", "--world-size", "0"], "world size must be at least 1"),
+])
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, argv, message):
+    result = run_cli(*argv, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_corrupt_resume_checkpoint_exits_2_naming_the_file(tmp_path):
+    assert run_cli("train", "--steps", "2", "--ckpt-every-steps", "2", "--out", "a", cwd=tmp_path).returncode == 0
+    shard = tmp_path / "a/checkpoints/step-000002/rank-00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    result = run_cli("train", "--steps", "4", "--resume", "a", "--out", "b", cwd=tmp_path)
+    assert result.returncode == 2 and "rank-00000.safetensors is corrupt" in result.stderr
+    assert not (tmp_path / "b").exists()
+
+
+def test_train_writes_metrics_and_checkpoints_then_resumes(tmp_path):
+    result = run_cli("train", "--nproc", "2", "--zero", "1", "--steps", "4", "--ckpt-every-steps", "2",
+                     "--out", "run", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "step 4/4" in result.stdout and "done: 4 steps on 2 rank(s)" in result.stdout
+    lines = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4] and METRIC_KEYS <= set(lines[0])
+    assert set(lines[0]["memory"]) == {"params", "grads", "optimizer"} and len(lines[0]["memory"]["optimizer"]) == 2
+    assert sorted(p.name for p in (tmp_path / "run/checkpoints").iterdir()) == ["latest", "step-000002", "step-000004"]
+
+    result = run_cli("train", "--nproc", "2", "--zero", "1", "--steps", "6", "--resume", "auto", "--out", "run",
+                     cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "resumed from run/checkpoints/step-000004 at step 4" in result.stdout
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_config_file_and_flags(tmp_path):
+    (tmp_path / "run.toml").write_text('out = "from-file"\n[train]\nsteps = 2\nlr = 0.001\n[model]\nn_layer = 1\n')
+    result = run_cli("train", "--config", "run.toml", "--train.log_every", "0", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "done: 2 steps" in result.stdout and (tmp_path / "from-file/metrics.jsonl").exists()
+
+
+def test_runs_under_torchrun(tmp_path):
+    result = run_cli("train", "--zero", "1", "--steps", "3", "--out", "tr", cwd=tmp_path, torchrun_nproc=2)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("done: 3 steps on 2 rank(s)") == 1  # rank 0 speaks
+    assert len((tmp_path / "tr/metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_help_teaches():
+    out = run_cli("train", "--help").stdout
+    for flag in ("--preset", "--nproc", "--steps", "--seed", "--batch-size", "--lr", "--zero",
+                 "--ckpt-every-steps", "--resume", "--out", "--config", "--model.d_model", "torchrun"):
+        assert flag in out

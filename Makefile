@@ -1,9 +1,13 @@
 # Two entry points for a fresh machine: `make demo` and `make test`.
 # torch is installed first and pinned, so the package's `torch>=2.4` range is
-# already satisfied and pip never pulls a CUDA build on a CPU machine.
+# already satisfied and installing minitrain never replaces it. Which build of
+# torch arrives is up to the index: on a CPU-only Linux box pointed at PyPI, add
+#   TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
+# to get the CPU wheel instead of the CUDA one.
 PYTHON ?= python3
 VENV   ?= .venv
 TORCH  ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
 BIN    := $(VENV)/bin
 
 .PHONY: demo test install clean
@@ -13,7 +17,7 @@ $(BIN)/python:
 	$(BIN)/python -m pip install -q --upgrade pip
 
 $(VENV)/.installed: $(BIN)/python pyproject.toml
-	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q $(TORCH_PIP_ARGS) "$(TORCH)"
 	$(BIN)/python -m pip install -q -e ".[test]"
 	touch $@
 

@@ -15,8 +15,9 @@ from minitrain.trainer import Trainer
 from .dist import run_ranks
 
 
-def _config(world, zero=1, steps=6):
+def _config(world, zero=1, steps=6, dtype="float32", batch_size=4):
     return build_config(cli_values={"train.zero": zero, "train.steps": steps, "dist.nproc": world,
+                                    "train.dtype": dtype, "train.batch_size": batch_size,
                                     "train.log_every": 0}).validate()
 
 
@@ -132,3 +133,33 @@ def test_find_latest_and_resolve(saved, tmp_path):
     assert checkpoint.find_latest(tmp_path) == saved
     assert checkpoint.resolve(tmp_path) == saved  # a run directory works too
     assert checkpoint.find_latest(tmp_path / "elsewhere") is None
+
+
+def _zero1_float64_with_checkpoint(topo, root):
+    trainer = Trainer(_config(topo.world_size, zero=1, dtype="float64"), topo)
+    for _ in range(3):
+        trainer.train_step()
+    path = trainer.save_checkpoint(root)
+    losses = [trainer.train_step().loss for _ in range(3)]
+    return str(path), losses, trainer.strategy.flat.data[:trainer.strategy.flat.numel].clone()
+
+
+def test_checkpoint_from_two_zero1_ranks_loads_into_one_dp_process(tmp_path):
+    # Tensors are stored as slices of the logical flat vector, so the layout that wrote them
+    # does not matter: 2 ranks x batch 4 with ZeRO-1 continue as 1 process x batch 8 with DP.
+    path, losses, params = run_ranks(_zero1_float64_with_checkpoint, 2, str(tmp_path))[0]
+    single = Trainer(_config(1, zero=0, dtype="float64", batch_size=8), Topology.single())
+    single.load_checkpoint(path)
+    assert single.step == 3
+    single_losses = [single.train_step().loss for _ in range(3)]
+    assert max(abs(a - b) for a, b in zip(losses, single_losses)) <= 1e-12
+    assert (single.strategy.flat.data[:single.strategy.flat.numel] - params).abs().max().item() <= 1e-12
+
+
+def test_saving_a_step_again_replaces_it_and_keeps_latest_valid(saved):
+    trainer = Trainer(_config(1, zero=0), Topology.single())
+    trainer.load_checkpoint(saved)
+    assert trainer.save_checkpoint(saved.parent) == saved
+    assert (saved.parent / "latest").read_text().strip() == saved.name
+    assert sorted(p.name for p in saved.parent.iterdir()) == ["latest", saved.name]  # no .old-/.tmp- left
+    checkpoint.verify(saved.parent)

@@ -25,15 +25,33 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, argv, mess
     assert list(tmp_path.iterdir()) == []
 
 
-def test_corrupt_resume_checkpoint_exits_2_naming_the_file(tmp_path):
+def test_resume_that_does_not_fit_is_refused_in_one_line(tmp_path):
     assert run_cli("train", "--steps", "2", "--ckpt-every-steps", "2", "--out", "a", cwd=tmp_path).returncode == 0
+    for argv, message in ((["--batch-size", "2"], "keep the product equal (e.g. --batch-size 4"),
+                          (["--seed", "3"], "use the same seed"),
+                          (["--model.n_layer", "3"], "different model: n_layer=2 (this run 3)"),
+                          (["--steps", "2"], "ask for more --steps")):
+        result = run_cli("train", "--steps", "4", "--resume", "a", "--out", "b", *argv, cwd=tmp_path)
+        assert result.returncode == 2 and message in result.stderr, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+    result = run_cli("train", "--steps", "3", "--lr", "0.001", "--resume", "a", "--out", "b", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "warm restart" in result.stderr and "steps 2 -> 3" in result.stderr and "lr 0.003 -> 0.001" in result.stderr
     shard = tmp_path / "a/checkpoints/step-000002/rank-00000.safetensors"
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF
     shard.write_bytes(bytes(data))
-    result = run_cli("train", "--steps", "4", "--resume", "a", "--out", "b", cwd=tmp_path)
+    result = run_cli("train", "--steps", "4", "--resume", "a", "--out", "c", cwd=tmp_path)
     assert result.returncode == 2 and "rank-00000.safetensors is corrupt" in result.stderr
-    assert not (tmp_path / "b").exists()
+    assert not (tmp_path / "c").exists()
+
+
+def test_demo_refuses_a_directory_it_did_not_write(tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine/notes.txt").write_text("keep me")
+    result = run_cli("demo", "--out", "mine", cwd=tmp_path)
+    assert result.returncode == 2 and "not written by `minitrain demo`" in result.stderr
+    assert (tmp_path / "mine/notes.txt").read_text() == "keep me"
 
 
 def test_train_writes_metrics_and_checkpoints_then_resumes(tmp_path):

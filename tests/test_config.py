@@ -28,6 +28,7 @@ def test_precedence_defaults_preset_file_cli(tmp_path):
     ({"train.min_lr_ratio": 1.5}, "min_lr_ratio"),
     ({"train.steps": 1.5}, "invalid int"),
     ({"nonsense.key": 1}, "unknown setting"),
+    ({"dist.backend": "nccl", "dist.nproc": 64}, "needs a CUDA device per rank"),
 ])
 def test_bad_values_raise_config_error(values, message):
     with pytest.raises(ConfigError, match=message):

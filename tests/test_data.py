@@ -86,6 +86,10 @@ def test_check_corpus_explains_what_to_fix(tmp_path):
         check_corpus(build_config(cli_values={"data.synthetic_tokens": 100, "dist.nproc": 4}))
     with pytest.raises(ConfigError, match="neither"):
         check_corpus(build_config(cli_values={"data.corpus": str(tmp_path / "missing.bin")}))
+    empty = tmp_path / "empty.bin"
+    empty.write_bytes(b"")
+    with pytest.raises(ConfigError, match="has 0 bytes"):
+        check_corpus(build_config(cli_values={"data.corpus": str(empty)}))
     big = tmp_path / "big.bin"
     np.array([0, 300] * 100, dtype=np.uint16).tofile(big)
     with pytest.raises(ConfigError, match="vocab_size >= 301"):

@@ -91,3 +91,16 @@ def test_optimizer_memory_is_12p_over_n_exactly():
     assert results[0][1]["memory"]["optimizer"] == 12 * padded // 3
     # Sharded at 3 ranks: a third of the single-process optimizer state (up to padding).
     assert results[0][1]["memory"]["optimizer"] * 3 - single["memory"]["optimizer"] == 12 * 1
+
+
+def test_same_seed_same_run_bit_for_bit():
+    def params_after(seed):
+        cfg = _config(1, 1, "float32")
+        cfg.train.seed = seed
+        trainer = Trainer(cfg, Topology.single())
+        losses = [trainer.train_step().loss for _ in range(3)]
+        return losses, trainer.strategy.flat.data.clone()
+
+    (la, pa), (lb, pb), (lc, pc) = params_after(7), params_after(7), params_after(8)
+    assert la == lb and torch.equal(pa.view(torch.int32), pb.view(torch.int32))
+    assert la != lc and not torch.equal(pa, pc)

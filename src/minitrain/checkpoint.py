@@ -113,18 +113,30 @@ def save(root: str | os.PathLike, step: int, topo: Topology, strategy: FlatStrat
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         _fsync_file(tmp / MANIFEST)
         _fsync_dir(tmp)
-        if final.exists():  # re-saving a step (e.g. after a rollback): swap, then drop the old one
-            old = root / f".old-{step_dir_name(step)}"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old)
+        if final.exists():
+            _replace_step_dir(root, tmp, final)
         else:
             os.replace(tmp, final)
-        _fsync_dir(root)
+            _fsync_dir(root)
         _write_durably(root / LATEST, final.name + "\n")
     comm.barrier()
     return final
+
+
+def _replace_step_dir(root: Path, tmp: Path, final: Path) -> None:
+    """Re-saving a step that exists (a resumed run passing it again). Directories cannot be
+    swapped atomically, so `latest` is pointed at the old copy while the new one moves in:
+    at every instant it names a complete checkpoint."""
+    old = root / f".old-{final.name}"
+    shutil.rmtree(old, ignore_errors=True)
+    os.replace(final, old)
+    _fsync_dir(root)
+    if (root / LATEST).exists() and (root / LATEST).read_text().strip() == final.name:
+        _write_durably(root / LATEST, old.name + "\n")
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    _write_durably(root / LATEST, final.name + "\n")
+    shutil.rmtree(old)
 
 
 def _manifest(step, topo, strategy, train_state, run_config, keys, rows) -> dict:

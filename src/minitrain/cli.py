@@ -112,12 +112,13 @@ def prepare_out_dir(path: str) -> Path:
 
 
 def cmd_demo(args) -> int:
-    from .demo import DemoOptions, run_demo
+    from .demo import DemoOptions, check_demo_dir, run_demo
 
     if args.world_size < 1:
         raise ConfigError(f"world size must be at least 1 (got --world-size {args.world_size})")
     if args.steps < 2:
         raise ConfigError(f"the demo needs at least 2 steps to checkpoint half way and resume (got --steps {args.steps})")
+    check_demo_dir(Path(args.out))
     prepare_out_dir(args.out)
     return run_demo(DemoOptions(world_size=args.world_size, steps=args.steps, out=args.out))
 
@@ -132,34 +133,12 @@ def resolve_config(args) -> RunConfig:
     return cfg.validate()
 
 
-def check_resume(cfg: RunConfig) -> None:
-    """Refuse, before any rank starts, a resume checkpoint that is corrupt or does not fit."""
-    if not cfg.ckpt.resume:
-        return
-    if cfg.ckpt.resume == "auto":
-        if checkpoint.find_latest(cfg.out) is None:
-            return
-        path = Path(cfg.out) / "checkpoints"
-    else:
-        path = cfg.ckpt.resume
-    step_dir, manifest = checkpoint.verify(path)
-    theirs, mine = manifest["model"], cfg.to_dict()["model"]
-    diff = [k for k in mine if k != "preset" and theirs.get(k) != mine[k]]
-    if diff:
-        raise checkpoint.CheckpointError(
-            f"checkpoint {step_dir} has a different model: " + ", ".join(f"{k}={theirs.get(k)!r} (this run {mine[k]!r})" for k in diff))
-    if manifest["config"]["train"]["dtype"] != cfg.train.dtype:
-        raise checkpoint.CheckpointError(f"checkpoint {step_dir} was trained in {manifest['config']['train']['dtype']}, "
-                                         f"this run uses {cfg.train.dtype}")
-    if manifest["step"] >= cfg.train.steps:
-        raise ConfigError(f"checkpoint {step_dir} is at step {manifest['step']}; ask for more --steps to continue")
-
-
 def cmd_train(args) -> int:
-    from .trainer import train_worker
+    from .trainer import check_resume, train_worker
 
     cfg = resolve_config(args)
-    check_resume(cfg)
+    for note in check_resume(cfg):
+        print(f"minitrain train: note: {note}", file=sys.stderr)
     prepare_out_dir(cfg.out)
     if under_torchrun():
         result = run_under_torchrun(train_worker, cfg, backend=cfg.dist.backend,

@@ -33,8 +33,9 @@ class OpStats:
 
 
 class Comm:
-    def __init__(self, rank: int = 0, world_size: int = 1, group=None):
+    def __init__(self, rank: int = 0, world_size: int = 1, group=None, device: torch.device | str = "cpu"):
         self.rank, self.world_size, self.group = rank, world_size, group
+        self.device = torch.device(device)  # where this group's tensors must live (cuda for NCCL)
         self.stats: dict[str, OpStats] = {}
 
     def _run(self, op: str, nbytes: int, fn) -> None:
@@ -82,10 +83,12 @@ class Comm:
                   lambda: _all_gather_single(full_out, shard_in, group=self.group))
 
     def gather_rows(self, row: torch.Tensor) -> torch.Tensor:
-        """Every rank's 1-D `row`, stacked into (world_size, len(row)) on every rank."""
-        out = torch.empty(self.world_size * row.numel(), dtype=row.dtype, device=row.device)
-        self.all_gather(out, row.contiguous())
-        return out.view(self.world_size, -1)
+        """Every rank's small 1-D `row`, stacked into a CPU tensor (world_size, len(row)) on
+        every rank. Moves through the group's device, so callers may build rows on the CPU."""
+        row = row.to(self.device).contiguous()
+        out = torch.empty(self.world_size * row.numel(), dtype=row.dtype, device=self.device)
+        self.all_gather(out, row)
+        return out.view(self.world_size, -1).cpu()
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         self._run("send", _nbytes(tensor), lambda: dist.send(tensor, dst, group=self.group))

@@ -124,6 +124,7 @@ class RunConfig:
         _require_choice("train.zero", t.zero, (0, 1))
         _require_choice("train.dtype", t.dtype, ("float32", "float64"))
         _require_choice("dist.backend", d.backend, ("auto", "gloo", "nccl"))
+        _check_gpus(d)
         if not t.lr > 0:
             raise ConfigError(f"train.lr must be > 0, got {t.lr}")
         if not 0 <= t.min_lr_ratio <= 1:
@@ -145,6 +146,19 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _check_gpus(d: DistConfig) -> None:
+    """NCCL needs one CUDA device per local rank."""
+    if d.backend != "nccl":
+        return
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", d.nproc))
+    if gpus < local_ranks:
+        raise ConfigError(f"--backend nccl needs a CUDA device per rank: {local_ranks} local ranks, "
+                          f"{gpus} GPU(s) visible; use --backend gloo or fewer ranks")
 
 
 def _require_positive(name: str, value) -> None:

@@ -66,7 +66,7 @@ def text_corpus() -> np.ndarray:
 
 
 def bin_corpus(path: str | Path) -> np.ndarray:
-    """A nanoGPT-style file of uint16 token ids, memory-mapped (never read whole)."""
+    """A nanoGPT-style file of uint16 token ids, memory-mapped: pages load as batches touch them."""
     return np.memmap(path, dtype=np.uint16, mode="r")
 
 
@@ -79,25 +79,38 @@ def load_corpus(cfg: RunConfig) -> np.ndarray:
     return bin_corpus(d.corpus)
 
 
+def _corpus_facts(cfg: RunConfig) -> tuple[int, int]:
+    """(tokens in the corpus, vocabulary it needs), or ConfigError if it cannot be read."""
+    d = cfg.data
+    if d.corpus == "synthetic":
+        if d.synthetic_tokens < 2:
+            raise ConfigError(f"data.synthetic_tokens must be at least 2, got {d.synthetic_tokens}")
+        return d.synthetic_tokens, 2
+    if d.corpus == "text":
+        return len(text_corpus()), ByteTokenizer.vocab_size
+    path = Path(d.corpus)
+    if not path.is_file():
+        raise ConfigError(f"corpus '{d.corpus}' is neither 'synthetic', 'text' nor an existing .bin file")
+    size = path.stat().st_size
+    if size < 4 or size % 2:
+        raise ConfigError(f"corpus file {path} has {size} bytes; expected at least two uint16 tokens")
+    try:
+        tokens = bin_corpus(path)
+        return len(tokens), int(tokens.max()) + 1  # one pass over the file, at startup only
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read corpus file {path}: {e}") from None
+
+
+def num_examples(cfg: RunConfig) -> int:
+    """Training examples (windows of seq_len + 1 tokens) in the configured corpus."""
+    return max(0, (_corpus_facts(cfg)[0] - 1) // cfg.model.seq_len)
+
+
 def check_corpus(cfg: RunConfig) -> None:
     """Raise ConfigError unless the corpus exists, fits the vocabulary, and holds
     at least one global batch (batch_size * grad_accum * nproc examples)."""
     d, m, t = cfg.data, cfg.model, cfg.train
-    if d.corpus == "synthetic":
-        if d.synthetic_tokens < 2:
-            raise ConfigError(f"data.synthetic_tokens must be at least 2, got {d.synthetic_tokens}")
-        n_tokens, needed_vocab = d.synthetic_tokens, 2
-    elif d.corpus == "text":
-        n_tokens, needed_vocab = len(text_corpus()), ByteTokenizer.vocab_size
-    else:
-        path = Path(d.corpus)
-        if not path.is_file():
-            raise ConfigError(f"corpus '{d.corpus}' is neither 'synthetic', 'text' nor an existing .bin file")
-        if path.stat().st_size % 2:
-            raise ConfigError(f"corpus file {path} has an odd byte count; expected uint16 tokens")
-        tokens = bin_corpus(path)
-        n_tokens = len(tokens)
-        needed_vocab = int(tokens.max()) + 1 if n_tokens else 0
+    n_tokens, needed_vocab = _corpus_facts(cfg)
     if m.vocab_size < needed_vocab:
         raise ConfigError(f"corpus '{d.corpus}' needs model.vocab_size >= {needed_vocab}, got {m.vocab_size}")
     examples = max(0, (n_tokens - 1) // m.seq_len)

@@ -20,13 +20,14 @@ from pathlib import Path
 
 import torch
 
-from .config import RunConfig
+from .config import ConfigError, RunConfig
 from .launch import launch
 from .metrics import MetricsWriter, format_table, human_bytes
 from .topology import Topology
 from .trainer import Trainer
 
 LOSS_RISE_TOLERANCE = 1e-6  # relative: float32 reductions reorder sums at ~1e-7
+DEMO_MARKER = ".minitrain-demo"  # written first; only directories holding it are ever cleared
 DEMO_OUTPUTS = ("metrics.jsonl", "checkpoints", "report.json")
 
 
@@ -40,6 +41,7 @@ class DemoOptions:
 def demo_config(opts: DemoOptions) -> RunConfig:
     cfg = RunConfig(out=opts.out)
     cfg.dist.nproc = opts.world_size
+    cfg.dist.backend = "gloo"  # the CPU demo, also on machines that have GPUs
     t = cfg.train
     t.steps, t.zero, t.log_every = opts.steps, 1, 0
     t.lr, t.min_lr_ratio, t.warmup_steps = 3e-3, 0.1, 2
@@ -175,12 +177,21 @@ def render(report: dict, checks: list[tuple[str, bool, str]], out: Path) -> str:
     return "\n".join(lines)
 
 
+def check_demo_dir(out: Path) -> None:
+    """The demo clears its own earlier outputs, so it refuses a directory that holds anything else."""
+    if out.is_dir() and any(out.iterdir()) and not (out / DEMO_MARKER).exists():
+        raise ConfigError(f"{out} is not empty and was not written by `minitrain demo`; "
+                          "choose a new or empty --out")
+
+
 def run_demo(opts: DemoOptions) -> int:
     """Run the demo, print its report; 0 when every invariant holds, else 1."""
     cfg = demo_config(opts)
     out = Path(cfg.out)
+    check_demo_dir(out)
     start = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
+    (out / DEMO_MARKER).touch()
     for name in DEMO_OUTPUTS:  # outputs of an earlier demo in the same directory
         target = out / name
         if target.is_dir():

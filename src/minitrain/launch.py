@@ -20,6 +20,7 @@ import socket
 import sys
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 
@@ -53,6 +54,21 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextmanager
+def _environ(**values: str):
+    """Set environment variables for the duration of the block."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _die_with_parent() -> None:
@@ -97,25 +113,18 @@ def launch(fn, nproc: int, *args, backend: str = "auto", pg_timeout_s: float = 3
     ctx = mp.get_context("spawn")
     port = free_port()
     procs, conns = [], {}
-    saved_env = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    # Children inherit this environment; torch.distributed.run does the same for nproc > 1.
-    os.environ.update(OMP_NUM_THREADS=str(threads_per_rank), MKL_NUM_THREADS=str(threads_per_rank))
+    threads = str(threads_per_rank)
     try:
-        for rank in range(nproc):
-            recv_end, send_end = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_rank_main, name=f"minitrain-rank{rank}", daemon=True,
-                            args=(fn, args, rank, nproc, port, backend, pg_timeout_s, threads_per_rank, send_end))
-            p.start()
-            send_end.close()
-            procs.append(p)
-            conns[recv_end] = rank
-    finally:
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    try:
+        # Children inherit this environment; torch.distributed.run does the same for nproc > 1.
+        with _environ(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads):
+            for rank in range(nproc):
+                recv_end, send_end = ctx.Pipe(duplex=False)
+                p = ctx.Process(target=_rank_main, name=f"minitrain-rank{rank}", daemon=True,
+                                args=(fn, args, rank, nproc, port, backend, pg_timeout_s, threads_per_rank, send_end))
+                procs.append(p)
+                p.start()
+                send_end.close()
+                conns[recv_end] = rank
         results = _supervise(procs, conns, timeout_s)
         for p in procs:  # every rank reported; let each destroy its process group and exit
             p.join(timeout=TEARDOWN_S)
@@ -179,10 +188,11 @@ def _exit_description(code: int | None) -> str:
 
 def _kill_all(procs) -> None:
     for p in procs:
-        if p.is_alive():
+        if p.pid is not None and p.is_alive():
             p.kill()
     for p in procs:
-        p.join(timeout=5)
+        if p.pid is not None:
+            p.join(timeout=5)
 
 
 def run_under_torchrun(fn, *args, backend: str = "auto", pg_timeout_s: float = 300.0,
@@ -197,8 +207,9 @@ def run_under_torchrun(fn, *args, backend: str = "auto", pg_timeout_s: float = 3
     topo = Topology.from_env(backend, pg_timeout_s)
     try:
         return fn(topo, *args)
-    except BaseException:
+    except Exception:
+        # Shown once here; torchrun reports the exit code and ends the other ranks.
         print(f"[rank {topo.rank}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        raise
+        raise SystemExit(1) from None
     finally:
         topo.close()

@@ -19,10 +19,13 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT
 
 
 def resolve_backend(backend: str) -> str:
-    """'auto' means nccl when CUDA is available, else gloo."""
-    if backend == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    return backend
+    """'auto' means nccl when there is a CUDA device for every local rank, else gloo."""
+    if backend != "auto":
+        return backend
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if torch.cuda.is_available() and torch.cuda.device_count() >= local_ranks:
+        return "nccl"
+    return "gloo"
 
 
 def under_torchrun() -> bool:
@@ -65,7 +68,7 @@ class Topology:
             device = torch.device("cpu")
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s))
-        return cls(rank, world, local_rank, backend, device, Comm(rank, world, dist.group.WORLD))
+        return cls(rank, world, local_rank, backend, device, Comm(rank, world, dist.group.WORLD, device))
 
     def close(self) -> None:
         if dist.is_initialized():

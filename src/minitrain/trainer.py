@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from . import checkpoint
-from .config import RunConfig
-from .data import ShardedLoader, load_corpus
+from .config import ConfigError, RunConfig
+from .data import ShardedLoader, load_corpus, num_examples
 from .metrics import MetricsWriter
 from .model import MiniGPT
 from .optim import lr_at
@@ -120,6 +120,48 @@ def resume_path(cfg: RunConfig) -> Path | None:
     if cfg.ckpt.resume == "auto":
         return checkpoint.find_latest(cfg.out)
     return checkpoint.resolve(cfg.ckpt.resume)
+
+
+SCHEDULE_FIELDS = ("steps", "warmup_steps", "lr", "min_lr_ratio")
+
+
+def check_resume(cfg: RunConfig) -> list[str]:
+    """Before any rank starts: refuse a resume checkpoint that is corrupt or does not fit
+    this run (ConfigError / CheckpointError, one line each); return notes worth printing."""
+    path = resume_path(cfg)
+    if path is None:
+        return []
+    step_dir, manifest = checkpoint.verify(path)
+    saved = manifest["config"]
+    mine = cfg.to_dict()
+    diff = [k for k in mine["model"] if k != "preset" and saved["model"].get(k) != mine["model"][k]]
+    if diff:
+        raise checkpoint.CheckpointError(f"checkpoint {step_dir} has a different model: " + ", ".join(
+            f"{k}={saved['model'].get(k)!r} (this run {mine['model'][k]!r})" for k in diff))
+    if saved["train"]["dtype"] != cfg.train.dtype:
+        raise checkpoint.CheckpointError(f"checkpoint {step_dir} was trained in {saved['train']['dtype']}, "
+                                         f"this run uses {cfg.train.dtype}")
+    if manifest["step"] >= cfg.train.steps:
+        raise ConfigError(f"checkpoint {step_dir} is at step {manifest['step']}; ask for more --steps to continue")
+    loader = manifest["train_state"]["loader"]
+    global_batch = cfg.train.batch_size * cfg.dist.nproc
+    if loader["global_batch"] != global_batch:
+        raise ConfigError(f"checkpoint {step_dir} was saved with batch_size x ranks = {loader['global_batch']} "
+                          f"examples per micro-batch, this run has {global_batch}; keep the product equal "
+                          f"(e.g. --batch-size {loader['global_batch'] // cfg.dist.nproc} with "
+                          f"--nproc {cfg.dist.nproc}) so the data order continues exactly")
+    if loader["seed"] != cfg.train.seed:
+        raise ConfigError(f"checkpoint {step_dir} was saved with --seed {loader['seed']}, this run has "
+                          f"{cfg.train.seed}; use the same seed to continue the same data order")
+    if loader["num_examples"] != num_examples(cfg):
+        raise ConfigError(f"checkpoint {step_dir} was trained on a corpus of {loader['num_examples']} examples, "
+                          f"this run's corpus has {num_examples(cfg)}; resume with the same --corpus")
+    changed = [f"{k} {saved['train'][k]} -> {mine['train'][k]}" for k in SCHEDULE_FIELDS
+               if saved["train"][k] != mine["train"][k]]
+    if changed:
+        return [f"learning-rate schedule differs from the checkpoint's run ({', '.join(changed)}): "
+                "training continues as a warm restart, not a bit-identical continuation"]
+    return []
 
 
 def train_worker(topo: Topology, cfg: RunConfig) -> dict:

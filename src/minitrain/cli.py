@@ -137,8 +137,10 @@ def cmd_train(args) -> int:
     from .trainer import check_resume, train_worker
 
     cfg = resolve_config(args)
+    speaks = not under_torchrun() or os.environ["RANK"] == "0"
     for note in check_resume(cfg):
-        print(f"minitrain train: note: {note}", file=sys.stderr)
+        if speaks:
+            print(f"minitrain train: note: {note}", file=sys.stderr)
     prepare_out_dir(cfg.out)
     if under_torchrun():
         result = run_under_torchrun(train_worker, cfg, backend=cfg.dist.backend,

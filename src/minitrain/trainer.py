@@ -146,10 +146,12 @@ def check_resume(cfg: RunConfig) -> list[str]:
     loader = manifest["train_state"]["loader"]
     global_batch = cfg.train.batch_size * cfg.dist.nproc
     if loader["global_batch"] != global_batch:
+        fits = loader["global_batch"] % cfg.dist.nproc == 0
+        hint = (f" (e.g. --batch-size {loader['global_batch'] // cfg.dist.nproc} with --nproc {cfg.dist.nproc})"
+                if fits else "")
         raise ConfigError(f"checkpoint {step_dir} was saved with batch_size x ranks = {loader['global_batch']} "
-                          f"examples per micro-batch, this run has {global_batch}; keep the product equal "
-                          f"(e.g. --batch-size {loader['global_batch'] // cfg.dist.nproc} with "
-                          f"--nproc {cfg.dist.nproc}) so the data order continues exactly")
+                          f"examples per micro-batch, this run has {global_batch}; keep the product equal{hint} "
+                          "so the data order continues exactly")
     if loader["seed"] != cfg.train.seed:
         raise ConfigError(f"checkpoint {step_dir} was saved with --seed {loader['seed']}, this run has "
                           f"{cfg.train.seed}; use the same seed to continue the same data order")

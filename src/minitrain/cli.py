@@ -23,6 +23,7 @@ ALIASES = {
     "train.zero": "--zero", "train.dtype": "--dtype", "data.corpus": "--corpus",
     "ckpt.every_steps": "--ckpt-every-steps", "ckpt.resume": "--resume", "out": "--out",
     "dist.backend": "--backend", "dist.timeout_s": "--timeout-s",
+    "ddp.mode": "--dp", "ddp.bucket_mb": "--bucket-mb", "ddp.measure_sync": "--measure-sync",
 }
 
 TRAIN_EPILOG = """\

@@ -7,6 +7,11 @@ output buffer is given) and nothing is counted, since nothing moves.
 
 Payload bytes per call: all_reduce, broadcast, send, recv: the tensor;
 reduce_scatter: the full input; all_gather: the full output.
+
+Async all-reduces (`all_reduce_sum_async`) book their
+*in-flight* time: from launch until the backend marks the work complete (a
+callback on its future), not until someone waits for it. That is what tells
+how much communication hid behind computation.
 """
 from __future__ import annotations
 
@@ -32,6 +37,41 @@ class OpStats:
     seconds: float = 0.0
 
 
+class PendingCollective:
+    """An async collective in flight. `wait()` finishes it, books its stats and returns
+    its (launched, completed) perf_counter times."""
+
+    def __init__(self, comm: "Comm", op: str, nbytes: int, work=None):
+        self.comm, self.op, self.nbytes, self.work = comm, op, nbytes, work
+        self.launched = time.perf_counter()
+        self.completed: float | None = None if work is not None else self.launched
+        if work is not None:
+            work.get_future().add_done_callback(self._mark_completed)
+
+    def _mark_completed(self, _future) -> None:
+        self.completed = time.perf_counter()
+
+    def wait(self) -> tuple[float, float]:
+        if self.work is not None:
+            try:
+                self.work.wait()
+            except RuntimeError as e:
+                raise self.comm.failure(self.op, self.nbytes, e) from e
+            if self.completed is None:  # the callback may still be on its way; bound it by now
+                self.completed = time.perf_counter()
+            self.comm.book(self.op, self.nbytes, self.completed - self.launched)
+            self.work = None
+        return self.launched, self.completed
+
+    def then(self, fn) -> torch.futures.Future:
+        """A torch Future that completes with fn() once this collective has (DDP hooks return one)."""
+        if self.work is None:
+            done = torch.futures.Future()
+            done.set_result(fn())
+            return done
+        return self.work.get_future().then(lambda _future: fn())
+
+
 class Comm:
     def __init__(self, rank: int = 0, world_size: int = 1, group=None, device: torch.device | str = "cpu"):
         self.rank, self.world_size, self.group = rank, world_size, group
@@ -39,16 +79,21 @@ class Comm:
         self.stats: dict[str, OpStats] = {}
 
     def _run(self, op: str, nbytes: int, fn) -> None:
-        stats = self.stats.setdefault(op, OpStats())
         start = time.perf_counter()
         try:
             fn()
         except RuntimeError as e:  # gloo reports timeouts and dead peers as RuntimeError
-            raise CollectiveError(f"{op} of {nbytes} bytes failed on rank {self.rank} "
-                                  f"of {self.world_size}: {e}") from e
-        stats.seconds += time.perf_counter() - start
+            raise self.failure(op, nbytes, e) from e
+        self.book(op, nbytes, time.perf_counter() - start)
+
+    def book(self, op: str, nbytes: int, seconds: float) -> None:
+        stats = self.stats.setdefault(op, OpStats())
         stats.calls += 1
         stats.bytes += nbytes
+        stats.seconds += seconds
+
+    def failure(self, op: str, nbytes: int, cause: Exception) -> CollectiveError:
+        return CollectiveError(f"{op} of {nbytes} bytes failed on rank {self.rank} of {self.world_size}: {cause}")
 
     def totals(self) -> OpStats:
         """Sum over all ops so far (take differences for per-step figures)."""
@@ -65,6 +110,16 @@ class Comm:
         """In place: tensor <- sum over ranks."""
         if self.world_size > 1:
             self._run("all_reduce", _nbytes(tensor), lambda: dist.all_reduce(tensor, group=self.group))
+
+    def all_reduce_sum_async(self, tensor: torch.Tensor) -> PendingCollective:
+        """Start an in-place sum over ranks; returns at once. Call .wait() before using tensor."""
+        if self.world_size == 1:
+            return PendingCollective(self, "all_reduce", 0)
+        try:
+            work = dist.all_reduce(tensor, group=self.group, async_op=True)
+        except RuntimeError as e:
+            raise self.failure("all_reduce", _nbytes(tensor), e) from e
+        return PendingCollective(self, "all_reduce", _nbytes(tensor), work)
 
     def reduce_scatter_sum(self, shard_out: torch.Tensor, full_in: torch.Tensor) -> None:
         """shard_out <- this rank's 1/N slice of (sum over ranks of full_in)."""

@@ -84,6 +84,16 @@ class TrainConfig:
 
 
 @dataclass
+class DDPConfig:
+    mode: str = opt("bucketed", "how data parallel syncs gradients (with --zero 0): bucketed = ours, all-reduce "
+                    "per bucket overlapped with backward; naive = one all-reduce per tensor after backward; "
+                    "torch = PyTorch DistributedDataParallel, the reference")
+    bucket_mb: float = opt(25.0, "gradient bucket size cap in MiB (bucketed and torch modes)")
+    measure_sync: bool = opt(False, "bracket backward + gradient sync with barriers each step and record "
+                             "the sync wall time (costs two barriers per step)")
+
+
+@dataclass
 class DistConfig:
     nproc: int = opt(1, "ranks to spawn on this machine (ignored under torchrun, which sets the world size)")
     backend: str = opt("auto", "auto | gloo | nccl; auto picks nccl when CUDA is available, else gloo")
@@ -102,6 +112,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    ddp: DDPConfig = field(default_factory=DDPConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
     out: str = opt("runs/train", "directory for everything the run writes: metrics.jsonl, checkpoints/")
@@ -122,6 +133,12 @@ class RunConfig:
         if d.nproc < 1:
             raise ConfigError(f"world size must be at least 1 (got --nproc {d.nproc})")
         _require_choice("train.zero", t.zero, (0, 1))
+        _require_choice("ddp.mode", self.ddp.mode, ("bucketed", "naive", "torch"))
+        if t.zero and self.ddp.mode != "bucketed":
+            raise ConfigError(f"--dp {self.ddp.mode} applies to --zero 0; ZeRO-1 syncs gradients with its own "
+                              "reduce-scatter")
+        if not self.ddp.bucket_mb > 0:
+            raise ConfigError(f"ddp.bucket_mb must be > 0, got {self.ddp.bucket_mb}")
         _require_choice("train.dtype", t.dtype, ("float32", "float64"))
         _require_choice("dist.backend", d.backend, ("auto", "gloo", "nccl"))
         _check_gpus(d)

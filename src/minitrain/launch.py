@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import socket
 import sys
@@ -80,6 +81,12 @@ def _die_with_parent() -> None:
             pass
 
 
+def _send(conn, message) -> None:
+    """Send by value with plain pickle. Connection.send would use torch's reductions, which
+    pass tensors as shared-memory handles fetched from this process: gone once it exits."""
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
 def _rank_main(fn, args, rank, nproc, port, backend, pg_timeout_s, threads, conn) -> None:
     _die_with_parent()
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
@@ -93,9 +100,9 @@ def _rank_main(fn, args, rank, nproc, port, backend, pg_timeout_s, threads, conn
     try:
         topo = Topology.from_env(backend, pg_timeout_s)
         result = fn(topo, *args)
-        conn.send(("ok", result))
+        _send(conn, ("ok", result))
     except BaseException:  # noqa: BLE001 - every failure must reach the launcher
-        conn.send(("error", traceback.format_exc(), time.time()))
+        _send(conn, ("error", traceback.format_exc(), time.time()))
         conn.close()
         os._exit(1)  # skip teardown that could block on dead peers; the launcher reaps us
     if topo is not None:
@@ -144,8 +151,11 @@ def _supervise(procs, conns: dict, timeout_s: float | None) -> list:
     def read(conn) -> None:
         rank = conns.pop(conn)
         try:
-            msg = conn.recv()
-        except (EOFError, OSError):
+            msg = pickle.loads(conn.recv_bytes())  # from our own child process
+        except EOFError:
+            return  # closed without a message: the sentinel reports how the process ended
+        except (OSError, pickle.UnpicklingError) as e:
+            failures.append(RankFailure(rank, f"its result could not be received: {e!r}", time.time()))
             return
         if msg[0] == "ok":
             results[rank] = msg[1]

@@ -6,6 +6,7 @@ layer's `gather_rows`.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -42,6 +43,7 @@ class StepRecord:
     comm_calls: int
     param_norm_per_rank: list[float]
     memory: dict[str, list[int]]  # bytes at rest: {"params": [rank0, rank1, ...], ...}
+    sync: dict  # this rank's gradient sync: buckets, all-reduce calls and times, overlap (see sync_summary)
 
 
 class Trainer:
@@ -50,7 +52,7 @@ class Trainer:
         dtype = getattr(torch, cfg.train.dtype)
         torch.manual_seed(cfg.train.seed)
         self.model = MiniGPT(cfg.model).to(device=topo.device, dtype=dtype)
-        self.strategy = make_strategy(self.model, topo.dp, cfg.train)
+        self.strategy = make_strategy(self.model, topo.dp, cfg)
         self.loader = ShardedLoader(load_corpus(cfg), cfg.model.seq_len, cfg.train.batch_size,
                                     topo.rank, topo.world_size, cfg.train.seed)
         self.step = 0  # optimizer steps completed
@@ -59,21 +61,35 @@ class Trainer:
         self.tokens_per_step = t.batch_size * t.grad_accum * topo.world_size * cfg.model.seq_len
 
     def train_step(self) -> StepRecord:
-        cfg, comm = self.cfg.train, self.topo.dp
+        cfg, comm, strategy = self.cfg.train, self.topo.dp, self.strategy
+        measure_sync = self.cfg.ddp.measure_sync
         before = comm.totals()
+        if measure_sync:
+            comm.barrier()  # every rank starts the step together
         start = time.perf_counter()
         self.model.train()
-        self.strategy.zero_grad()
+        strategy.zero_grad()
         loss_sum = torch.zeros((), dtype=torch.float64)
-        for _ in range(cfg.grad_accum):
-            x, y = self.loader.next_batch()
-            loss = self.model(x.to(self.topo.device), y.to(self.topo.device))
-            # Mean over this rank's tokens / accumulation; the strategy averages over ranks,
-            # so the gradient is the mean over the global token count.
-            (loss / cfg.grad_accum).backward()
+        for micro in range(cfg.grad_accum):
+            last = micro == cfg.grad_accum - 1
+            with contextlib.nullcontext() if last else strategy.no_sync():  # sync once per step
+                x, y = self.loader.next_batch()
+                loss = strategy.module(x.to(self.topo.device), y.to(self.topo.device))
+                # Mean over this rank's tokens / accumulation; the strategy averages over ranks,
+                # so the gradient is the mean over the global token count.
+                (loss / cfg.grad_accum).backward()
             loss_sum += loss.detach().double().cpu()
+        bracketed = {}
+        if measure_sync:
+            backward_end = time.perf_counter()
+            strategy.finish_grad_sync()
+            comm.barrier()  # ...and ends when the slowest rank has its synced gradients
+            done = time.perf_counter()
+            # compute_and_sync: forward + backward + sync, barrier to barrier. sync_exposed: the part
+            # after this rank's backward returned, i.e. communication not hidden behind compute.
+            bracketed = {"compute_and_sync_s": done - start, "sync_exposed_s": done - backward_end}
         lr = lr_at(self.step, cfg)
-        grad_norm = self.strategy.step(lr)
+        grad_norm = strategy.step(lr)
         self.step += 1
         self.tokens_seen += self.tokens_per_step
 
@@ -98,6 +114,7 @@ class Trainer:
             comm_calls=after.calls - before.calls,
             param_norm_per_rank=rows[:, 1].tolist(),
             memory={k: [int(v) for v in rows[:, 2 + i].tolist()] for i, k in enumerate(MEMORY_KINDS)},
+            sync={**strategy.last_sync, **bracketed},
         )
 
     def train_state(self) -> dict:

@@ -4,16 +4,21 @@ from __future__ import annotations
 import torch.nn as nn
 
 from ..comm import Comm
-from ..config import TrainConfig
-from .ddp import DataParallel
+from ..config import RunConfig
+from .ddp import BucketedDataParallel, NaiveDataParallel, TorchDataParallel
 from .flat import FlatStrategy
 from .zero import Zero1
 
-STRATEGIES: dict[int, type[FlatStrategy]] = {0: DataParallel, 1: Zero1}
+DATA_PARALLEL = {"naive": NaiveDataParallel, "bucketed": BucketedDataParallel, "torch": TorchDataParallel}
 
 
-def make_strategy(model: nn.Module, comm: Comm, cfg: TrainConfig) -> FlatStrategy:
-    return STRATEGIES[cfg.zero](model, comm, cfg)
+def make_strategy(model: nn.Module, comm: Comm, cfg: RunConfig) -> FlatStrategy:
+    if cfg.train.zero == 1:
+        return Zero1(model, comm, cfg.train)
+    if cfg.ddp.mode == "naive":
+        return NaiveDataParallel(model, comm, cfg.train)
+    return DATA_PARALLEL[cfg.ddp.mode](model, comm, cfg.train, cfg.ddp.bucket_mb)
 
 
-__all__ = ["DataParallel", "FlatStrategy", "Zero1", "make_strategy", "STRATEGIES"]
+__all__ = ["BucketedDataParallel", "NaiveDataParallel", "TorchDataParallel", "FlatStrategy", "Zero1",
+           "make_strategy", "DATA_PARALLEL"]

@@ -1,29 +1,191 @@
-"""Data parallel, version 1: every rank holds the whole model and optimizer.
+"""Data parallel: every rank holds the whole model and optimizer; gradients are averaged.
 
-Initial parameters are broadcast from rank 0 (in FlatStrategy); after
-backward, one all-reduce of the flat gradient buffer sums gradients across
-ranks and each rank divides by N, so every replica applies the same averaged
-gradient and stays bit-identical. (Bucketed, backward-overlapped sync is the
-next step; this is the reference it will be checked against.)
+One flat gradient buffer, one optimizer over all of it, three ways to sync:
+
+- NaiveDataParallel: after backward, one blocking all-reduce per parameter
+  tensor. The simplest correct thing; nothing overlaps.
+- BucketedDataParallel (ours, the default): the flat gradient buffer is cut
+  into buckets of at most `bucket_mb`, in reverse registration order (the order
+  backward produces gradients). A post-accumulate-grad hook on every parameter
+  counts arrivals; when a bucket's last gradient lands, its async all-reduce
+  starts at once and runs while backward computes the rest. Gradients are
+  views into the buckets, so nothing is copied in or out. One wait before
+  the optimizer step. Buckets launch strictly in bucket order, so every rank
+  issues the same collectives in the same order even if hooks fire slightly
+  out of order (a mismatched order is the classic data-parallel hang).
+- TorchDataParallel: PyTorch's DistributedDataParallel drives the same model,
+  the reference for parity and speed. A communication hook sends its bucket
+  all-reduces through our comm layer (sum, then divide by N: the same math as
+  its default hook) so they are counted and timed like ours.
+
+`no_sync()` skips the sync for all but the last micro-batch of a step, so
+gradient accumulation over k micro-batches all-reduces once.
 """
 from __future__ import annotations
 
+import contextlib
+import time
+from dataclasses import dataclass, field
+
 import torch
+import torch.nn as nn
 
-from .flat import FlatStrategy
+from ..comm import Comm, PendingCollective
+from ..config import TrainConfig
+from .flat import FlatStrategy, Segment, sync_summary
 
 
-class DataParallel(FlatStrategy):
-    name = "ddp"
+class ReplicatedStrategy(FlatStrategy):
+    """Full optimizer state on every rank. Subclasses implement `_sync()`, which must
+    leave the rank-averaged gradient in flat.grad."""
+
     shard_optimizer = False
+
+    def __init__(self, model: nn.Module, comm: Comm, cfg: TrainConfig):
+        super().__init__(model, comm, cfg)
+        self._synced = False
+
+    def _sync(self) -> None:
+        raise NotImplementedError
+
+    def finish_grad_sync(self) -> None:
+        if not self._synced:
+            self._sync()
+            self._synced = True
 
     @torch.no_grad()
     def step(self, lr: float) -> float:
         self.flat.check_grads_in_place()
+        self.finish_grad_sync()
+        self._synced = False
         grad = self.flat.grad
-        self.comm.all_reduce_sum(grad)
-        grad.div_(self.comm.world_size)
         norm, scale = self._clip_scale(grad.double().square().sum())
         self.optimizer.step(grad, lr, scale)
         self.flat.data.copy_(self.optimizer.master)
         return norm
+
+
+class NaiveDataParallel(ReplicatedStrategy):
+    name = "ddp-naive"
+
+    @torch.no_grad()
+    def _sync(self) -> None:
+        backward_end = time.perf_counter()
+        grad = self.flat.grad
+        intervals = [self.comm.all_reduce_sum_async(grad[s.offset:s.offset + s.numel]).wait()
+                     for s in self.flat.segments]
+        grad.div_(self.comm.world_size)
+        self.last_sync = {"buckets": len(self.flat.segments), **sync_summary(intervals, backward_end)}
+
+
+@dataclass
+class Bucket:
+    """A contiguous range [start, stop) of the flat gradient buffer holding whole tensors."""
+
+    start: int
+    stop: int
+    names: list[str] = field(default_factory=list)
+
+
+def plan_buckets(segments: list[Segment], cap_bytes: int, element_size: int) -> list[Bucket]:
+    """Group tensors in reverse registration order into buckets of at most cap_bytes
+    (a tensor larger than the cap gets a bucket of its own)."""
+    buckets: list[Bucket] = []
+    for seg in reversed(segments):
+        seg_bytes = seg.numel * element_size
+        current = buckets[-1] if buckets else None
+        if current is None or (current.stop - current.start) * element_size + seg_bytes > cap_bytes:
+            buckets.append(Bucket(seg.offset, seg.offset + seg.numel, [seg.name]))
+        else:  # segments are contiguous, so walking backwards extends the range downwards
+            current.start = seg.offset
+            current.names.append(seg.name)
+    return buckets
+
+
+class BucketedDataParallel(ReplicatedStrategy):
+    name = "ddp-bucketed"
+
+    def __init__(self, model: nn.Module, comm: Comm, cfg: TrainConfig, bucket_mb: float = 25.0):
+        super().__init__(model, comm, cfg)
+        self.buckets = plan_buckets(self.flat.segments, int(bucket_mb * 2**20), self.flat.grad.element_size())
+        bucket_of = {name: i for i, b in enumerate(self.buckets) for name in b.names}
+        for name, p in model.named_parameters():
+            p.register_post_accumulate_grad_hook(lambda _p, name=name, i=bucket_of[name]: self._grad_ready(i, name))
+        self.require_backward_grad_sync = True
+        self._reset()
+
+    def _reset(self) -> None:
+        self._arrived: list[set[str]] = [set() for _ in self.buckets]
+        self._pending: list[PendingCollective] = []  # launched buckets, in bucket order
+
+    def _grad_ready(self, i: int, name: str) -> None:
+        if not self.require_backward_grad_sync:
+            return
+        if i < len(self._pending):
+            raise RuntimeError(f"gradient of '{name}' arrived after its bucket's all-reduce started: run all but "
+                               "the last micro-batch of a step under strategy.no_sync()")
+        self._arrived[i].add(name)
+        # Launch every bucket that is complete, strictly in order (same collective order on every rank).
+        while len(self._pending) < len(self.buckets) and \
+                len(self._arrived[len(self._pending)]) == len(self.buckets[len(self._pending)].names):
+            b = self.buckets[len(self._pending)]
+            self._pending.append(self.comm.all_reduce_sum_async(self.flat.grad[b.start:b.stop]))
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        previous, self.require_backward_grad_sync = self.require_backward_grad_sync, False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    @torch.no_grad()
+    def _sync(self) -> None:
+        backward_end = time.perf_counter()
+        if len(self._pending) < len(self.buckets):
+            missing = [n for i, b in enumerate(self.buckets) for n in b.names if n not in self._arrived[i]]
+            for pending in self._pending:  # finish what was launched: every rank launched the same
+                pending.wait()
+            self._reset()
+            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise RuntimeError(f"no gradient reached {shown} this step; bucketed data parallel needs every "
+                               "parameter to take part in the loss (freeze unused ones with requires_grad=False)")
+        intervals = [pending.wait() for pending in self._pending]
+        self._reset()
+        self.flat.grad.div_(self.comm.world_size)
+        self.last_sync = {"buckets": len(self.buckets), **sync_summary(intervals, backward_end)}
+
+
+class TorchDataParallel(ReplicatedStrategy):
+    name = "ddp-torch"
+
+    def __init__(self, model: nn.Module, comm: Comm, cfg: TrainConfig, bucket_mb: float = 25.0):
+        super().__init__(model, comm, cfg)
+        if comm.group is None:
+            raise RuntimeError("PyTorch DDP needs a process group: launch ranks (even one) with the launcher")
+        from torch.nn.parallel import DistributedDataParallel
+
+        device = self.flat.data.device
+        # gradient_as_bucket_view=False: DDP copies averaged buckets back into .grad in place,
+        # so gradients stay views of our flat buffer and the shared optimizer sees them.
+        self.module = DistributedDataParallel(
+            model, device_ids=[device] if device.type == "cuda" else None, process_group=comm.group,
+            bucket_cap_mb=bucket_mb, gradient_as_bucket_view=False)
+        self.module.register_comm_hook(None, self._all_reduce_mean)
+        self._launched: list[PendingCollective] = []
+
+    # No return annotation: DDP checks it by identity, and this module's annotations are strings.
+    def _all_reduce_mean(self, _state, bucket):
+        buffer = bucket.buffer()
+        pending = self.comm.all_reduce_sum_async(buffer)
+        self._launched.append(pending)
+        return pending.then(lambda: buffer.div_(self.comm.world_size))
+
+    def no_sync(self):
+        return self.module.no_sync()
+
+    def _sync(self) -> None:
+        # DDP finished the all-reduces inside backward; collect their timings.
+        intervals = [pending.wait() for pending in self._launched]
+        self._launched = []
+        self.last_sync = {"buckets": len(intervals), **sync_summary(intervals, None)}

@@ -13,6 +13,7 @@ the state a checkpoint needs.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -76,10 +77,40 @@ class FlatParameters:
         return {s.name: flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.segments}
 
 
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, done in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], done))
+        else:
+            merged.append((start, done))
+    return merged
+
+
+def sync_summary(intervals: list[tuple[float, float]], backward_end: float | None) -> dict:
+    """Gradient-sync figures of one step from each all-reduce's (launched, completed) times.
+
+    allreduce_inflight_s: wall time during which any all-reduce was in flight (the union of
+    the intervals: a backend runs queued async ops one after another, so their intervals
+    overlap and a plain sum would count the queueing twice). overlap: the share of that
+    time before backward ended, i.e. hidden behind compute (None when backward's end is not
+    observable, as inside PyTorch DDP, whose wait happens within backward)."""
+    merged = _union(intervals)
+    inflight = sum(done - start for start, done in merged)
+    hidden = None
+    if backward_end is not None and inflight > 0:
+        hidden = sum(max(0.0, min(done, backward_end) - start) for start, done in merged) / inflight
+    return {"allreduce_calls": len(intervals), "allreduce_inflight_s": inflight, "overlap": hidden,
+            "allreduce_ms": [round(1000 * (done - start), 3) for start, done in intervals]}
+
+
 class FlatStrategy:
     """Shared machinery of data-parallel strategies over flat buffers.
 
-    Subclasses set `name`, `shard_optimizer` and implement `step()`.
+    Subclasses set `name`, `shard_optimizer` and implement `step()`; they may
+    override `no_sync()` and `finish_grad_sync()`. The trainer runs forward on
+    `module` (the model, or a wrapper around it) and reads `last_sync` after
+    each step.
     """
 
     name = "flat"
@@ -87,6 +118,8 @@ class FlatStrategy:
 
     def __init__(self, model: nn.Module, comm: Comm, cfg: TrainConfig):
         self.model, self.comm, self.cfg = model, comm, cfg
+        self.module: nn.Module = model
+        self.last_sync: dict = {}
         self.flat = FlatParameters(model, comm.world_size)
         # Rank 0's initial parameters win, so replicas start identical whatever each rank's seed did.
         comm.broadcast(self.flat.data, src=0)
@@ -99,6 +132,14 @@ class FlatStrategy:
 
     def zero_grad(self) -> None:
         self.flat.grad.zero_()
+
+    def no_sync(self):
+        """Context for all but the last micro-batch of a step: backward without gradient sync.
+        Strategies that sync only inside step() need do nothing."""
+        return contextlib.nullcontext()
+
+    def finish_grad_sync(self) -> None:
+        """Complete this step's gradient sync (the trainer may call it early, to time it)."""
 
     def step(self, lr: float) -> float:
         """Sync gradients, clip, update parameters on every rank; return the global grad norm."""

@@ -13,6 +13,7 @@ from minitrain.topology import Topology
 from minitrain.trainer import Trainer
 
 from .dist import run_ranks
+from .numerics import key_bias_mask
 
 STEPS = 5
 
@@ -64,11 +65,11 @@ def test_zero1_equals_dp_float32():
     dp, z1 = results[0][0], results[0][1]
     torch.testing.assert_close(z1["params"], dp["params"], rtol=0, atol=1e-6)
     torch.testing.assert_close(torch.tensor(z1["losses"]), torch.tensor(dp["losses"]), rtol=0, atol=1e-6)
-    # One process averages 16 examples at once; 4 ranks average 4 means. In float32 that
-    # reordering rounds differently (~1e-7 in the gradient), and Adam's division by sqrt(v)
-    # magnifies it where gradients are tiny. The exact check is the float64 test above.
+    # One process averages 16 examples at once; 4 ranks average 4 means: a different rounding,
+    # which only the key biases (exact gradient zero) turn into visible drift.
     ref = _reference("float32", 16)
-    torch.testing.assert_close(dp["params"], ref["params"], rtol=0, atol=1e-5)
+    keep = ~key_bias_mask(dp["params"].numel())
+    torch.testing.assert_close(dp["params"][keep], ref["params"][keep], rtol=0, atol=1e-6)
 
 
 def test_gradient_accumulation_equals_one_big_batch_float64():

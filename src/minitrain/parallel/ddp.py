@@ -143,7 +143,8 @@ class BucketedDataParallel(ReplicatedStrategy):
     def _sync(self) -> None:
         backward_end = time.perf_counter()
         if len(self._pending) < len(self.buckets):
-            missing = [n for i, b in enumerate(self.buckets) for n in b.names if n not in self._arrived[i]]
+            arrived = set().union(*self._arrived)
+            missing = [s.name for s in self.flat.segments if s.name not in arrived]
             for pending in self._pending:  # finish what was launched: every rank launched the same
                 pending.wait()
             self._reset()

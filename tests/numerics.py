@@ -1,0 +1,25 @@
+"""Numerical facts the parity tests rely on."""
+import torch
+
+from minitrain.config import build_config
+from minitrain.model import MiniGPT
+from minitrain.parallel.flat import FlatParameters
+
+
+def key_bias_mask(numel: int) -> torch.Tensor:
+    """Flat elements of every block's key bias (the middle third of attn.qkv.bias) in the
+    tiny model's flat parameter vector.
+
+    Its exact gradient is zero: it adds q.b_k to every score of a softmax row, which the
+    softmax ignores. In float32 the "gradient" is rounding residue whose value depends on
+    the reduction order, and Adam (dividing by sqrt(v)) turns that residue into steps, so
+    two correct float32 implementations drift apart there and nowhere else. Float64 runs
+    hold them to 1e-12; test_ddp.test_key_bias_gradient_is_exactly_zero proves the premise.
+    """
+    flat = FlatParameters(MiniGPT(build_config().model), world_size=1)
+    mask = torch.zeros(numel, dtype=torch.bool)
+    for s in flat.segments:
+        if s.name.endswith("attn.qkv.bias"):
+            third = s.numel // 3
+            mask[s.offset + third:s.offset + 2 * third] = True
+    return mask

@@ -66,6 +66,20 @@ def build_parser() -> Parser:
     demo.add_argument("--steps", type=int, default=20, metavar="S", help="steps; checkpoint at S/2 (default 20)")
     demo.add_argument("--out", default="runs/demo", metavar="DIR", help="output directory (default runs/demo)")
 
+    bench = sub.add_parser("bench", help="measurements: scaling", description="Measurements that write their "
+                           "figures, plots and raw timings to a directory.")
+    bench_sub = bench.add_subparsers(dest="bench", required=True, parser_class=Parser, metavar="BENCH")
+    scaling = bench_sub.add_parser("scaling", help="tokens/s with 1 vs N processes, and why",
+                                   description="Train the same model with 1 and with 2 processes (4 with "
+                                   "--max-procs 4), gloo on CPU, and explain the measured scaling from the "
+                                   "compute and communication times. Writes timings.jsonl, "
+                                   "state-rank-*.safetensors, scaling.png and manifest.json under --out.")
+    scaling.add_argument("--out", default="runs/scaling", metavar="DIR", help="output directory (default runs/scaling)")
+    scaling.add_argument("--steps", type=int, default=100, help="steps per run (default 100)")
+    scaling.add_argument("--max-procs", type=int, default=2, metavar="N", help="largest world size: 2 or 4 (default 2)")
+    scaling.add_argument("--preset", default="tiny", help="model preset (default tiny)")
+    scaling.add_argument("--batch-size", type=int, default=4, help="examples per rank per step (default 4)")
+
     train = sub.add_parser("train", help="train with the settings you give",
                            description="Train MiniGPT with data parallel or ZeRO-1, locally (--nproc N) or "
                            "under torchrun.", epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -85,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "demo":
             return cmd_demo(args)
+        if args.command == "bench":
+            return cmd_bench(args)
         return cmd_train(args)
     except (ConfigError, checkpoint.CheckpointError) as e:
         print(f"minitrain {args.command}: error: {e}", file=sys.stderr)
@@ -124,6 +140,19 @@ def cmd_demo(args) -> int:
     return run_demo(DemoOptions(world_size=args.world_size, steps=args.steps, out=args.out))
 
 
+def cmd_bench(args) -> int:
+    from .bench.scaling import ScalingOptions, run_scaling
+
+    if args.max_procs < 2:
+        raise ConfigError(f"bench scaling compares 1 process with more: --max-procs must be at least 2 "
+                          f"(got {args.max_procs})")
+    if args.steps < 10:
+        raise ConfigError(f"bench scaling needs at least 10 steps to measure past warmup (got --steps {args.steps})")
+    prepare_out_dir(args.out)
+    return run_scaling(ScalingOptions(out=args.out, steps=args.steps, max_procs=args.max_procs,
+                                      preset=args.preset, batch_size=args.batch_size))
+
+
 def resolve_config(args) -> RunConfig:
     specs = {key for key, *_ in field_specs()}
     file_values = load_toml(args.config) if args.config else {}
@@ -151,6 +180,10 @@ def cmd_train(args) -> int:
     else:
         result = launch(train_worker, cfg.dist.nproc, cfg, backend=cfg.dist.backend, pg_timeout_s=cfg.dist.timeout_s,
                         threads_per_rank=cfg.dist.threads_per_rank)[0]
+    if cfg.ddp.measure_sync and result["sync"]:
+        parts = [f"{name} mean {d['mean']:.3g} / p50 {d['p50']:.3g} / p95 {d['p95']:.3g}"
+                 for name, d in result["sync"].items()]
+        print("gradient sync after warmup: " + "; ".join(parts))
     ckpts = f"; last checkpoint {result['checkpoints'][-1]}" if result["checkpoints"] else ""
     final = "n/a" if result["final_loss"] is None else f"{result['final_loss']:.4f}"
     print(f"done: {result['steps']} steps on {result['world_size']} rank(s), final loss {final}; "

@@ -38,6 +38,30 @@ class MetricsWriter:
         self._file.close()
 
 
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile q (0-100) of a non-empty list."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+
+def distribution(values: list[float]) -> dict[str, float]:
+    """mean, p50 and p95 of a non-empty list."""
+    return {"mean": sum(values) / len(values), "p50": percentile(values, 50), "p95": percentile(values, 95)}
+
+
+def sync_report(syncs: list[dict], warmup: int) -> dict[str, dict[str, float]]:
+    """Gradient-sync distributions (ms, and overlap as a fraction) over the steps after warmup,
+    from the `sync` field of step records."""
+    measured = syncs[warmup:] or syncs
+    report = {}
+    for key, scale in (("allreduce_inflight_s", 1000), ("sync_exposed_s", 1000), ("overlap", 1)):
+        values = [s[key] * scale for s in measured if s.get(key) is not None]
+        if values:
+            name = key.removesuffix("_s") + ("_ms" if scale == 1000 else "")
+            report[name] = distribution(values)
+    return report
+
+
 def format_table(headers: list[str], rows: list[list], align: str | None = None) -> str:
     """A plain monospace table; `align` is one of '<' or '>' per column (default: right)."""
     cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]

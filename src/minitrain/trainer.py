@@ -16,7 +16,7 @@ import torch
 from . import checkpoint
 from .config import ConfigError, RunConfig
 from .data import ShardedLoader, load_corpus, num_examples
-from .metrics import MetricsWriter
+from .metrics import MetricsWriter, sync_report
 from .model import MiniGPT
 from .optim import lr_at
 from .parallel import make_strategy
@@ -194,10 +194,11 @@ def train_worker(topo: Topology, cfg: RunConfig) -> dict:
         if topo.is_main else None
     if topo.is_main and start_path is not None:
         print(f"resumed from {start_path} at step {trainer.step}", flush=True)
-    saved, last = [], None
+    saved, last, syncs = [], None, []
     every, total = cfg.ckpt.every_steps, cfg.train.steps
     while trainer.step < total:
         last = trainer.train_step()
+        syncs.append(last.sync)
         if writer:
             writer.write(asdict(last))
         if topo.is_main and cfg.train.log_every and (last.step % cfg.train.log_every == 0 or last.step == total):
@@ -207,6 +208,7 @@ def train_worker(topo: Topology, cfg: RunConfig) -> dict:
     if writer:
         writer.close()
     return {"steps": trainer.step, "final_loss": None if last is None else last.loss,
+            "sync": sync_report(syncs, warmup=min(5, len(syncs) // 5)),
             "resumed_from": None if start_path is None else str(start_path),
             "checkpoints": saved, "metrics": str(out / "metrics.jsonl"),
             "params": trainer.strategy.flat.numel, "world_size": topo.world_size}

@@ -13,7 +13,10 @@ Gradients stay full-size between steps here; sharding them is ZeRO-2.
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 
+from ..comm import Comm
+from ..config import TrainConfig
 from .flat import FlatStrategy
 
 
@@ -21,13 +24,24 @@ class Zero1(FlatStrategy):
     name = "zero1"
     shard_optimizer = True
 
+    def __init__(self, model: nn.Module, comm: Comm, cfg: TrainConfig):
+        super().__init__(model, comm, cfg)
+        self._grad_shard: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def finish_grad_sync(self) -> None:
+        """Step 1: this rank's slice of the rank-averaged gradient."""
+        if self._grad_shard is None:
+            self.flat.check_grads_in_place()
+            # Transient: released by step(), so not part of at-rest memory.
+            shard = torch.empty_like(self.optimizer.master)
+            self.comm.reduce_scatter_sum(shard, self.flat.grad)
+            self._grad_shard = shard.div_(self.comm.world_size)
+
     @torch.no_grad()
     def step(self, lr: float) -> float:
-        self.flat.check_grads_in_place()
-        # Transient: freed when the step returns, so not part of at-rest memory.
-        grad_shard = torch.empty_like(self.optimizer.master)
-        self.comm.reduce_scatter_sum(grad_shard, self.flat.grad)
-        grad_shard.div_(self.comm.world_size)
+        self.finish_grad_sync()
+        grad_shard, self._grad_shard = self._grad_shard, None
         sum_sq = grad_shard.double().square().sum().reshape(1)
         self.comm.all_reduce_sum(sum_sq)
         norm, scale = self._clip_scale(sum_sq)

@@ -1,0 +1,1 @@
+"""Measurements run from the command line (`minitrain bench ...`)."""

@@ -72,6 +72,16 @@ def test_train_writes_metrics_and_checkpoints_then_resumes(tmp_path):
     assert steps == [1, 2, 3, 4, 5, 6]
 
 
+def test_measure_sync_switch_reports_distributions(tmp_path):
+    result = run_cli("train", "--nproc", "2", "--steps", "6", "--measure-sync", "--bucket-mb", "0.02",
+                     "--train.log_every", "0", "--out", "ms", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "gradient sync after warmup: allreduce_inflight_ms mean" in result.stdout and "overlap mean" in result.stdout
+    last = json.loads((tmp_path / "ms/metrics.jsonl").read_text().splitlines()[-1])["sync"]
+    assert last["buckets"] == last["allreduce_calls"] > 1 and last["sync_exposed_s"] >= 0
+    assert 0 <= last["overlap"] <= 1 and last["compute_and_sync_s"] > 0
+
+
 def test_config_file_and_flags(tmp_path):
     (tmp_path / "run.toml").write_text('out = "from-file"\n[train]\nsteps = 2\nlr = 0.001\n[model]\nn_layer = 1\n')
     result = run_cli("train", "--config", "run.toml", "--train.log_every", "0", cwd=tmp_path)

@@ -89,8 +89,9 @@ def build_parser() -> Parser:
         section = key.split(".")[0] if "." in key else "run"
         group = groups.get(section) or groups.setdefault(section, train.add_argument_group(f"{section} settings"))
         flags = ([ALIASES[key]] if key in ALIASES else []) + (["--" + key] if "." in key else [])
+        switch = {"nargs": "?", "const": True} if kind is bool else {}  # `--flag` alone means true
         group.add_argument(*flags, dest=key, type=parse_bool if kind is bool else kind, default=argparse.SUPPRESS,
-                           metavar=kind.__name__.upper(), help=f"{help_text} (default: {default!r})")
+                           metavar=kind.__name__.upper(), help=f"{help_text} (default: {default!r})", **switch)
     return parser
 
 

@@ -31,4 +31,4 @@ def test_bench_scaling_writes_its_outputs(tmp_path):
 
 def test_bench_scaling_rejects_a_single_process():
     result = run_cli("bench", "scaling", "--max-procs", "1")
-    assert result.returncode == 2 and "--max-procs must be at least 2" in result.stderr
+    assert result.returncode == 2 and "--max-procs: invalid choice: 1 (choose from 2, 4)" in result.stderr

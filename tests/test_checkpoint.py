@@ -4,11 +4,11 @@ import pickle
 from pathlib import Path
 
 import pytest
-import torch
 
 from minitrain import checkpoint
 from minitrain.checkpoint import CheckpointError
 from minitrain.config import build_config
+from minitrain.parallel.flat import same_state
 from minitrain.topology import Topology
 from minitrain.trainer import Trainer
 
@@ -21,15 +21,6 @@ def _config(world, zero=1, steps=6, dtype="float32", batch_size=4):
                                     "train.log_every": 0}).validate()
 
 
-def _state(trainer):
-    s = trainer.strategy
-    return [s.flat.data.clone()] + [t.clone() for t in s.optimizer.state_tensors().values()]
-
-
-def _bits_equal(a, b):
-    return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b))
-
-
 def _save_reload_resume(topo, root):
     """Save at step 3 of 6, reload into a fresh trainer, re-save, resume to 6."""
     root = Path(root)
@@ -37,16 +28,16 @@ def _save_reload_resume(topo, root):
     for _ in range(3):
         trainer.train_step()
     first = trainer.save_checkpoint(root / "a")
-    saved = _state(trainer)
+    saved = trainer.strategy.state_snapshot()
     losses = [trainer.train_step().loss for _ in range(3)]
-    final = _state(trainer)
+    final = trainer.strategy.state_snapshot()
 
     fresh = Trainer(_config(topo.world_size), topo)
     fresh.load_checkpoint(first)
-    reload_equal = _bits_equal(_state(fresh), saved) and fresh.step == 3
+    reload_equal = same_state(fresh.strategy.state_snapshot(), saved) and fresh.step == 3
     second = fresh.save_checkpoint(root / "b")  # same state saved again
     resumed_losses = [fresh.train_step().loss for _ in range(3)]
-    return {"reload_equal": reload_equal, "resume_equal": _bits_equal(_state(fresh), final),
+    return {"reload_equal": reload_equal, "resume_equal": same_state(fresh.strategy.state_snapshot(), final),
             "losses": (losses, resumed_losses), "dirs": (str(first), str(second))}
 
 

@@ -113,30 +113,27 @@ def save(root: str | os.PathLike, step: int, topo: Topology, strategy: FlatStrat
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         _fsync_file(tmp / MANIFEST)
         _fsync_dir(tmp)
-        if final.exists():
-            _replace_step_dir(root, tmp, final)
-        else:
-            os.replace(tmp, final)
-            _fsync_dir(root)
+        old = _move_aside(root, final) if final.exists() else None
+        os.replace(tmp, final)
+        _fsync_dir(root)
         _write_durably(root / LATEST, final.name + "\n")
+        if old is not None:
+            shutil.rmtree(old)
     comm.barrier()
     return final
 
 
-def _replace_step_dir(root: Path, tmp: Path, final: Path) -> None:
-    """Re-saving a step that exists (a resumed run passing it again). Directories cannot be
-    swapped atomically, so `latest` is pointed at the old copy while the new one moves in:
-    at every instant it names a complete checkpoint."""
+def _move_aside(root: Path, final: Path) -> Path:
+    """Re-saving a step that exists (a resumed run passing it again): move the old copy
+    aside. Directories cannot be swapped atomically, so if `latest` names this step it is
+    pointed at the old copy until the new one is in place: it always names a complete one."""
     old = root / f".old-{final.name}"
     shutil.rmtree(old, ignore_errors=True)
     os.replace(final, old)
     _fsync_dir(root)
     if (root / LATEST).exists() and (root / LATEST).read_text().strip() == final.name:
         _write_durably(root / LATEST, old.name + "\n")
-    os.replace(tmp, final)
-    _fsync_dir(root)
-    _write_durably(root / LATEST, final.name + "\n")
-    shutil.rmtree(old)
+    return old
 
 
 def _manifest(step, topo, strategy, train_state, run_config, keys, rows) -> dict:

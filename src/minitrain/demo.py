@@ -23,6 +23,7 @@ import torch
 from .config import ConfigError, RunConfig
 from .launch import launch
 from .metrics import MetricsWriter, format_table, human_bytes
+from .parallel.flat import same_state
 from .topology import Topology
 from .trainer import Trainer
 
@@ -51,24 +52,6 @@ def demo_config(opts: DemoOptions) -> RunConfig:
     return cfg.validate()
 
 
-def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Same dtype, shape and bytes (unlike ==, tells -0.0 from 0.0 and matches NaNs)."""
-    return (a.dtype == b.dtype and a.shape == b.shape
-            and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
-
-
-def _state(trainer: Trainer) -> dict[str, torch.Tensor]:
-    """Everything this rank holds that a resume must reproduce, cloned."""
-    s = trainer.strategy
-    state = {"params": s.flat.data.clone()}
-    state.update({f"optim.{k}": v.clone() for k, v in s.optimizer.state_tensors().items()})
-    return state
-
-
-def _same_state(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(bit_equal(a[k], b[k]) for k in a)
-
-
 def demo_worker(topo: Topology, cfg: RunConfig) -> dict | None:
     out, steps = Path(cfg.out), cfg.train.steps
     ckpt_step = cfg.ckpt.every_steps
@@ -85,18 +68,18 @@ def demo_worker(topo: Topology, cfg: RunConfig) -> dict | None:
             writer.write(asdict(rec))
         if rec.step == ckpt_step:
             ckpt_dir = trainer.save_checkpoint(out / "checkpoints")
-            saved_state = _state(trainer)
+            saved_state = trainer.strategy.state_snapshot()
     if writer:
         writer.close()
-    final_state = _state(trainer)
+    final_state = trainer.strategy.state_snapshot()
     run_seconds = time.perf_counter() - start
 
     # Run B: a fresh trainer resumed from the checkpoint.
     resumed = Trainer(cfg, topo)
     resumed.load_checkpoint(ckpt_dir)
-    reload_equal = _same_state(_state(resumed), saved_state) and resumed.step == ckpt_step
+    reload_equal = same_state(resumed.strategy.state_snapshot(), saved_state) and resumed.step == ckpt_step
     resumed_records = [resumed.train_step() for _ in range(steps - resumed.step)]
-    resume_equal = (_same_state(_state(resumed), final_state)
+    resume_equal = (same_state(resumed.strategy.state_snapshot(), final_state)
                     and [r.loss for r in resumed_records] == [r.loss for r in records[ckpt_step:]])
 
     verdicts = topo.dp.gather_rows(torch.tensor([reload_equal, resume_equal], dtype=torch.int64))

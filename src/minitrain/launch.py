@@ -25,6 +25,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 
+from .comm import CollectiveError
+
 # After the first failure, collect reports this long: the root cause usually
 # reports first, but peers whose collectives broke report right after.
 FAILURE_GRACE_S = 0.5
@@ -37,6 +39,9 @@ class RankFailure:
     rank: int
     detail: str  # traceback, or how the process ended
     when: float  # time.time() of the failure, to pick the root cause
+    # True when the rank failed because a collective broke, i.e. most likely because a peer
+    # died: such a failure is the root cause only if nothing else failed.
+    collective: bool = False
 
 
 class RankFailedError(RuntimeError):
@@ -101,8 +106,8 @@ def _rank_main(fn, args, rank, nproc, port, backend, pg_timeout_s, threads, conn
         topo = Topology.from_env(backend, pg_timeout_s)
         result = fn(topo, *args)
         _send(conn, ("ok", result))
-    except BaseException:  # noqa: BLE001 - every failure must reach the launcher
-        _send(conn, ("error", traceback.format_exc(), time.time()))
+    except BaseException as e:  # noqa: BLE001 - every failure must reach the launcher
+        _send(conn, ("error", traceback.format_exc(), time.time(), isinstance(e, CollectiveError)))
         conn.close()
         os._exit(1)  # skip teardown that could block on dead peers; the launcher reaps us
     if topo is not None:
@@ -160,7 +165,7 @@ def _supervise(procs, conns: dict, timeout_s: float | None) -> list:
         if msg[0] == "ok":
             results[rank] = msg[1]
         else:
-            failures.append(RankFailure(rank, msg[1], msg[2]))
+            failures.append(RankFailure(rank, msg[1], msg[2], msg[3]))
 
     while len(results) < nproc:
         now = time.monotonic()
@@ -185,7 +190,9 @@ def _supervise(procs, conns: dict, timeout_s: float | None) -> list:
         if failures and first_failure_at is None:
             first_failure_at = time.monotonic()
     if failures:
-        root = min(failures, key=lambda f: f.when)
+        # A rank that died silently is stamped when the launcher noticed, which can be after
+        # its peers' broken collectives: so prefer failures that are not collective breakage.
+        root = min(failures, key=lambda f: (f.collective, f.when))
         raise RankFailedError(root, sorted(f.rank for f in failures if f is not root))
     return [results[r] for r in range(nproc)]
 

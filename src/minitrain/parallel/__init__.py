@@ -9,16 +9,14 @@ from .ddp import BucketedDataParallel, NaiveDataParallel, TorchDataParallel
 from .flat import FlatStrategy
 from .zero import Zero1
 
-DATA_PARALLEL = {"naive": NaiveDataParallel, "bucketed": BucketedDataParallel, "torch": TorchDataParallel}
-
-
 def make_strategy(model: nn.Module, comm: Comm, cfg: RunConfig) -> FlatStrategy:
     if cfg.train.zero == 1:
         return Zero1(model, comm, cfg.train)
     if cfg.ddp.mode == "naive":
         return NaiveDataParallel(model, comm, cfg.train)
-    return DATA_PARALLEL[cfg.ddp.mode](model, comm, cfg.train, cfg.ddp.bucket_mb)
+    bucketed = BucketedDataParallel if cfg.ddp.mode == "bucketed" else TorchDataParallel
+    return bucketed(model, comm, cfg.train, cfg.ddp.bucket_mb)
 
 
 __all__ = ["BucketedDataParallel", "NaiveDataParallel", "TorchDataParallel", "FlatStrategy", "Zero1",
-           "make_strategy", "DATA_PARALLEL"]
+           "make_strategy"]

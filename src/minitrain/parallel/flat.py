@@ -77,6 +77,17 @@ class FlatParameters:
         return {s.name: flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.segments}
 
 
+def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes (unlike ==, tells -0.0 from 0.0 and matches NaNs)."""
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
+
+
+def same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Two state_snapshot()s (or any tensor dicts) equal byte for byte."""
+    return a.keys() == b.keys() and all(bit_equal(a[k], b[k]) for k in a)
+
+
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     merged: list[tuple[float, float]] = []
     for start, done in sorted(intervals):
@@ -164,6 +175,13 @@ class FlatStrategy:
         elem, P, N = self.flat.data.element_size(), self.flat.padded_numel, self.comm.world_size
         opt_params = P // N if self.shard_optimizer else P
         return {"params": elem * P, "grads": elem * P, "optimizer": 3 * elem * opt_params}
+
+    def state_snapshot(self) -> dict[str, torch.Tensor]:
+        """A copy of everything this rank holds that a resume must reproduce: the full
+        parameters and this rank's optimizer state, keyed like the checkpoint."""
+        state = {"params": self.flat.data.clone()}
+        state.update({f"optim.{k}": v.clone() for k, v in self.optimizer.state_tensors().items()})
+        return state
 
     # --- checkpoint state ----------------------------------------------------------
     def owned_range(self) -> tuple[int, int]:

@@ -51,8 +51,10 @@ def test_round_trip_is_byte_equal_and_resume_bit_identical(tmp_path):
     manifest = json.loads((first / "manifest.json").read_text())
     assert (manifest["step"], manifest["world_size"], manifest["strategy"]) == (3, 2, "zero1")
     assert manifest["model"]["d_model"] == 32 and manifest["flat"]["padding"] == 0
-    slices = sorted(t["slice"] for t in manifest["tensors"] if t["key"] == "optim.exp_avg")
-    assert slices == [[0, 15040], [15040, 30080]]
+    pieces = [t["pieces"] for t in manifest["tensors"] if t["key"] == "optim.exp_avg"]
+    # Each rank's half of the logical vector, cut at tensor boundaries: [at, lo, hi] with at = lo - rank's start.
+    assert [(p[0][1], p[-1][2]) for p in pieces] == [(0, 15040), (15040, 30080)]
+    assert all(at == lo - p[0][1] for p in pieces for at, lo, _ in p)
     assert (tmp_path / "a" / "latest").read_text().strip() == "step-000003"
     assert not list(tmp_path.glob("a/.tmp-*"))  # the temporary directory was renamed away
 

@@ -24,7 +24,7 @@ def test_precedence_defaults_preset_file_cli(tmp_path):
     ({"model.preset": "huge"}, "unknown preset 'huge'"),
     ({"model.n_head": 5}, "does not divide"),
     ({"dist.nproc": 0}, "world size must be at least 1"),
-    ({"train.zero": 3}, "train.zero must be one of"),
+    ({"train.zero": 4}, "train.zero must be one of"),
     ({"train.min_lr_ratio": 1.5}, "min_lr_ratio"),
     ({"train.steps": 1.5}, "invalid int"),
     ({"nonsense.key": 1}, "unknown setting"),

@@ -1,13 +1,14 @@
 """Sharded checkpoints: safetensors shards plus a JSON manifest. Data, never pickles.
 
 Layout of OUT/checkpoints/:
-  step-000010/rank-00000.safetensors   this rank's slices of the flat vectors
+  step-000010/rank-00000.safetensors   this rank's shard of the flat vectors
   step-000010/rank-00001.safetensors   (params, optim.master, optim.exp_avg,
   ...                                   optim.exp_avg_sq) and its torch RNG state
   step-000010/manifest.json            step, world size, strategy, model config,
                                         parameter layout, every tensor's file and
-                                        flat slice, every file's bytes and sha256,
-                                        training state (optimizer steps, loader)
+                                        logical pieces, every file's bytes and
+                                        sha256, training state (optimizer steps,
+                                        loader)
   latest                               name of the newest complete step directory
 
 Crash safety: every rank writes into .tmp-step-000010/ and fsyncs; rank 0
@@ -15,9 +16,12 @@ writes the manifest, fsyncs, renames the directory to its final name, and
 only then rewrites `latest` (itself via rename). A directory without a
 verified manifest is never loaded.
 
-Tensors are stored as slices of the *logical* flat vector (layout in the
-manifest), so loading assembles them by index and does not depend on how many
-ranks wrote them.
+A rank stores its shard as one tensor per key; the manifest lists its
+*pieces*: [at, lo, hi] says elements [at, at + hi - lo) of the stored tensor
+are elements [lo, hi) of the logical vector (every parameter, unpadded, in
+registration order; layout in the manifest). Loading assembles logical vectors
+by index, so it depends neither on how many ranks wrote them nor on the ZeRO
+stage (whose per-unit padding never reaches the file's coordinates).
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ from safetensors.torch import save_file
 from .parallel.flat import FlatStrategy
 from .topology import Topology
 
-FORMAT = "minitrain-checkpoint/1"
+FORMAT = "minitrain-checkpoint/2"
 MANIFEST = "manifest.json"
 LATEST = "latest"
 
@@ -101,9 +105,8 @@ def save(root: str | os.PathLike, step: int, topo: Topology, strategy: FlatStrat
     path = tmp / shard_file_name(rank)
     save_file(shards, str(path))
     _fsync_file(path)
-    lo, hi = strategy.owned_range()
     digest = bytes.fromhex(sha256_of(path))
-    row = torch.tensor([lo, hi, path.stat().st_size]
+    row = torch.tensor([path.stat().st_size]
                        + [int.from_bytes(digest[i:i + 8], "big", signed=True) for i in range(0, 32, 8)],
                        dtype=torch.int64)
     rows = comm.gather_rows(row).tolist()
@@ -138,16 +141,19 @@ def _move_aside(root: Path, final: Path) -> Path:
 
 def _manifest(step, topo, strategy, train_state, run_config, keys, rows) -> dict:
     flat = strategy.flat
-    dtype = str(flat.data.dtype).removeprefix("torch.")
+    dtype = str(flat.dtype).removeprefix("torch.")
     files, tensors = [], []
-    for rank, (lo, hi, size, *digest_words) in enumerate(rows):
+    for rank, (size, *digest_words) in enumerate(rows):
         name = shard_file_name(rank)
         digest = b"".join(w.to_bytes(8, "big", signed=True) for w in digest_words).hex()
         files.append({"name": name, "rank": rank, "bytes": size, "sha256": digest})
-        if hi > lo:
+        ranges = strategy.checkpoint_ranges(rank)  # every rank's layout is computable here
+        if ranges:
+            local = sum(b - a for a, b in ranges)
+            pieces = flat.pieces(ranges)
             for key in keys:
                 if key != "rng.torch":
-                    tensors.append({"key": key, "file": name, "dtype": dtype, "shape": [hi - lo], "slice": [lo, hi]})
+                    tensors.append({"key": key, "file": name, "dtype": dtype, "shape": [local], "pieces": pieces})
         tensors.append({"key": "rng.torch", "file": name, "dtype": "uint8", "rank": rank})
     return {
         "format": FORMAT,
@@ -158,7 +164,8 @@ def _manifest(step, topo, strategy, train_state, run_config, keys, rows) -> dict
         "zero": run_config["train"]["zero"],
         "model": run_config["model"],
         "flat": {"numel": flat.numel, "padded_numel": flat.padded_numel, "padding": flat.padding,
-                 "segments": [{"name": s.name, "offset": s.offset, "shape": list(s.shape)} for s in flat.segments]},
+                 "segments": [{"name": s.name, "offset": s.logical, "shape": list(s.shape)} for s in flat.segments],
+                 "units": [{"name": u.name, "padded_numel": u.stop - u.start} for u in flat.units]},
         "files": files,
         "tensors": tensors,
         "train_state": train_state,
@@ -228,21 +235,22 @@ def verify(path: str | os.PathLike) -> tuple[Path, dict]:
 
 # --- load -------------------------------------------------------------------------------
 def assemble_flat(step_dir: Path, manifest: dict) -> dict[str, torch.Tensor]:
-    """Every flat vector (params, optimizer state) as one full, unpadded tensor,
-    put together from whichever files hold its slices."""
+    """Every flat vector (params, optimizer state) as one full logical tensor,
+    put together from the pieces in whichever files hold them."""
     numel = manifest["flat"]["numel"]
     full: dict[str, torch.Tensor] = {}
     covered: dict[str, int] = {}
     for t in manifest["tensors"]:
-        if "slice" not in t:
+        if "pieces" not in t:
             continue
-        lo, hi = t["slice"]
         value = _read_tensor(step_dir / t["file"], t["key"])
         dest = full.setdefault(t["key"], torch.zeros(numel, dtype=value.dtype))
-        stop = min(hi, numel)
-        if stop > lo:
-            dest[lo:stop].copy_(value[:stop - lo])
-            covered[t["key"]] = covered.get(t["key"], 0) + stop - lo
+        for at, lo, hi in t["pieces"]:
+            if not (0 <= lo < hi <= numel and 0 <= at and at + hi - lo <= value.numel()):
+                raise CheckpointError(f"checkpoint {step_dir}: piece {[at, lo, hi]} of '{t['key']}' in {t['file']} "
+                                      "lies outside the tensor or the parameter vector")
+            dest[lo:hi].copy_(value[at:at + hi - lo])
+            covered[t["key"]] = covered.get(t["key"], 0) + hi - lo
     for key, count in covered.items():
         if count != numel:
             raise CheckpointError(f"checkpoint {step_dir} covers {count} of {numel} elements of '{key}'")
@@ -267,7 +275,7 @@ def load(path: str | os.PathLike, topo: Topology, strategy: FlatStrategy) -> dic
         diff = next((f"{a} vs {b}" for a, b in zip(mine, theirs) if a != b), f"{len(mine)} vs {len(theirs)} tensors")
         raise CheckpointError(f"checkpoint {step_dir} holds a different model (this run vs checkpoint: {diff})")
     full = assemble_flat(step_dir, manifest)
-    dtype = strategy.flat.data.dtype
+    dtype = strategy.flat.dtype
     if full["params"].dtype != dtype:
         raise CheckpointError(f"checkpoint {step_dir} stores {full['params'].dtype}, this run trains in {dtype}")
     strategy.load_state(full, manifest["train_state"]["optimizer_steps"])

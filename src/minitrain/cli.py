@@ -24,6 +24,7 @@ ALIASES = {
     "ckpt.every_steps": "--ckpt-every-steps", "ckpt.resume": "--resume", "out": "--out",
     "dist.backend": "--backend", "dist.timeout_s": "--timeout-s",
     "ddp.mode": "--dp", "ddp.bucket_mb": "--bucket-mb", "ddp.measure_sync": "--measure-sync",
+    "train.prefetch": "--prefetch", "train.memory_profile": "--memory-profile",
 }
 
 TRAIN_EPILOG = """\
@@ -37,12 +38,14 @@ same sections as the flags, e.g.
 
 Examples:
   minitrain train --nproc 4 --zero 1 --steps 50 --out runs/z1
+  minitrain train --nproc 4 --zero 3 --memory-profile --out runs/z3  # per-rank memory vs the formula
   minitrain train --nproc 2 --ckpt-every-steps 10 --out runs/a      # checkpoints every 10 steps
   minitrain train --nproc 2 --resume auto --steps 40 --out runs/a   # continue the same run
   torchrun --nproc-per-node=2 -m minitrain train --zero 1 --out runs/tr
 
-Writes under --out: metrics.jsonl (one JSON line per step, rank 0) and
-checkpoints/step-NNNNNN/ (rank-RRRRR.safetensors + manifest.json) with a `latest` pointer.
+Writes under --out: metrics.jsonl (one JSON line per step, rank 0),
+checkpoints/step-NNNNNN/ (rank-RRRRR.safetensors + manifest.json) with a `latest` pointer,
+and memory.json with --memory-profile.
 """
 
 

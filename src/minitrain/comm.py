@@ -8,7 +8,7 @@ output buffer is given) and nothing is counted, since nothing moves.
 Payload bytes per call: all_reduce, broadcast, send, recv: the tensor;
 reduce_scatter: the full input; all_gather: the full output.
 
-Async all-reduces (`all_reduce_sum_async`) book their
+Async collectives (`*_async`) book their
 *in-flight* time: from launch until the backend marks the work complete (a
 callback on its future), not until someone waits for it. That is what tells
 how much communication hid behind computation.
@@ -46,7 +46,10 @@ class PendingCollective:
         self.launched = time.perf_counter()
         self.completed: float | None = None if work is not None else self.launched
         if work is not None:
-            work.get_future().add_done_callback(self._mark_completed)
+            try:
+                work.get_future().add_done_callback(self._mark_completed)
+            except RuntimeError:  # some gloo ops (reduce_scatter) have no future: completion = wait's return
+                pass
 
     def _mark_completed(self, _future) -> None:
         self.completed = time.perf_counter()
@@ -111,15 +114,20 @@ class Comm:
         if self.world_size > 1:
             self._run("all_reduce", _nbytes(tensor), lambda: dist.all_reduce(tensor, group=self.group))
 
+    def _launch(self, op: str, nbytes: int, start) -> PendingCollective:
+        """Start an async collective (start() returns its Work); returns at once."""
+        try:
+            work = start()
+        except RuntimeError as e:
+            raise self.failure(op, nbytes, e) from e
+        return PendingCollective(self, op, nbytes, work)
+
     def all_reduce_sum_async(self, tensor: torch.Tensor) -> PendingCollective:
         """Start an in-place sum over ranks; returns at once. Call .wait() before using tensor."""
         if self.world_size == 1:
             return PendingCollective(self, "all_reduce", 0)
-        try:
-            work = dist.all_reduce(tensor, group=self.group, async_op=True)
-        except RuntimeError as e:
-            raise self.failure("all_reduce", _nbytes(tensor), e) from e
-        return PendingCollective(self, "all_reduce", _nbytes(tensor), work)
+        return self._launch("all_reduce", _nbytes(tensor),
+                            lambda: dist.all_reduce(tensor, group=self.group, async_op=True))
 
     def reduce_scatter_sum(self, shard_out: torch.Tensor, full_in: torch.Tensor) -> None:
         """shard_out <- this rank's 1/N slice of (sum over ranks of full_in)."""
@@ -136,6 +144,22 @@ class Comm:
             return
         self._run("all_gather", _nbytes(full_out),
                   lambda: _all_gather_single(full_out, shard_in, group=self.group))
+
+    def reduce_scatter_sum_async(self, shard_out: torch.Tensor, full_in: torch.Tensor) -> PendingCollective:
+        """Async reduce_scatter_sum; shard_out is valid after .wait()."""
+        if self.world_size == 1:
+            shard_out.copy_(full_in)
+            return PendingCollective(self, "reduce_scatter", 0)
+        return self._launch("reduce_scatter", _nbytes(full_in), lambda: _reduce_scatter_single(
+            shard_out, full_in, group=self.group, async_op=True))
+
+    def all_gather_async(self, full_out: torch.Tensor, shard_in: torch.Tensor) -> PendingCollective:
+        """Async all_gather; full_out is valid after .wait()."""
+        if self.world_size == 1:
+            full_out.copy_(shard_in)
+            return PendingCollective(self, "all_gather", 0)
+        return self._launch("all_gather", _nbytes(full_out), lambda: _all_gather_single(
+            full_out, shard_in, group=self.group, async_op=True))
 
     def gather_rows(self, row: torch.Tensor) -> torch.Tensor:
         """Every rank's small 1-D `row`, stacked into a CPU tensor (world_size, len(row)) on

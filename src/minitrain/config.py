@@ -79,7 +79,11 @@ class TrainConfig:
     grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0 disables clipping")
     seed: int = opt(0, "seed for initialisation and data order; same seed, same run, bit for bit")
     dtype: str = opt("float32", "float32 | float64 (float64 is for exact parity checks)")
-    zero: int = opt(0, "0 = data parallel (full optimizer state per rank), 1 = ZeRO-1 (optimizer state sharded)")
+    zero: int = opt(0, "ZeRO stage: 0 = data parallel (everything replicated), 1 = optimizer state sharded, "
+                    "2 = gradients too, 3 = parameters too (gathered one block at a time)")
+    prefetch: bool = opt(True, "ZeRO-3: gather the next block's parameters while the current one computes")
+    memory_profile: bool = opt(False, "print per-rank memory (at rest and peak, measured and predicted) at the "
+                               "end and write OUT/memory.json")
     log_every: int = opt(1, "print a progress line every this many steps (rank 0); 0 = quiet")
 
 
@@ -132,11 +136,11 @@ class RunConfig:
             _require_positive(f"train.{name}", getattr(t, name))
         if d.nproc < 1:
             raise ConfigError(f"world size must be at least 1 (got --nproc {d.nproc})")
-        _require_choice("train.zero", t.zero, (0, 1))
+        _require_choice("train.zero", t.zero, (0, 1, 2, 3))
         _require_choice("ddp.mode", self.ddp.mode, ("bucketed", "naive", "torch"))
         if t.zero and self.ddp.mode != "bucketed":
-            raise ConfigError(f"--dp {self.ddp.mode} applies to --zero 0; ZeRO-1 syncs gradients with its own "
-                              "reduce-scatter")
+            raise ConfigError(f"--dp {self.ddp.mode} applies to --zero 0; ZeRO-{t.zero} syncs gradients with its "
+                              "own reduce-scatter")
         if not self.ddp.bucket_mb > 0:
             raise ConfigError(f"ddp.bucket_mb must be > 0, got {self.ddp.bucket_mb}")
         _require_choice("train.dtype", t.dtype, ("float32", "float64"))

@@ -1,8 +1,7 @@
-"""AdamW on one contiguous slice of the flat parameter vector, the LR schedule,
-and global-norm clipping.
+"""AdamW on one flat vector of parameters, the LR schedule, and global-norm clipping.
 
-The same `FlatAdamW` serves data parallel (the slice is everything) and ZeRO-1
-(the slice is this rank's shard), so the two strategies differ only in how
+The same `FlatAdamW` serves data parallel (the vector is every parameter) and
+ZeRO (the vector is this rank's shard), so the strategies differ only in how
 gradients arrive and parameters leave, which is what the parity tests check.
 """
 from __future__ import annotations
@@ -33,30 +32,28 @@ def clip_coefficient(grad_norm: float, max_norm: float) -> float:
 
 
 class FlatAdamW:
-    """Decoupled-weight-decay Adam (Loshchilov & Hutter) over flat indices [lo, hi).
+    """Decoupled-weight-decay Adam (Loshchilov & Hutter) over one flat vector.
 
-    State: a master copy of the parameters plus exp_avg (m) and exp_avg_sq (v),
-    each (hi - lo) elements: 12 bytes per parameter in float32 (ZeRO paper's K).
-    `decay_ranges` are the flat [start, stop) ranges that get weight decay
-    (matrices and embeddings; biases and LayerNorm gains do not, as in GPT-2).
+    State: `master`, the parameters it updates (it takes ownership of the tensor
+    passed in), plus exp_avg (m) and exp_avg_sq (v) of the same length: 12 bytes
+    per parameter in float32 (the ZeRO paper's K). `decay_ranges` are the
+    [start, stop) ranges of `master` that get weight decay (matrices and
+    embeddings; biases and LayerNorm gains do not, as in GPT-2).
     """
 
     STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
 
-    def __init__(self, params: torch.Tensor, lo: int, hi: int,
-                 decay_ranges: list[tuple[int, int]], cfg: TrainConfig):
-        self.lo, self.hi = lo, hi
+    def __init__(self, master: torch.Tensor, decay_ranges: list[tuple[int, int]], cfg: TrainConfig):
         self.betas, self.eps, self.weight_decay = (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay
-        self.master = params[lo:hi].clone()
+        self.master = master
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.steps_taken = 0
-        # Decay ranges clipped to this slice and made slice-relative.
-        self.decay_ranges = [(max(a, lo) - lo, min(b, hi) - lo) for a, b in decay_ranges if a < hi and b > lo]
+        self.decay_ranges = list(decay_ranges)
 
     @torch.no_grad()
     def step(self, grad: torch.Tensor, lr: float, grad_scale: float = 1.0) -> None:
-        """One update of the master slice from `grad` (same length), pre-multiplied by grad_scale."""
+        """One update of `master` from `grad` (same length), pre-multiplied by grad_scale."""
         beta1, beta2 = self.betas
         self.steps_taken += 1
         if grad_scale != 1.0:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint
+from . import checkpoint, memory
 from .config import ConfigError, RunConfig
 from .data import ShardedLoader, load_corpus, num_examples
 from .metrics import MetricsWriter, sync_report
@@ -22,7 +22,10 @@ from .optim import lr_at
 from .parallel import make_strategy
 from .topology import Topology
 
-MEMORY_KINDS = ("params", "grads", "optimizer")
+from .memory import device_peak_bytes, reset_device_peak
+from .parallel.flat import MEMORY_KINDS
+
+PEAK_KINDS = (*MEMORY_KINDS, "total", "device")
 
 
 @dataclass
@@ -43,6 +46,7 @@ class StepRecord:
     comm_calls: int
     param_norm_per_rank: list[float]
     memory: dict[str, list[int]]  # bytes at rest: {"params": [rank0, rank1, ...], ...}
+    memory_peak: dict[str, list[int]]  # most bytes held during the step: params, grads, optimizer, total, device
     sync: dict  # this rank's gradient sync: buckets, all-reduce calls and times, overlap (see sync_summary)
 
 
@@ -67,6 +71,8 @@ class Trainer:
         if measure_sync:
             comm.barrier()  # every rank starts the step together
         start = time.perf_counter()
+        strategy.ledger.reset_peak()
+        reset_device_peak(self.topo.device)
         self.model.train()
         strategy.zero_grad()
         loss_sum = torch.zeros((), dtype=torch.float64)
@@ -93,10 +99,13 @@ class Trainer:
         self.step += 1
         self.tokens_seen += self.tokens_per_step
 
-        memory = self.strategy.memory_bytes()
-        row = torch.tensor([float(loss_sum) / cfg.grad_accum, self.strategy.param_norm()]
-                           + [float(memory[k]) for k in MEMORY_KINDS], dtype=torch.float64)
-        rows = comm.gather_rows(row)  # (world, 5), identical on every rank
+        held, peak = strategy.memory_bytes(), strategy.peak_memory_bytes()
+        peak["device"] = device_peak_bytes(self.topo.device)
+        row = torch.tensor([float(loss_sum) / cfg.grad_accum, strategy.param_norm()]
+                           + [float(held[k]) for k in MEMORY_KINDS] + [float(peak[k]) for k in PEAK_KINDS],
+                           dtype=torch.float64)
+        rows = comm.gather_rows(row)  # (world, 2 + 3 + 5), identical on every rank
+        at_rest, peaks = rows[:, 2:2 + len(MEMORY_KINDS)].long(), rows[:, 2 + len(MEMORY_KINDS):].long()
         elapsed = time.perf_counter() - start
         after = comm.totals()
         return StepRecord(
@@ -113,7 +122,8 @@ class Trainer:
             comm_bytes=after.bytes - before.bytes,
             comm_calls=after.calls - before.calls,
             param_norm_per_rank=rows[:, 1].tolist(),
-            memory={k: [int(v) for v in rows[:, 2 + i].tolist()] for i, k in enumerate(MEMORY_KINDS)},
+            memory={k: at_rest[:, i].tolist() for i, k in enumerate(MEMORY_KINDS)},
+            memory_peak={k: peaks[:, i].tolist() for i, k in enumerate(PEAK_KINDS)},
             sync={**strategy.last_sync, **bracketed},
         )
 
@@ -194,11 +204,11 @@ def train_worker(topo: Topology, cfg: RunConfig) -> dict:
         if topo.is_main else None
     if topo.is_main and start_path is not None:
         print(f"resumed from {start_path} at step {trainer.step}", flush=True)
-    saved, last, syncs = [], None, []
+    saved, last, records = [], None, []
     every, total = cfg.ckpt.every_steps, cfg.train.steps
     while trainer.step < total:
         last = trainer.train_step()
-        syncs.append(last.sync)
+        records.append(last)
         if writer:
             writer.write(asdict(last))
         if topo.is_main and cfg.train.log_every and (last.step % cfg.train.log_every == 0 or last.step == total):
@@ -207,8 +217,14 @@ def train_worker(topo: Topology, cfg: RunConfig) -> dict:
             saved.append(str(trainer.save_checkpoint(out / "checkpoints")))
     if writer:
         writer.close()
-    return {"steps": trainer.step, "final_loss": None if last is None else last.loss,
-            "sync": sync_report(syncs, warmup=min(5, len(syncs) // 5)),
+    summary = {}
+    if cfg.train.memory_profile and records and topo.is_main:
+        report = memory.profile(trainer.strategy, records, topo.device)
+        memory.write(report, out / "memory.json")
+        print(memory.render(report), flush=True)
+        summary["memory"] = str(out / "memory.json")
+    return {**summary, "steps": trainer.step, "final_loss": None if last is None else last.loss,
+            "sync": sync_report([r.sync for r in records], warmup=min(5, len(records) // 5)),
             "resumed_from": None if start_path is None else str(start_path),
             "checkpoints": saved, "metrics": str(out / "metrics.jsonl"),
             "params": trainer.strategy.flat.numel, "world_size": topo.world_size}

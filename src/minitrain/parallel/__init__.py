@@ -7,16 +7,21 @@ from ..comm import Comm
 from ..config import RunConfig
 from .ddp import BucketedDataParallel, NaiveDataParallel, TorchDataParallel
 from .flat import FlatStrategy
-from .zero import Zero1
+from .zero import Zero1, Zero2
+from .zero3 import Zero3
+
 
 def make_strategy(model: nn.Module, comm: Comm, cfg: RunConfig) -> FlatStrategy:
-    if cfg.train.zero == 1:
-        return Zero1(model, comm, cfg.train)
+    stage = cfg.train.zero
+    if stage == 3:
+        return Zero3(model, comm, cfg.train, prefetch=cfg.train.prefetch)
+    if stage in (1, 2):
+        return (Zero1 if stage == 1 else Zero2)(model, comm, cfg.train)
     if cfg.ddp.mode == "naive":
         return NaiveDataParallel(model, comm, cfg.train)
     bucketed = BucketedDataParallel if cfg.ddp.mode == "bucketed" else TorchDataParallel
     return bucketed(model, comm, cfg.train, cfg.ddp.bucket_mb)
 
 
-__all__ = ["BucketedDataParallel", "NaiveDataParallel", "TorchDataParallel", "FlatStrategy", "Zero1",
-           "make_strategy"]
+__all__ = ["BucketedDataParallel", "NaiveDataParallel", "TorchDataParallel", "FlatStrategy", "Zero1", "Zero2",
+           "Zero3", "make_strategy"]

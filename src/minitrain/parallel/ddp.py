@@ -39,8 +39,6 @@ class ReplicatedStrategy(FlatStrategy):
     """Full optimizer state on every rank. Subclasses implement `_sync()`, which must
     leave the rank-averaged gradient in flat.grad."""
 
-    shard_optimizer = False
-
     def __init__(self, model: nn.Module, comm: Comm, cfg: TrainConfig):
         super().__init__(model, comm, cfg)
         self._synced = False
@@ -150,7 +148,7 @@ class BucketedDataParallel(ReplicatedStrategy):
             self._reset()
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
             raise RuntimeError(f"no gradient reached {shown} this step; bucketed data parallel needs every "
-                               "parameter to take part in the loss (freeze unused ones with requires_grad=False)")
+                               "parameter to take part in the loss (remove unused ones from the model)")
         intervals = [pending.wait() for pending in self._pending]
         self._reset()
         self.flat.grad.div_(self.comm.world_size)

@@ -1,15 +1,23 @@
-"""One contiguous buffer for all parameters and one for all gradients.
+"""Contiguous buffers for all parameters (and gradients), cut into units that shard evenly.
 
-Every model parameter becomes a view into `FlatParameters.data`, and its
-`.grad` a view into `FlatParameters.grad` (autograd accumulates into an
-existing .grad in place). A strategy then syncs gradients and updates
-parameters with one collective over the whole buffer instead of one per
-tensor. Both buffers are padded with zeros to a multiple of the world size so
-N ranks get equal shards; the padding never receives a gradient.
+Every model parameter becomes a view into `FlatParameters.data`, and (when a
+full gradient buffer is kept) its `.grad` a view into `FlatParameters.grad`
+(autograd accumulates into an existing .grad in place). A strategy then moves
+whole units with one collective each instead of one per tensor.
 
-`FlatStrategy` is what data parallel and ZeRO-1 share: the buffers, one
-FlatAdamW over the slice of indices this rank updates, memory accounting, and
-the state a checkpoint needs.
+A *unit* is a group of parameters that is reduced, gathered and sharded
+together. Data parallel and ZeRO-1 use one unit, the whole model; ZeRO-2 and
+ZeRO-3 use one unit per block (see units.py). Each unit is padded with zeros to
+a multiple of the world size N, and rank r owns the r-th of its N equal chunks;
+the padding never receives a gradient. A rank's *shard* is its chunks of every
+unit, concatenated: the slice its optimizer updates.
+
+Three coordinate systems, kept apart on purpose:
+- physical: index into the padded flat buffer (Segment.offset, Unit.start);
+- local: index into this rank's shard (the optimizer's vectors);
+- logical: index into the unpadded concatenation of all parameters in
+  registration order (Segment.logical). Checkpoints store logical pieces, so
+  they load at any world size or ZeRO stage.
 """
 from __future__ import annotations
 
@@ -27,8 +35,9 @@ from ..optim import FlatAdamW, clip_coefficient
 @dataclass(frozen=True)
 class Segment:
     name: str
-    offset: int
+    offset: int  # physical
     shape: tuple[int, ...]
+    logical: int = 0
 
     @property
     def numel(self) -> int:
@@ -38,30 +47,85 @@ class Segment:
         return n
 
 
-class FlatParameters:
-    def __init__(self, model: nn.Module, world_size: int):
-        named = list(model.named_parameters())  # tied weights appear once
-        self.numel = sum(p.numel() for _, p in named)
-        self.padded_numel = -(-self.numel // world_size) * world_size
-        self.padding = self.padded_numel - self.numel
-        dtype, device = named[0][1].dtype, named[0][1].device
-        self.data = torch.zeros(self.padded_numel, dtype=dtype, device=device)
-        self.grad = torch.zeros(self.padded_numel, dtype=dtype, device=device)
-        self.segments: list[Segment] = []
-        self._params: list[nn.Parameter] = []
-        offset = 0
-        with torch.no_grad():
-            for name, p in named:
-                n = p.numel()
-                self.data[offset:offset + n].copy_(p.reshape(-1))
-                p.data = self.data[offset:offset + n].view_as(p)
-                p.grad = self.grad[offset:offset + n].view_as(p)
-                self.segments.append(Segment(name, offset, tuple(p.shape)))
-                self._params.append(p)
-                offset += n
+@dataclass(frozen=True)
+class Unit:
+    """Physical range [start, stop) of the flat buffer: its segments, then zero padding
+    up to a multiple of the world size."""
 
-    def decay_ranges(self) -> list[tuple[int, int]]:
-        """Flat ranges of matrices and embeddings (>= 2-D), the ones AdamW decays."""
+    name: str
+    start: int
+    stop: int
+    segments: tuple[Segment, ...]
+
+    def chunk(self, rank: int, world_size: int) -> tuple[int, int]:
+        """Physical range of rank's 1/N of this unit."""
+        size = (self.stop - self.start) // world_size
+        return self.start + rank * size, self.start + (rank + 1) * size
+
+
+Ranges = list[tuple[int, int]]
+
+
+def take(flat: torch.Tensor, ranges: Ranges) -> torch.Tensor:
+    """A new tensor: the given physical ranges of `flat`, concatenated (physical -> local)."""
+    return torch.cat([flat[a:b] for a, b in ranges]) if ranges else flat[:0].clone()
+
+
+def local_views(local: torch.Tensor, ranges: Ranges) -> list[torch.Tensor]:
+    """Views of a local (shard) vector, one per physical range it was taken from."""
+    views, at = [], 0
+    for a, b in ranges:
+        views.append(local[at:at + b - a])
+        at += b - a
+    return views
+
+
+class FlatParameters:
+    def __init__(self, model: nn.Module, world_size: int, units: list[tuple[str, list[str]]] | None = None,
+                 keep_grad: bool = True):
+        named = dict(model.named_parameters())  # tied weights appear once
+        logical, at = {}, 0
+        for name, p in named.items():
+            logical[name], at = at, at + p.numel()
+        self.numel = at
+        units = units or [("model", list(named))]
+        listed = [n for _, names in units for n in names]
+        if sorted(listed) != sorted(named):
+            raise ValueError("units must list every parameter exactly once")
+        self.units: list[Unit] = []
+        offset = 0
+        for unit_name, names in units:
+            start, segs = offset, []
+            for name in names:
+                segs.append(Segment(name, offset, tuple(named[name].shape), logical[name]))
+                offset += named[name].numel()
+            offset = start + -(-(offset - start) // world_size) * world_size
+            self.units.append(Unit(unit_name, start, offset, tuple(segs)))
+        self.padded_numel = offset
+        self.padding = self.padded_numel - self.numel
+        # Segments in registration (= logical) order, whatever the unit order.
+        self.segments = sorted((s for u in self.units for s in u.segments), key=lambda s: s.logical)
+        p0 = next(iter(named.values()))
+        self.dtype, self.device = p0.dtype, p0.device
+        self.element_size = p0.element_size()
+        self.data = torch.zeros(self.padded_numel, dtype=p0.dtype, device=p0.device)
+        self.grad = torch.zeros_like(self.data) if keep_grad else None
+        self._params = [named[s.name] for s in self.segments]
+        self._by_name = named
+        with torch.no_grad():
+            for seg, p in zip(self.segments, self._params):
+                self.data[seg.offset:seg.offset + seg.numel].copy_(p.reshape(-1))
+                p.data = self.data[seg.offset:seg.offset + seg.numel].view_as(p)
+                p.grad = None if self.grad is None else self.grad[seg.offset:seg.offset + seg.numel].view_as(p)
+
+    def param(self, seg: Segment) -> nn.Parameter:
+        return self._by_name[seg.name]
+
+    def parameters(self) -> list[tuple[Segment, nn.Parameter]]:
+        return list(zip(self.segments, self._params))
+
+    def decay_ranges(self) -> Ranges:
+        """Physical ranges of matrices and embeddings (>= 2-D), the ones AdamW decays."""
         return [(s.offset, s.offset + s.numel) for s in self.segments if len(s.shape) >= 2]
 
     def check_grads_in_place(self) -> None:
@@ -73,8 +137,38 @@ class FlatParameters:
                                    "buffer; zero gradients with strategy.zero_grad(), not set_to_none")
 
     def named_views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Named, shaped views of a full flat vector (parameters or any same-layout tensor)."""
+        """Named, shaped views of a full physical vector (parameters or any same-layout tensor)."""
         return {s.name: flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.segments}
+
+    # --- coordinates ----------------------------------------------------------------
+    def to_logical(self, physical: torch.Tensor) -> torch.Tensor:
+        return torch.cat([physical[s.offset:s.offset + s.numel] for s in self.segments])
+
+    def to_physical(self, logical: torch.Tensor) -> torch.Tensor:
+        physical = logical.new_zeros(self.padded_numel)
+        for s in self.segments:
+            physical[s.offset:s.offset + s.numel] = logical[s.logical:s.logical + s.numel]
+        return physical
+
+    def pieces(self, ranges: Ranges) -> list[list[int]]:
+        """[at, lo, hi] for a local vector taken from `ranges`: its elements [at, at + hi - lo)
+        hold logical [lo, hi). Padding maps to nothing."""
+        out, at = [], 0
+        for a, b in ranges:
+            for s in self.segments:
+                lo, hi = max(a, s.offset), min(b, s.offset + s.numel)
+                if lo < hi:
+                    out.append([at + lo - a, s.logical + lo - s.offset, s.logical + hi - s.offset])
+            at += b - a
+        return sorted(out)
+
+    def local_ranges(self, physical: Ranges, ranges: Ranges) -> Ranges:
+        """The parts of physical ranges `physical` (e.g. decay ranges) inside `ranges`, in local coordinates."""
+        out, at = [], 0
+        for a, b in ranges:
+            out += [(max(p, a) - a + at, min(q, b) - a + at) for p, q in physical if p < b and q > a]
+            at += b - a
+        return out
 
 
 def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -99,13 +193,13 @@ def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 
 def sync_summary(intervals: list[tuple[float, float]], backward_end: float | None) -> dict:
-    """Gradient-sync figures of one step from each all-reduce's (launched, completed) times.
+    """Gradient-sync figures of one step from each collective's (launched, completed) times.
 
-    allreduce_inflight_s: wall time during which any all-reduce was in flight (the union of
-    the intervals: a backend runs queued async ops one after another, so their intervals
-    overlap and a plain sum would count the queueing twice). overlap: the share of that
-    time before backward ended, i.e. hidden behind compute (None when backward's end is not
-    observable, as inside PyTorch DDP, whose wait happens within backward)."""
+    allreduce_inflight_s: wall time during which any gradient collective was in flight (the
+    union of the intervals: a backend runs queued async ops one after another, so their
+    intervals overlap and a plain sum would count the queueing twice). overlap: the share of
+    that time before backward ended, i.e. hidden behind compute (None when backward's end is
+    not observable, as inside PyTorch DDP, whose wait happens within backward)."""
     merged = _union(intervals)
     inflight = sum(done - start for start, done in merged)
     hidden = None
@@ -115,31 +209,66 @@ def sync_summary(intervals: list[tuple[float, float]], backward_end: float | Non
             "allreduce_ms": [round(1000 * (done - start), 3) for start, done in intervals]}
 
 
+MEMORY_KINDS = ("params", "grads", "optimizer")
+
+
+class MemoryLedger:
+    """Bytes of model state (params, grads, optimizer) a rank holds, now and at its peak.
+
+    The at-rest figures come from the tensors themselves (`FlatStrategy.memory_bytes`);
+    strategies report every transient model-state tensor they create and drop during a
+    step (a gathered unit, a gradient bucket, a reduce-scatter output, a gradient autograd
+    allocated) with `hold`/`drop`, so the peak is measured from tensor sizes too."""
+
+    def __init__(self):
+        self.transient = dict.fromkeys(MEMORY_KINDS, 0)
+        self.peak_transient = dict.fromkeys(MEMORY_KINDS, 0)
+        self.peak_total_transient = 0
+
+    def hold(self, kind: str, t: torch.Tensor) -> None:
+        self.transient[kind] += t.untyped_storage().nbytes()
+        self.peak_transient[kind] = max(self.peak_transient[kind], self.transient[kind])
+        self.peak_total_transient = max(self.peak_total_transient, sum(self.transient.values()))
+
+    def drop(self, kind: str, t: torch.Tensor) -> None:
+        self.transient[kind] -= t.untyped_storage().nbytes()
+
+    def reset_peak(self) -> None:
+        self.peak_transient = dict(self.transient)
+        self.peak_total_transient = sum(self.transient.values())
+
+
 class FlatStrategy:
     """Shared machinery of data-parallel strategies over flat buffers.
 
-    Subclasses set `name`, `shard_optimizer` and implement `step()`; they may
-    override `no_sync()` and `finish_grad_sync()`. The trainer runs forward on
-    `module` (the model, or a wrapper around it) and reads `last_sync` after
-    each step.
+    `stage` says what is sharded across ranks, as in the ZeRO paper: 0 nothing,
+    1 optimizer state, 2 also gradients, 3 also parameters. Subclasses set `name`
+    and `stage` and implement `step()`; they may override `no_sync()` and
+    `finish_grad_sync()`. The trainer runs forward on `module` (the model, or a
+    wrapper around it) and reads `last_sync` after each step.
     """
 
     name = "flat"
-    shard_optimizer = False
+    stage = 0
 
-    def __init__(self, model: nn.Module, comm: Comm, cfg: TrainConfig):
+    def __init__(self, model: nn.Module, comm: Comm, cfg: TrainConfig,
+                 units: list[tuple[str, list[str]]] | None = None, keep_grad: bool = True):
         self.model, self.comm, self.cfg = model, comm, cfg
         self.module: nn.Module = model
         self.last_sync: dict = {}
-        self.flat = FlatParameters(model, comm.world_size)
+        self.ledger = MemoryLedger()
+        self.flat = FlatParameters(model, comm.world_size, units, keep_grad)
         # Rank 0's initial parameters win, so replicas start identical whatever each rank's seed did.
         comm.broadcast(self.flat.data, src=0)
-        if self.shard_optimizer:
-            shard = self.flat.padded_numel // comm.world_size
-            self.lo, self.hi = comm.rank * shard, (comm.rank + 1) * shard
-        else:
-            self.lo, self.hi = 0, self.flat.padded_numel
-        self.optimizer = FlatAdamW(self.flat.data, self.lo, self.hi, self.flat.decay_ranges(), cfg)
+        self.shard_ranges = self.ranges_of(comm.rank)
+        decay = self.flat.local_ranges(self.flat.decay_ranges(), self.shard_ranges)
+        self.optimizer = FlatAdamW(take(self.flat.data, self.shard_ranges), decay, cfg)
+
+    def ranges_of(self, rank: int) -> Ranges:
+        """Physical ranges whose optimizer state `rank` holds: everything, or its chunk of each unit."""
+        if self.stage == 0:
+            return [(0, self.flat.padded_numel)]
+        return [u.chunk(rank, self.comm.world_size) for u in self.flat.units]
 
     def zero_grad(self) -> None:
         self.flat.grad.zero_()
@@ -160,56 +289,81 @@ class FlatStrategy:
         norm = float(sum_sq.sqrt())
         return norm, clip_coefficient(norm, self.cfg.grad_clip)
 
-    # --- measurement ---------------------------------------------------------------
+    # --- what this rank holds --------------------------------------------------------
+    def held_params(self) -> torch.Tensor:
+        """The parameter tensor this rank keeps between steps (full, or its shard at ZeRO-3)."""
+        return self.flat.data
+
+    def held_grads(self) -> torch.Tensor | None:
+        """The gradient tensor this rank keeps between steps (None if only transient)."""
+        return self.flat.grad
+
+    def full_params(self) -> torch.Tensor:
+        """Every parameter, unpadded, in registration order (collective at ZeRO-3)."""
+        return self.flat.to_logical(self.flat.data)
+
     def param_norm(self) -> float:
         return float(torch.linalg.vector_norm(self.flat.data, dtype=torch.float64))
 
+    # --- memory ------------------------------------------------------------------------
     def memory_bytes(self) -> dict[str, int]:
         """Bytes held at rest, measured from the tensors' storages."""
-        return {"params": self.flat.data.untyped_storage().nbytes(),
-                "grads": self.flat.grad.untyped_storage().nbytes(),
+        grads = self.held_grads()
+        return {"params": self.held_params().untyped_storage().nbytes(),
+                "grads": 0 if grads is None else grads.untyped_storage().nbytes(),
                 "optimizer": self.optimizer.nbytes()}
 
+    def peak_memory_bytes(self) -> dict[str, int]:
+        """Most bytes of each kind held at any moment since the last reset_peak (at rest + transient)."""
+        rest = self.memory_bytes()
+        peak = {k: rest[k] + self.ledger.peak_transient[k] for k in MEMORY_KINDS}
+        peak["total"] = sum(rest.values()) + self.ledger.peak_total_transient
+        return peak
+
     def expected_memory_bytes(self) -> dict[str, int]:
-        """The memory math: P = padded params, N = ranks, K = 3 optimizer tensors per param."""
-        elem, P, N = self.flat.data.element_size(), self.flat.padded_numel, self.comm.world_size
-        opt_params = P // N if self.shard_optimizer else P
-        return {"params": elem * P, "grads": elem * P, "optimizer": 3 * elem * opt_params}
+        """The memory math: P = padded params, N = ranks, 3 optimizer tensors (master, m, v) per
+        param. Stage s shards the optimizer state (s >= 1), gradients (s >= 2), parameters (s = 3)."""
+        elem, P, N = self.flat.element_size, self.flat.padded_numel, self.comm.world_size
+
+        def per_rank(sharded: bool) -> int:
+            return elem * (P // N if sharded else P)
+
+        return {"params": per_rank(self.stage >= 3), "grads": per_rank(self.stage >= 2),
+                "optimizer": 3 * per_rank(self.stage >= 1)}
 
     def state_snapshot(self) -> dict[str, torch.Tensor]:
-        """A copy of everything this rank holds that a resume must reproduce: the full
-        parameters and this rank's optimizer state, keyed like the checkpoint."""
-        state = {"params": self.flat.data.clone()}
+        """A copy of everything this rank holds that a resume must reproduce: its parameters
+        and its optimizer state, keyed like the checkpoint."""
+        state = {"params": self.held_params().clone()}
         state.update({f"optim.{k}": v.clone() for k, v in self.optimizer.state_tensors().items()})
         return state
 
     # --- checkpoint state ----------------------------------------------------------
-    def owned_range(self) -> tuple[int, int]:
-        """Flat indices whose parameters and optimizer state this rank writes to a checkpoint.
+    def checkpoint_ranges(self, rank: int) -> Ranges:
+        """Physical ranges whose parameters and optimizer state `rank` writes to a checkpoint.
         Replicated state is written once, by rank 0."""
-        if self.shard_optimizer or self.comm.rank == 0:
-            return self.lo, self.hi
-        return 0, 0
+        if self.stage >= 1 or rank == 0:
+            return self.ranges_of(rank)
+        return []
+
+    def local_params(self) -> torch.Tensor:
+        """This rank's parameters over its shard ranges (local layout, like the optimizer's)."""
+        return take(self.flat.data, self.shard_ranges)
 
     def state_shards(self) -> dict[str, torch.Tensor]:
-        lo, hi = self.owned_range()
-        if lo == hi:
+        if not self.checkpoint_ranges(self.comm.rank):
             return {}
-        shards = {"params": self.flat.data[lo:hi]}
-        for name, t in self.optimizer.state_tensors().items():
-            shards[f"optim.{name}"] = t[lo - self.lo:hi - self.lo]
+        shards = {"params": self.local_params()}
+        shards.update({f"optim.{k}": t for k, t in self.optimizer.state_tensors().items()})
         return shards
+
+    def _load_params(self, physical: torch.Tensor) -> None:
+        self.flat.data.copy_(physical)
 
     @torch.no_grad()
     def load_state(self, full: dict[str, torch.Tensor], steps_taken: int) -> None:
-        """Restore from full (unsharded, unpadded) flat vectors keyed like state_shards()."""
-        n = self.flat.numel
-        self.flat.data.zero_()
-        self.flat.data[:n].copy_(full["params"][:n])
+        """Restore from full logical vectors (unpadded, registration order) keyed like state_shards()."""
+        self._load_params(self.flat.to_physical(full["params"]))
         for name, t in self.optimizer.state_tensors().items():
-            src = full[f"optim.{name}"]
-            t.zero_()
-            hi = min(self.hi, n)
-            if hi > self.lo:
-                t[:hi - self.lo].copy_(src[self.lo:hi])
+            t.copy_(take(self.flat.to_physical(full[f"optim.{name}"]), self.shard_ranges))
         self.optimizer.steps_taken = steps_taken

@@ -1,28 +1,72 @@
-"""ZeRO-1 (Rajbhandari et al., SC'20): optimizer state sharded across ranks.
+"""ZeRO-1 and ZeRO-2 (Rajbhandari et al., SC'20): optimizer state, then gradients, sharded.
 
-The flat buffers are padded to a multiple of N; rank r owns flat indices
-[r*P/N, (r+1)*P/N) and keeps only that slice of the master weights and Adam
-m and v: 12*P/N bytes in float32 instead of 12*P. One step:
-  1. reduce_scatter the full gradient buffer: rank r receives the sum of its
-     slice over all ranks (then divides by N: the averaged gradient);
+Units (flat.py) are padded to a multiple of N; rank r owns the r-th chunk of
+every unit and keeps only those elements of the master weights and Adam m and
+v: 12*P/N bytes in float32 instead of 12*P. One step:
+  1. reduce_scatter the gradient, unit by unit: rank r receives the sum over
+     ranks of its chunk (then divides by N: the averaged gradient);
   2. the global gradient norm: each rank's sum of squares, all-reduced;
-  3. Adam on the slice (clipped);
-  4. all_gather the updated slices back into every rank's full parameters.
-Gradients stay full-size between steps here; sharding them is ZeRO-2.
+  3. Adam on the shard (clipped);
+  4. all_gather the updated chunks back into every rank's full parameters.
+
+ZeRO-1 keeps a full gradient buffer, one unit (the whole model) and reduces it
+once after backward. ZeRO-2 keeps no full gradient buffer: each block is a
+unit, and as soon as backward has produced a unit's last gradient its
+reduce_scatter starts (overlapping the rest of backward) into the rank's
+persistent gradient shard (4*P/N bytes). A unit's gradient exists in full
+only between its backward and the end of its reduce_scatter, with at most
+MAX_INFLIGHT units in flight.
+
+With gradient accumulation ZeRO-2 reduces every micro-batch and adds into the
+shard: keeping full gradients across micro-batches (FSDP's no_sync) would undo
+the sharding it exists for.
 """
 from __future__ import annotations
+
+import time
+from collections import deque
 
 import torch
 import torch.nn as nn
 
-from ..comm import Comm
+from ..comm import Comm, PendingCollective
 from ..config import TrainConfig
-from .flat import FlatStrategy
+from .flat import FlatStrategy, Segment, local_views, sync_summary
+from .units import module_units, unit_layout
+
+MAX_INFLIGHT = 1  # unit reduce-scatters in flight before the oldest is waited for (bounds gradient memory)
 
 
-class Zero1(FlatStrategy):
+class ShardedStrategy(FlatStrategy):
+    """Stages 1-3: the optimizer updates this rank's shard from the averaged gradient shard."""
+
+    def _gradient_shard(self) -> torch.Tensor:
+        """This rank's summed (not yet averaged) gradient shard, once the sync is finished."""
+        raise NotImplementedError
+
+    def _publish(self) -> None:
+        """Make the updated master shard the parameters every rank computes with."""
+        views = local_views(self.optimizer.master, self.shard_ranges)
+        pending = [self.comm.all_gather_async(self.flat.data[u.start:u.stop], view)
+                   for u, view in zip(self.flat.units, views)]
+        for p in pending:
+            p.wait()
+
+    @torch.no_grad()
+    def step(self, lr: float) -> float:
+        self.finish_grad_sync()
+        grad = self._gradient_shard().div_(self.comm.world_size)
+        sum_sq = grad.double().square().sum().reshape(1)
+        self.comm.all_reduce_sum(sum_sq)
+        norm, scale = self._clip_scale(sum_sq)
+        self.optimizer.step(grad, lr, scale)
+        self._publish()
+        return norm
+
+
+class Zero1(ShardedStrategy):
     name = "zero1"
-    shard_optimizer = True
+    stage = 1
 
     def __init__(self, model: nn.Module, comm: Comm, cfg: TrainConfig):
         super().__init__(model, comm, cfg)
@@ -30,21 +74,104 @@ class Zero1(FlatStrategy):
 
     @torch.no_grad()
     def finish_grad_sync(self) -> None:
-        """Step 1: this rank's slice of the rank-averaged gradient."""
         if self._grad_shard is None:
             self.flat.check_grads_in_place()
             # Transient: released by step(), so not part of at-rest memory.
             shard = torch.empty_like(self.optimizer.master)
-            self.comm.reduce_scatter_sum(shard, self.flat.grad)
-            self._grad_shard = shard.div_(self.comm.world_size)
+            self.ledger.hold("grads", shard)
+            for u, view in zip(self.flat.units, local_views(shard, self.shard_ranges)):
+                self.comm.reduce_scatter_sum(view, self.flat.grad[u.start:u.stop])
+            self._grad_shard = shard
+
+    def _gradient_shard(self) -> torch.Tensor:
+        shard, self._grad_shard = self._grad_shard, None
+        self.ledger.drop("grads", shard)
+        return shard
+
+
+class Zero2(ShardedStrategy):
+    name = "zero2"
+    stage = 2
+
+    def __init__(self, model: nn.Module, comm: Comm, cfg: TrainConfig):
+        plans = module_units(model)
+        super().__init__(model, comm, cfg, units=unit_layout(plans), keep_grad=False)
+        self.plans = plans
+        self.grad_shard = torch.zeros_like(self.optimizer.master)
+        self._shard_views = local_views(self.grad_shard, self.shard_ranges)  # one per unit
+        for i, unit in enumerate(self.flat.units):
+            for seg in unit.segments:
+                self.flat.param(seg).register_post_accumulate_grad_hook(
+                    lambda p, i=i, seg=seg: self._grad_ready(i, seg, p))
+        self._arrived: list[set[str]] = [set() for _ in self.flat.units]
+        self._buffers: dict[int, torch.Tensor] = {}  # unit -> its full gradient, being filled by backward
+        self._inflight: deque[tuple[int, PendingCollective, torch.Tensor, torch.Tensor]] = deque()
+        self._reduced: set[int] = set()
+        self._intervals: list[tuple[float, float]] = []
+
+    def held_grads(self) -> torch.Tensor:
+        return self.grad_shard
+
+    def zero_grad(self) -> None:
+        self.grad_shard.zero_()
+        self._reduced = set()
+        self._intervals = []
 
     @torch.no_grad()
-    def step(self, lr: float) -> float:
-        self.finish_grad_sync()
-        grad_shard, self._grad_shard = self._grad_shard, None
-        sum_sq = grad_shard.double().square().sum().reshape(1)
-        self.comm.all_reduce_sum(sum_sq)
-        norm, scale = self._clip_scale(sum_sq)
-        self.optimizer.step(grad_shard, lr, scale)
-        self.comm.all_gather(self.flat.data, self.optimizer.master)
-        return norm
+    def _grad_ready(self, i: int, seg: Segment, p: nn.Parameter) -> None:
+        unit = self.flat.units[i]
+        if seg.name in self._arrived[i]:
+            missing = [s.name for s in unit.segments if s.name not in self._arrived[i]]
+            raise RuntimeError(f"no gradient reached {', '.join(missing)} in the previous backward; ZeRO-{self.stage} "
+                               "needs every parameter to take part in the loss (remove unused ones from the model)")
+        buffer = self._buffers.get(i)
+        if buffer is None:
+            buffer = self._buffers[i] = torch.zeros(unit.stop - unit.start, dtype=p.dtype, device=p.device)
+            self.ledger.hold("grads", buffer)
+        self.ledger.hold("grads", p.grad)  # autograd's tensor and its copy coexist for a moment
+        buffer[seg.offset - unit.start:seg.offset - unit.start + seg.numel].copy_(p.grad.reshape(-1))
+        self.ledger.drop("grads", p.grad)
+        p.grad = None
+        self._arrived[i].add(seg.name)
+        if len(self._arrived[i]) == len(unit.segments):
+            self._arrived[i] = set()
+            self._reduce_unit(i)
+
+    def _reduce_unit(self, i: int) -> None:
+        while len(self._inflight) >= MAX_INFLIGHT:
+            self._retire_oldest()
+        buffer = self._buffers.pop(i)
+        chunk = torch.empty_like(self._shard_views[i])
+        self.ledger.hold("grads", chunk)
+        self._inflight.append((i, self.comm.reduce_scatter_sum_async(chunk, buffer), chunk, buffer))
+        self._reduced.add(i)
+        self._unit_reduced(i)
+
+    def _unit_reduced(self, i: int) -> None:
+        """Called once unit i's gradient reduction has started (ZeRO-3 frees its parameters)."""
+
+    def _retire_oldest(self) -> None:
+        i, pending, chunk, buffer = self._inflight.popleft()
+        self._intervals.append(pending.wait())
+        self._shard_views[i].add_(chunk)
+        self.ledger.drop("grads", chunk)
+        self.ledger.drop("grads", buffer)
+
+    @torch.no_grad()
+    def finish_grad_sync(self) -> None:
+        backward_end = time.perf_counter()
+        while self._inflight:
+            self._retire_oldest()
+        unreduced = [u for i, u in enumerate(self.flat.units) if i not in self._reduced or self._arrived[i]]
+        if unreduced:
+            missing = [s.name for u in unreduced for s in u.segments
+                       if s.name not in self._arrived[self.flat.units.index(u)]]
+            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise RuntimeError(f"no gradient reached {shown} this step; ZeRO-{self.stage} needs every parameter "
+                               "to take part in the loss (remove unused ones from the model)")
+        if self._intervals:
+            self.last_sync = {"buckets": len(self.flat.units), **sync_summary(self._intervals, backward_end)}
+            self._intervals = []
+
+    def _gradient_shard(self) -> torch.Tensor:
+        return self.grad_shard

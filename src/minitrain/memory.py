@@ -1,0 +1,101 @@
+"""The per-rank memory profile: at rest, peak in a step, and the formula, side by side.
+
+Model-state bytes (parameters, gradients, optimizer state) are measured from
+tensors: at rest from the storages a strategy holds between steps, at peak
+from the transient tensors it reports to its MemoryLedger (gathered units,
+gradient buckets, reduce-scatter outputs). The formula is ARCHITECTURE.md's
+memory math for the stage; at rest the two must be equal.
+
+The device peak covers everything else as well (activations, temporaries,
+allocator slack): torch.cuda.max_memory_allocated on a GPU; on a CPU the
+process's resident-set high-water mark (Linux VmHWM, reset each step through
+/proc/self/clear_refs), which also counts the Python runtime and libraries.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .metrics import format_table, human_bytes
+from .parallel.flat import MEMORY_KINDS, FlatStrategy
+
+FORMULA = {  # per stage: what each kind costs per rank (E = bytes per element, P = padded params, N = ranks)
+    0: {"params": "E*P", "grads": "E*P", "optimizer": "3*E*P"},
+    1: {"params": "E*P", "grads": "E*P", "optimizer": "3*E*P/N"},
+    2: {"params": "E*P", "grads": "E*P/N", "optimizer": "3*E*P/N"},
+    3: {"params": "E*P/N", "grads": "E*P/N", "optimizer": "3*E*P/N"},
+}
+
+
+def device_peak_source(device: torch.device) -> str:
+    return "cuda max_memory_allocated" if device.type == "cuda" else "process peak RSS (VmHWM)"
+
+
+def reset_device_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:  # "5" resets the peak RSS of this process (Linux >= 4.0)
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def device_peak_bytes(device: torch.device) -> int:
+    """Peak bytes since the last reset (0 where the platform cannot tell)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def profile(strategy: FlatStrategy, records: list, device: torch.device) -> dict:
+    """The memory report of a run from its step records (per-rank lists gathered every step)."""
+    n = strategy.comm.world_size
+    expected = strategy.expected_memory_bytes()
+    ranks = []
+    for r in range(n):
+        at_rest = {k: records[-1].memory[k][r] for k in MEMORY_KINDS}
+        peak = {k: max(rec.memory_peak[k][r] for rec in records) for k in (*MEMORY_KINDS, "total")}
+        ranks.append({"rank": r, "at_rest": at_rest, "at_rest_equals_formula": at_rest == expected,
+                      "peak_in_step": peak,
+                      "device_peak_bytes": max(rec.memory_peak["device"][r] for rec in records)})
+    flat = strategy.flat
+    return {
+        "stage": strategy.stage, "strategy": strategy.name, "world_size": n,
+        "dtype": str(flat.dtype).removeprefix("torch."), "element_size": flat.element_size,
+        "params": flat.numel, "padded_params": flat.padded_numel, "padding": flat.padding,
+        "units": [{"name": u.name, "padded_numel": u.stop - u.start} for u in flat.units],
+        "formula": FORMULA[strategy.stage], "expected_at_rest": expected,
+        "device_peak_source": device_peak_source(device), "ranks": ranks,
+    }
+
+
+def render(report: dict) -> str:
+    n, E, P = report["world_size"], report["element_size"], report["padded_params"]
+    rows = []
+    for rank in report["ranks"]:
+        for k in MEMORY_KINDS:
+            got, want = rank["at_rest"][k], report["expected_at_rest"][k]
+            rows.append([rank["rank"], k, got, f"{report['formula'][k]} = {want}", "yes" if got == want else "NO",
+                         rank["peak_in_step"][k]])
+        rows.append([rank["rank"], "total", sum(rank["at_rest"].values()), "", "",
+                     f"{rank['peak_in_step']['total']}  (device {human_bytes(rank['device_peak_bytes'])})"])
+    head = (f"Memory per rank, bytes: ZeRO-{report['stage']}, N = {n}, E = {E} ({report['dtype']}), "
+            f"P = {P} padded params ({report['params']} + {report['padding']} padding over "
+            f"{len(report['units'])} units)")
+    note = (f"peak = most model-state bytes held at any moment of a step (gathered units, gradient buckets); "
+            f"device = {report['device_peak_source']}, which includes activations and the runtime")
+    return "\n".join([head, format_table(["rank", "kind", "at rest", "formula", "match", "peak in step"], rows,
+                                         "><><<<"), note])
+
+
+def write(report: dict, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(report, indent=1) + "\n")

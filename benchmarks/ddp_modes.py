@@ -23,6 +23,8 @@ import sys
 import threading
 from pathlib import Path
 
+from ranges import fmt_range, median_range  # benchmarks/ranges.py
+
 from minitrain.config import build_config
 from minitrain.launch import launch
 from minitrain.metrics import format_table
@@ -60,10 +62,6 @@ def two_at_once(model: str, steps: int) -> float:
     return max(times)
 
 
-def _median_range(values: list[float]) -> tuple[float, float, float]:
-    return statistics.median(values), min(values), max(values)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=12)
@@ -84,17 +82,17 @@ def main(argv=None) -> int:
             runs.append(run)
             print(f"{model:>13} repeat {r + 1}: " + ", ".join(f"{k} {1000 * v:.1f}" for k, v in run.items())
                   + " ms/step", file=sys.stderr, flush=True)
-        report[model] = {"ceiling_2v1": _median_range([run["single"] / run["shared"] for run in runs]),
-                         "single_process_step_ms": _median_range([1000 * run["single"] for run in runs])}
+        report[model] = {"ceiling_2v1": median_range([run["single"] / run["shared"] for run in runs]),
+                         "single_process_step_ms": median_range([1000 * run["single"] for run in runs])}
         for mode in MODES:
-            entry = {"step_ms": _median_range([1000 * run[mode] for run in runs]),
-                     "ratio_to_torch": _median_range([run[mode] / run["torch"] for run in runs]),
+            entry = {"step_ms": median_range([1000 * run[mode] for run in runs]),
+                     "ratio_to_torch": median_range([run[mode] / run["torch"] for run in runs]),
                      # tokens/s at 2 ranks / (2 x tokens/s of one process), same per-rank batch
-                     "scaling_efficiency_2v1": _median_range([run["single"] / run[mode] for run in runs])}
+                     "scaling_efficiency_2v1": median_range([run["single"] / run[mode] for run in runs])}
             report[model][mode] = entry
-            rows.append([model, mode, f"{entry['step_ms'][0]:.1f}", _fmt(entry["ratio_to_torch"], "{:.2f}"),
-                         _fmt(entry["scaling_efficiency_2v1"], "{:.0%}")])
-        rows.append([model, "(machine ceiling)", "", "", _fmt(report[model]["ceiling_2v1"], "{:.0%}")])
+            rows.append([model, mode, f"{entry['step_ms'][0]:.1f}", fmt_range(entry["ratio_to_torch"], "{:.2f}"),
+                         fmt_range(entry["scaling_efficiency_2v1"], "{:.0%}")])
+        rows.append([model, "(machine ceiling)", "", "", fmt_range(report[model]["ceiling_2v1"], "{:.0%}")])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "ddp_modes.json").write_text(json.dumps({"steps": args.steps, "repeats": args.repeats,
@@ -104,11 +102,6 @@ def main(argv=None) -> int:
     print("\nmedian [min-max] over repeats; machine ceiling = one process alone vs. two independent ones at once")
     print(f"wrote {out / 'ddp_modes.json'}")
     return 0
-
-
-def _fmt(stats: tuple[float, float, float], pattern: str) -> str:
-    median, low, high = stats
-    return f"{pattern.format(median)} [{pattern.format(low)}-{pattern.format(high)}]"
 
 
 if __name__ == "__main__":

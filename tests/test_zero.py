@@ -33,7 +33,7 @@ def _train(topo, zero, dtype="float64", batch_size=4, grad_accum=1, **extra):
             "memory": s.memory_bytes(), "expected": s.expected_memory_bytes(), "peak": s.peak_memory_bytes(),
             "padded": s.flat.padded_numel, "numel": s.flat.numel, "units": len(s.flat.units),
             "unit_sizes": [u.stop - u.start for u in s.flat.units],
-            "empty_at_rest": all(p.numel() == 0 for p in trainer.model.parameters())}
+            "empty_at_rest": all(p.untyped_storage().nbytes() == 0 for p in trainer.model.parameters())}
 
 
 def _every_stage(topo, dtype, batch_size=4, grad_accum=1):
@@ -151,3 +151,51 @@ def test_stage1_matches_zero_redundancy_optimizer_and_stage3_matches_fsdp2(dtype
     for peer, (ours, theirs) in run_ranks(_ours_and_peer, 2, dtype)[0].items():
         assert max(abs(a - b) for a, b in zip(ours, theirs)) <= atol, peer
         assert ours[-1] < ours[0]
+
+
+def _save_then_continue(topo, root, zero, batch_size):
+    trainer = Trainer(_config(topo.world_size, zero, batch_size=batch_size, steps=6), topo)
+    for _ in range(3):
+        trainer.train_step()
+    path = trainer.save_checkpoint(root)
+    losses = [trainer.train_step().loss for _ in range(3)]
+    return str(path), losses, trainer.strategy.full_params()
+
+
+def _load_then_continue(topo, path, zero, batch_size):
+    trainer = Trainer(_config(topo.world_size, zero, batch_size=batch_size, steps=6), topo)
+    trainer.load_checkpoint(path)
+    losses = [trainer.train_step().loss for _ in range(3)]
+    return trainer.step, losses, trainer.strategy.full_params()
+
+
+@pytest.mark.parametrize("saved_as,loaded_as", [((2, 1, 4), (4, 3, 2)), ((4, 3, 2), (1, 0, 8)), ((3, 2, 4), (2, 3, 6))],
+                         ids=["zero1x2-to-zero3x4", "zero3x4-to-dp1", "zero2x3-to-zero3x2"])
+def test_checkpoints_move_between_stages_and_world_sizes(tmp_path, saved_as, loaded_as):
+    # (world, zero, batch per rank); the global batch stays equal so the data order continues.
+    (world, zero, batch), (world2, zero2, batch2) = saved_as, loaded_as
+    path, losses, params = run_ranks(_save_then_continue, world, str(tmp_path), zero, batch)[0]
+    step, losses2, params2 = run_ranks(_load_then_continue, world2, path, zero2, batch2)[0]
+    assert step == 6
+    assert max(abs(a - b) for a, b in zip(losses, losses2)) <= 1e-12
+    assert _max_diff(params, params2) <= 1e-12
+
+
+def test_cli_memory_profile_prints_the_table_and_writes_memory_json(tmp_path):
+    import json
+
+    from .dist import run_cli
+
+    out = tmp_path / "z3"
+    proc = run_cli("train", "--nproc", "2", "--zero", "3", "--steps", "3", "--memory-profile", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "Memory per rank, bytes: ZeRO-3, N = 2" in proc.stdout
+    assert proc.stdout.count(" yes ") == 6  # 2 ranks x (params, grads, optimizer) equal the formula
+    report = json.loads((out / "memory.json").read_text())
+    assert report["stage"] == 3 and all(r["at_rest_equals_formula"] for r in report["ranks"])
+    rank0 = report["ranks"][0]
+    assert rank0["at_rest"]["params"] == 4 * report["padded_params"] // 2
+    assert rank0["peak_in_step"]["params"] > rank0["at_rest"]["params"]  # a gathered block on top of the shard
+    bad = run_cli("train", "--zero", "4", "--out", str(tmp_path / "bad"))
+    assert bad.returncode == 2 and "train.zero must be one of 0, 1, 2, 3" in bad.stderr
+    assert not (tmp_path / "bad").exists()

@@ -31,6 +31,16 @@ def clip_coefficient(grad_norm: float, max_norm: float) -> float:
     return max_norm / (grad_norm + 1e-6)
 
 
+def sum_of_squares(x: torch.Tensor, chunk: int = 1 << 16) -> torch.Tensor:
+    """sum(x**2) accumulated in float64, chunk by chunk: an upcast copy of a large flat
+    vector would cost 8 bytes per element at the peak of the step (and runs slower)."""
+    total = torch.zeros((), dtype=torch.float64, device=x.device)
+    for part in x.split(chunk):
+        part = part.double()
+        total += part.dot(part)
+    return total
+
+
 class FlatAdamW:
     """Decoupled-weight-decay Adam (Loshchilov & Hutter) over one flat vector.
 
@@ -42,6 +52,7 @@ class FlatAdamW:
     """
 
     STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
+    CHUNK = 1 << 16  # elements per pass (256 KiB in float32)
 
     def __init__(self, master: torch.Tensor, decay_ranges: list[tuple[int, int]], cfg: TrainConfig):
         self.betas, self.eps, self.weight_decay = (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay
@@ -53,21 +64,27 @@ class FlatAdamW:
 
     @torch.no_grad()
     def step(self, grad: torch.Tensor, lr: float, grad_scale: float = 1.0) -> None:
-        """One update of `master` from `grad` (same length), pre-multiplied by grad_scale."""
+        """One update of `master` from `grad` (same length), pre-multiplied by grad_scale.
+        `grad` is scaled in place: callers pass a gradient buffer they are done with."""
         beta1, beta2 = self.betas
         self.steps_taken += 1
         if grad_scale != 1.0:
-            grad = grad * grad_scale
+            grad.mul_(grad_scale)
         if self.weight_decay:
             for a, b in self.decay_ranges:
                 self.master[a:b].mul_(1.0 - lr * self.weight_decay)
-        self.exp_avg.lerp_(grad, 1.0 - beta1)
-        self.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
         bias1 = 1.0 - beta1 ** self.steps_taken
         bias2_sqrt = math.sqrt(1.0 - beta2 ** self.steps_taken)
-        # Same operation order as torch.optim.AdamW, so float64 runs agree to ~1e-15.
-        denom = (self.exp_avg_sq.sqrt() / bias2_sqrt).add_(self.eps)
-        self.master.addcdiv_(self.exp_avg, denom, value=-lr / bias1)
+        # Chunk by chunk: every elementwise pass below then runs on data already in cache, and the
+        # one temporary (denom) is a chunk, not a copy of the whole vector. Elementwise, so the
+        # result is bit-identical to whole-vector passes.
+        for a in range(0, self.master.numel(), self.CHUNK):
+            g, m, v, w = (t[a:a + self.CHUNK] for t in (grad, self.exp_avg, self.exp_avg_sq, self.master))
+            m.lerp_(g, 1.0 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+            # Same operation order as torch.optim.AdamW, so float64 runs agree to ~1e-15.
+            denom = (v.sqrt() / bias2_sqrt).add_(self.eps)
+            w.addcdiv_(m, denom, value=-lr / bias1)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in self.STATE_NAMES}

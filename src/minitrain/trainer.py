@@ -16,14 +16,13 @@ import torch
 from . import checkpoint, memory
 from .config import ConfigError, RunConfig
 from .data import ShardedLoader, load_corpus, num_examples
+from .memory import device_peak_bytes, reset_device_peak
 from .metrics import MetricsWriter, sync_report
 from .model import MiniGPT
 from .optim import lr_at
 from .parallel import make_strategy
-from .topology import Topology
-
-from .memory import device_peak_bytes, reset_device_peak
 from .parallel.flat import MEMORY_KINDS
+from .topology import Topology
 
 PEAK_KINDS = (*MEMORY_KINDS, "total", "device")
 

@@ -32,6 +32,7 @@ import torch.nn as nn
 
 from ..comm import Comm, PendingCollective
 from ..config import TrainConfig
+from ..optim import sum_of_squares
 from .flat import FlatStrategy, Segment, sync_summary
 
 
@@ -57,7 +58,7 @@ class ReplicatedStrategy(FlatStrategy):
         self.finish_grad_sync()
         self._synced = False
         grad = self.flat.grad
-        norm, scale = self._clip_scale(grad.double().square().sum())
+        norm, scale = self._clip_scale(sum_of_squares(grad))
         self.optimizer.step(grad, lr, scale)
         self.flat.data.copy_(self.optimizer.master)
         return norm

@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from ..comm import Comm
 from ..config import TrainConfig
-from ..optim import FlatAdamW, clip_coefficient
+from ..optim import FlatAdamW, clip_coefficient, sum_of_squares
 
 
 @dataclass(frozen=True)
@@ -303,7 +303,7 @@ class FlatStrategy:
         return self.flat.to_logical(self.flat.data)
 
     def param_norm(self) -> float:
-        return float(torch.linalg.vector_norm(self.flat.data, dtype=torch.float64))
+        return float(sum_of_squares(self.flat.data).sqrt())
 
     # --- memory ------------------------------------------------------------------------
     def memory_bytes(self) -> dict[str, int]:

@@ -31,6 +31,7 @@ import torch.nn as nn
 
 from ..comm import Comm, PendingCollective
 from ..config import TrainConfig
+from ..optim import sum_of_squares
 from .flat import FlatStrategy, Segment, local_views, sync_summary
 from .units import module_units, unit_layout
 
@@ -56,7 +57,7 @@ class ShardedStrategy(FlatStrategy):
     def step(self, lr: float) -> float:
         self.finish_grad_sync()
         grad = self._gradient_shard().div_(self.comm.world_size)
-        sum_sq = grad.double().square().sum().reshape(1)
+        sum_sq = sum_of_squares(grad).reshape(1)
         self.comm.all_reduce_sum(sum_sq)
         norm, scale = self._clip_scale(sum_sq)
         self.optimizer.step(grad, lr, scale)

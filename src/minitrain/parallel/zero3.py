@@ -13,11 +13,17 @@ make each unit (units.py: one per block) whole exactly when it is needed:
              when the unit's last gradient lands: reduce_scatter it into the
                         gradient shard (ZeRO-2's path) and free the buffer.
 
-Autograd keeps the parameter *objects* it saved in forward; re-pointing their
-.data at a freshly gathered buffer before the unit's backward gives backward
-the same values (FSDP's approach). After the optimizer step the updated master
-shard is copied into the parameter shard; nothing is gathered until the next
-forward.
+Each unit has one gathered buffer whose *storage* is allocated only while
+the unit is whole (resized to 0 bytes otherwise, FSDP's technique). The
+parameters are permanent views into it. That matters because autograd saves
+views of the weights (a linear layer keeps W.t() for backward): freeing by
+dropping the buffer would leave those views holding the memory until
+backward. Freeing the storage releases it; re-gathering into the same storage
+before the unit's backward gives the saved views their values back. Writes go
+through the buffer tensor, whose version counter is not the parameters', so
+autograd does not mistake the re-gather for an in-place change. After the
+optimizer step the updated master shard is copied into the parameter shard;
+nothing is gathered until the next forward.
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ import torch.nn as nn
 
 from ..comm import Comm, PendingCollective
 from ..config import TrainConfig
+from ..optim import sum_of_squares
 from .flat import local_views, take
 from .zero import Zero2
 
@@ -39,12 +46,16 @@ class Zero3(Zero2):
         self.prefetch = prefetch
         self.param_shard = self.local_params()
         self._param_views = local_views(self.param_shard, self.shard_ranges)
-        self._empty = self.param_shard.new_empty(0)
-        self._gathered: dict[int, torch.Tensor] = {}
-        self._gathering: dict[int, tuple[PendingCollective, torch.Tensor]] = {}
+        self._buffers_whole = [self.param_shard.new_empty(u.stop - u.start) for u in self.flat.units]
+        self._gathered: set[int] = set()
+        self._gathering: dict[int, PendingCollective] = {}
         self.flat.data = None  # the full parameters exist only unit by unit from now on
-        for i in range(len(self.flat.units)):
-            self._point_at(i, None)
+        for i, unit in enumerate(self.flat.units):
+            buffer = self._buffers_whole[i]
+            for seg in unit.segments:
+                self.flat.param(seg).data = buffer[seg.offset - unit.start:seg.offset - unit.start + seg.numel].view(
+                    seg.shape)
+            buffer.untyped_storage().resize_(0)
         self._order = [i for i, plan in enumerate(self.plans) if plan.module is not None]  # forward order
         self._shared = [i for i, plan in enumerate(self.plans) if plan.module is None]
         for pos, i in enumerate(self._order):
@@ -54,36 +65,27 @@ class Zero3(Zero2):
         model.register_forward_hook(self._after_model_forward)
 
     # --- gather and free ----------------------------------------------------------------
-    def _point_at(self, i: int, buffer: torch.Tensor | None) -> None:
-        unit = self.flat.units[i]
-        for seg in unit.segments:
-            p = self.flat.param(seg)
-            p.data = self._empty if buffer is None else \
-                buffer[seg.offset - unit.start:seg.offset - unit.start + seg.numel].view(seg.shape)
-
     def _start_gather(self, i: int) -> None:
         if i in self._gathered or i in self._gathering:
             return
-        unit = self.flat.units[i]
-        buffer = self.param_shard.new_empty(unit.stop - unit.start)
+        buffer = self._buffers_whole[i]
+        buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
         self.ledger.hold("params", buffer)
-        self._gathering[i] = (self.comm.all_gather_async(buffer, self._param_views[i]), buffer)
+        self._gathering[i] = self.comm.all_gather_async(buffer, self._param_views[i])
 
     def _ensure(self, i: int) -> None:
-        """Unit i's parameters gathered and in place (waits for a prefetch in flight)."""
-        if i in self._gathered:
-            return
-        self._start_gather(i)
-        pending, buffer = self._gathering.pop(i)
-        pending.wait()
-        self._gathered[i] = buffer
-        self._point_at(i, buffer)
+        """Unit i's parameters gathered (waits for a prefetch in flight)."""
+        if i not in self._gathered:
+            self._start_gather(i)
+            self._gathering.pop(i).wait()
+            self._gathered.add(i)
 
     def _free(self, i: int) -> None:
-        buffer = self._gathered.pop(i, None)
-        if buffer is not None:
-            self._point_at(i, None)
+        if i in self._gathered:
+            self._gathered.remove(i)
+            buffer = self._buffers_whole[i]
             self.ledger.drop("params", buffer)
+            buffer.untyped_storage().resize_(0)
 
     # --- hooks ----------------------------------------------------------------------------
     def _before_model_forward(self, _model, _args) -> None:
@@ -134,7 +136,7 @@ class Zero3(Zero2):
 
     def param_norm(self) -> float:
         """Collective: the shards' sums of squares, all-reduced."""
-        sum_sq = self.param_shard.double().square().sum().reshape(1)
+        sum_sq = sum_of_squares(self.param_shard).reshape(1)
         self.comm.all_reduce_sum(sum_sq)
         return float(sum_sq.sqrt())
 

@@ -1,0 +1,129 @@
+"""Step time and peak memory per rank of ZeRO stages 0-3 against PyTorch's ZeroRedundancyOptimizer and FSDP2.
+
+Every configuration trains the same model on the same data with the same
+schedule (the peers are minitrain.parallel.peers), at 2 and 4 ranks, gloo on
+CPU, one thread per rank. Within one launch of N ranks each repeat runs every
+configuration back to back (rotated order) and takes the median step time
+after warmup; ratios are formed within the repeat and reported as median
+[min-max] over repeats, because measurements minutes apart drift on a shared
+machine.
+
+Peak memory per rank is the most the process held during any step above what
+it held before the model was built: on a GPU torch.cuda.max_memory_allocated,
+on a CPU the resident-set high-water mark (VmHWM, reset every step). glibc is
+told to return every freed block above 64 KiB to the system at once
+(MALLOC_MMAP_THRESHOLD_), so the resident set follows the live tensors instead
+of keeping freed memory of an earlier configuration. For our stages the
+model-state peak from the strategy's ledger is reported too.
+
+    .venv/bin/python benchmarks/zero_stages.py [--worlds 2 4] [--steps 8] [--repeats 3] [--out runs/bench-zero]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from ranges import fmt_range, median_range  # benchmarks/ranges.py
+
+from minitrain.config import build_config
+from minitrain.launch import launch
+from minitrain.memory import device_peak_bytes, reset_device_peak
+from minitrain.metrics import format_table, human_bytes
+from minitrain.parallel.peers import PeerTrainer
+from minitrain.trainer import Trainer
+
+# ~10.8M parameters (43 MB in float32): model state, not activations, dominates memory.
+MODEL = {"model.n_layer": 6, "model.d_model": 384, "model.n_head": 6, "model.vocab_size": 256,
+         "model.seq_len": 128, "train.batch_size": 2, "data.synthetic_tokens": 1 << 18}
+CONFIGS = ["zero0", "zero1", "zero2", "zero3", "zero-redundancy", "fsdp2"]
+PEER_OF = {"zero0": "zero-redundancy", "zero1": "zero-redundancy", "zero2": "fsdp2", "zero3": "fsdp2"}
+WARMUP = 2
+
+
+def _run_config(topo, name: str, steps: int) -> dict:
+    stage = int(name[-1]) if name.startswith("zero") and name[-1].isdigit() else 0
+    values = {**MODEL, "train.zero": stage, "train.steps": steps, "dist.nproc": topo.world_size,
+              "train.log_every": 0}
+    cfg = build_config(cli_values=values).validate()
+    device = topo.device
+    gc.collect()
+    reset_device_peak(device)
+    baseline = device_peak_bytes(device) if device.type != "cuda" else 0
+    trainer = Trainer(cfg, topo) if name in PEER_OF else PeerTrainer(cfg, topo, name)
+    times, peaks, ledger = [], [], 0
+    for _ in range(steps):
+        reset_device_peak(device)
+        start = time.perf_counter()
+        trainer.train_step()  # both end with a collective, so every rank leaves the step together
+        times.append(time.perf_counter() - start)
+        peaks.append(device_peak_bytes(device) - baseline)
+        if name in PEER_OF:
+            ledger = max(ledger, trainer.strategy.peak_memory_bytes()["total"])
+    del trainer
+    gc.collect()
+    return {"step_s": statistics.median(times[WARMUP:]), "peak_bytes": max(peaks), "model_state_peak": ledger}
+
+
+def worker(topo, order: list[str], steps: int) -> dict:
+    result = {name: _run_config(topo, name, steps) for name in order}
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default="runs/bench-zero")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))  # inherited by the spawned ranks
+    report, rows = {}, []
+    for world in args.worlds:
+        runs = []
+        for r in range(args.repeats):
+            order = CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]
+            per_rank = launch(worker, world, order, args.steps, backend="gloo", timeout_s=1800)
+            # Slowest rank's step time; largest rank's peak.
+            runs.append({name: {"step_s": max(rank[name]["step_s"] for rank in per_rank),
+                                "peak_bytes": max(rank[name]["peak_bytes"] for rank in per_rank),
+                                "model_state_peak": max(rank[name]["model_state_peak"] for rank in per_rank)}
+                         for name in CONFIGS})
+            print(f"world {world} repeat {r + 1}: " + ", ".join(
+                f"{name} {1000 * runs[-1][name]['step_s']:.0f} ms" for name in CONFIGS), file=sys.stderr, flush=True)
+        report[world] = {}
+        for name in CONFIGS:
+            entry = {"step_ms": median_range([1000 * run[name]["step_s"] for run in runs]),
+                     "peak_bytes": median_range([run[name]["peak_bytes"] for run in runs]),
+                     "model_state_peak_bytes": median_range([run[name]["model_state_peak"] for run in runs])}
+            peer = PEER_OF.get(name)
+            if peer:
+                entry["peer"] = peer
+                entry["time_ratio"] = median_range([run[name]["step_s"] / run[peer]["step_s"] for run in runs])
+                entry["memory_ratio"] = median_range([run[name]["peak_bytes"] / run[peer]["peak_bytes"]
+                                                       for run in runs])
+            report[world][name] = entry
+            rows.append([world, name, f"{entry['step_ms'][0]:.0f}", human_bytes(entry["peak_bytes"][0]),
+                         human_bytes(entry["model_state_peak_bytes"][0]) if peer else "",
+                         peer or "", fmt_range(entry["time_ratio"], "{:.2f}") if peer else "",
+                         fmt_range(entry["memory_ratio"], "{:.2f}") if peer else ""])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "zero_stages.json").write_text(json.dumps({
+        "model": MODEL, "steps": args.steps, "warmup": WARMUP, "repeats": args.repeats,
+        "format": "each figure is [median, min, max] over repeats", "results": report}, indent=1))
+    print(format_table(["ranks", "config", "step_ms", "peak/rank", "model state", "peer", "time vs peer",
+                        "memory vs peer"], rows, "><>>><>>"))
+    print("\npeak/rank: process high-water mark above its pre-model baseline (largest rank); model state: "
+          "our ledger's peak of params + grads + optimizer; ratios median [min-max] over repeats")
+    print(f"wrote {out / 'zero_stages.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

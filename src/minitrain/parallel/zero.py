@@ -106,7 +106,7 @@ class Zero2(ShardedStrategy):
                     lambda p, i=i, seg=seg: self._grad_ready(i, seg, p))
         self._arrived: list[set[str]] = [set() for _ in self.flat.units]
         self._buffers: dict[int, torch.Tensor] = {}  # unit -> its full gradient, being filled by backward
-        self._inflight: deque[tuple[int, PendingCollective, torch.Tensor, torch.Tensor]] = deque()
+        self._inflight: deque[tuple[int, PendingCollective, torch.Tensor | None, torch.Tensor]] = deque()
         self._reduced: set[int] = set()
         self._intervals: list[tuple[float, float]] = []
 
@@ -142,9 +142,13 @@ class Zero2(ShardedStrategy):
         while len(self._inflight) >= MAX_INFLIGHT:
             self._retire_oldest()
         buffer = self._buffers.pop(i)
-        chunk = torch.empty_like(self._shard_views[i])
-        self.ledger.hold("grads", chunk)
-        self._inflight.append((i, self.comm.reduce_scatter_sum_async(chunk, buffer), chunk, buffer))
+        if i in self._reduced:  # a later micro-batch: reduce beside the shard, then add
+            chunk = torch.empty_like(self._shard_views[i])
+            self.ledger.hold("grads", chunk)
+        else:  # the shard still holds zero_grad's zeros: reduce straight into it
+            chunk = None
+        target = self._shard_views[i] if chunk is None else chunk
+        self._inflight.append((i, self.comm.reduce_scatter_sum_async(target, buffer), chunk, buffer))
         self._reduced.add(i)
         self._unit_reduced(i)
 
@@ -154,8 +158,9 @@ class Zero2(ShardedStrategy):
     def _retire_oldest(self) -> None:
         i, pending, chunk, buffer = self._inflight.popleft()
         self._intervals.append(pending.wait())
-        self._shard_views[i].add_(chunk)
-        self.ledger.drop("grads", chunk)
+        if chunk is not None:
+            self._shard_views[i].add_(chunk)
+            self.ledger.drop("grads", chunk)
         self.ledger.drop("grads", buffer)
 
     @torch.no_grad()

@@ -2,14 +2,14 @@
 
 Every configuration trains the same model on the same data with the same
 schedule (the peers are minitrain.parallel.peers), at 2 and 4 ranks, gloo on
-CPU, one thread per rank. Within one launch of N ranks each repeat runs every
-configuration back to back (rotated order) and takes the median step time
-after warmup; ratios are formed within the repeat and reported as median
+CPU, one thread per rank. Each repeat runs every configuration back to back
+(rotated order), each in freshly launched ranks, and takes the median step
+time after warmup; ratios are formed within the repeat and reported as median
 [min-max] over repeats, because measurements minutes apart drift on a shared
 machine.
 
 Peak memory per rank is the most the process held during any step above what
-it held before the model was built: on a GPU torch.cuda.max_memory_allocated,
+it held before the model was built (every peer's modules already imported): on a GPU torch.cuda.max_memory_allocated,
 on a CPU the resident-set high-water mark (VmHWM, reset every step). glibc is
 told to return every freed block above 64 KiB to the system at once
 (MALLOC_MMAP_THRESHOLD_), so the resident set follows the live tensors instead
@@ -46,8 +46,12 @@ PEER_OF = {"zero0": "zero-redundancy", "zero1": "zero-redundancy", "zero2": "fsd
 WARMUP = 2
 
 
-def _run_config(topo, name: str, steps: int) -> dict:
-    stage = int(name[-1]) if name.startswith("zero") and name[-1].isdigit() else 0
+def worker(topo, name: str, steps: int) -> dict:
+    """One configuration in fresh processes, so no earlier one's freed memory or imports are counted."""
+    import torch.distributed.fsdp  # noqa: F401  every peer's modules loaded before the baseline
+    import torch.distributed.optim  # noqa: F401
+
+    stage = int(name[-1]) if name in PEER_OF else 0
     values = {**MODEL, "train.zero": stage, "train.steps": steps, "dist.nproc": topo.world_size,
               "train.log_every": 0}
     cfg = build_config(cli_values=values).validate()
@@ -65,14 +69,7 @@ def _run_config(topo, name: str, steps: int) -> dict:
         peaks.append(device_peak_bytes(device) - baseline)
         if name in PEER_OF:
             ledger = max(ledger, trainer.strategy.peak_memory_bytes()["total"])
-    del trainer
-    gc.collect()
     return {"step_s": statistics.median(times[WARMUP:]), "peak_bytes": max(peaks), "model_state_peak": ledger}
-
-
-def worker(topo, order: list[str], steps: int) -> dict:
-    result = {name: _run_config(topo, name, steps) for name in order}
-    return result
 
 
 def main(argv=None) -> int:
@@ -88,12 +85,12 @@ def main(argv=None) -> int:
         runs = []
         for r in range(args.repeats):
             order = CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]
-            per_rank = launch(worker, world, order, args.steps, backend="gloo", timeout_s=1800)
-            # Slowest rank's step time; largest rank's peak.
-            runs.append({name: {"step_s": max(rank[name]["step_s"] for rank in per_rank),
-                                "peak_bytes": max(rank[name]["peak_bytes"] for rank in per_rank),
-                                "model_state_peak": max(rank[name]["model_state_peak"] for rank in per_rank)}
-                         for name in CONFIGS})
+            run = {}
+            for name in order:
+                per_rank = launch(worker, world, name, args.steps, backend="gloo", timeout_s=1800)
+                # Slowest rank's step time; largest rank's peak.
+                run[name] = {key: max(rank[key] for rank in per_rank) for key in per_rank[0]}
+            runs.append(run)
             print(f"world {world} repeat {r + 1}: " + ", ".join(
                 f"{name} {1000 * runs[-1][name]['step_s']:.0f} ms" for name in CONFIGS), file=sys.stderr, flush=True)
         report[world] = {}

@@ -153,7 +153,7 @@ def render(report: dict, checks: list[tuple[str, bool, str]], out: Path) -> str:
     total = sum(f["bytes"] for f in manifest["files"])
     lines += ["", f"Checkpoint {report['checkpoint_dir']} (manifest.json)",
               f"  step {manifest['step']}, world size {manifest['world_size']}, strategy {manifest['strategy']}, "
-              f"{len(manifest['files'])} shard files, {human_bytes(total)}, {len(manifest['tensors'])} tensor slices",
+              f"{len(manifest['files'])} shard files, {human_bytes(total)}, {len(manifest['tensors'])} tensors",
               format_table(["file", "bytes", "sha256"],
                            [[f["name"], f["bytes"], f["sha256"][:16] + "..."] for f in manifest["files"]], "<><")]
     lines += ["", "Invariants"] + [f"  [{'PASS' if ok else 'FAIL'}] {name}: {why}" for name, ok, why in checks]

@@ -25,7 +25,7 @@ FORMULA = {  # per stage: what each kind costs per rank (E = bytes per element, 
     0: {"params": "E*P", "grads": "E*P", "optimizer": "3*E*P"},
     1: {"params": "E*P", "grads": "E*P", "optimizer": "3*E*P/N"},
     2: {"params": "E*P", "grads": "E*P/N", "optimizer": "3*E*P/N"},
-    3: {"params": "E*P/N", "grads": "E*P/N", "optimizer": "3*E*P/N"},
+    3: {"params": "E*P/N", "grads": "E*P/N", "optimizer": "2*E*P/N"},  # m, v; the master is the param shard
 }
 
 
@@ -91,7 +91,9 @@ def render(report: dict) -> str:
     head = (f"Memory per rank, bytes: ZeRO-{report['stage']}, N = {n}, E = {E} ({report['dtype']}), "
             f"P = {P} padded params ({report['params']} + {report['padding']} padding over "
             f"{len(report['units'])} units)")
-    note = (f"peak = most model-state bytes held at any moment of a step (gathered units, gradient buckets); "
+    master = "; the optimizer's master is the parameter shard itself" if report["stage"] == 3 else ""
+    note = (f"optimizer = master + Adam m + v{master}\n"
+            f"peak = most model-state bytes held at any moment of a step (gathered units, gradient buckets); "
             f"device = {report['device_peak_source']}, which includes activations and the runtime")
     return "\n".join([head, format_table(["rank", "kind", "at rest", "formula", "match", "peak in step"], rows,
                                          "><><<<"), note])

@@ -250,6 +250,7 @@ class FlatStrategy:
 
     name = "flat"
     stage = 0
+    master_is_params = False  # the optimizer's master vector is the parameters this rank holds (ZeRO-3)
 
     def __init__(self, model: nn.Module, comm: Comm, cfg: TrainConfig,
                  units: list[tuple[str, list[str]]] | None = None, keep_grad: bool = True):
@@ -308,10 +309,12 @@ class FlatStrategy:
     # --- memory ------------------------------------------------------------------------
     def memory_bytes(self) -> dict[str, int]:
         """Bytes held at rest, measured from the tensors' storages."""
-        grads = self.held_grads()
-        return {"params": self.held_params().untyped_storage().nbytes(),
+        params, grads = self.held_params().untyped_storage(), self.held_grads()
+        state = [t.untyped_storage() for t in self.optimizer.state_tensors().values()]
+        return {"params": params.nbytes(),
                 "grads": 0 if grads is None else grads.untyped_storage().nbytes(),
-                "optimizer": self.optimizer.nbytes()}
+                # A storage shared with the parameters is counted once, as parameters.
+                "optimizer": sum(t.nbytes() for t in state if t.data_ptr() != params.data_ptr())}
 
     def peak_memory_bytes(self) -> dict[str, int]:
         """Most bytes of each kind held at any moment since the last reset_peak (at rest + transient)."""
@@ -322,14 +325,15 @@ class FlatStrategy:
 
     def expected_memory_bytes(self) -> dict[str, int]:
         """The memory math: P = padded params, N = ranks, 3 optimizer tensors (master, m, v) per
-        param. Stage s shards the optimizer state (s >= 1), gradients (s >= 2), parameters (s = 3)."""
+        param, 2 where the master is the parameter shard itself. Stage s shards the optimizer
+        state (s >= 1), gradients (s >= 2), parameters (s = 3)."""
         elem, P, N = self.flat.element_size, self.flat.padded_numel, self.comm.world_size
 
         def per_rank(sharded: bool) -> int:
             return elem * (P // N if sharded else P)
 
         return {"params": per_rank(self.stage >= 3), "grads": per_rank(self.stage >= 2),
-                "optimizer": 3 * per_rank(self.stage >= 1)}
+                "optimizer": (2 if self.master_is_params else 3) * per_rank(self.stage >= 1)}
 
     def state_snapshot(self) -> dict[str, torch.Tensor]:
         """A copy of everything this rank holds that a resume must reproduce: its parameters

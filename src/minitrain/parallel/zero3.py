@@ -21,9 +21,9 @@ dropping the buffer would leave those views holding the memory until
 backward. Freeing the storage releases it; re-gathering into the same storage
 before the unit's backward gives the saved views their values back. Writes go
 through the buffer tensor, whose version counter is not the parameters', so
-autograd does not mistake the re-gather for an in-place change. After the
-optimizer step the updated master shard is copied into the parameter shard;
-nothing is gathered until the next forward.
+autograd does not mistake the re-gather for an in-place change. The optimizer
+updates the parameter shard in place (it is the master); nothing is gathered
+until the next forward.
 """
 from __future__ import annotations
 
@@ -40,11 +40,15 @@ from .zero import Zero2
 class Zero3(Zero2):
     name = "zero3"
     stage = 3
+    master_is_params = True
 
     def __init__(self, model: nn.Module, comm: Comm, cfg: TrainConfig, prefetch: bool = True):
         super().__init__(model, comm, cfg)
         self.prefetch = prefetch
-        self.param_shard = self.local_params()
+        # The parameter shard *is* the optimizer's master: both would hold the same full-precision
+        # numbers, and nothing else needs them between steps (FSDP keeps one copy too). A parameter
+        # copy in lower precision would have to be separate.
+        self.param_shard = self.optimizer.master
         self._param_views = local_views(self.param_shard, self.shard_ranges)
         self._buffers_whole = [self.param_shard.new_empty(u.stop - u.start) for u in self.flat.units]
         self._gathered: set[int] = set()
@@ -123,9 +127,8 @@ class Zero3(Zero2):
         return self.param_shard
 
     def local_params(self) -> torch.Tensor:
-        if self.flat.data is None:
-            return self.param_shard
-        return take(self.flat.data, self.shard_ranges)
+        # A copy: the shard is also optim.master, and a checkpoint file stores each tensor's own bytes.
+        return self.param_shard.clone()
 
     def full_params(self) -> torch.Tensor:
         """Collective: every rank gathers every unit."""
@@ -144,4 +147,4 @@ class Zero3(Zero2):
         self.param_shard.copy_(take(physical, self.shard_ranges))
 
     def _publish(self) -> None:
-        self.param_shard.copy_(self.optimizer.master)
+        """Nothing to do: the optimizer updated the parameter shard in place."""

@@ -77,6 +77,8 @@ def main(argv=None) -> int:
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=CONFIGS,
+                        help="a subset to measure (ratios need the peer in the subset too)")
     parser.add_argument("--out", default="runs/bench-zero")
     args = parser.parse_args(argv)
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))  # inherited by the spawned ranks
@@ -84,7 +86,8 @@ def main(argv=None) -> int:
     for world in args.worlds:
         runs = []
         for r in range(args.repeats):
-            order = CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]
+            configs = args.configs
+            order = configs[r % len(configs):] + configs[:r % len(configs)]
             run = {}
             for name in order:
                 per_rank = launch(worker, world, name, args.steps, backend="gloo", timeout_s=1800)
@@ -92,13 +95,13 @@ def main(argv=None) -> int:
                 run[name] = {key: max(rank[key] for rank in per_rank) for key in per_rank[0]}
             runs.append(run)
             print(f"world {world} repeat {r + 1}: " + ", ".join(
-                f"{name} {1000 * runs[-1][name]['step_s']:.0f} ms" for name in CONFIGS), file=sys.stderr, flush=True)
+                f"{name} {1000 * run[name]['step_s']:.0f} ms" for name in configs), file=sys.stderr, flush=True)
         report[world] = {}
-        for name in CONFIGS:
+        for name in args.configs:
             entry = {"step_ms": median_range([1000 * run[name]["step_s"] for run in runs]),
                      "peak_bytes": median_range([run[name]["peak_bytes"] for run in runs]),
                      "model_state_peak_bytes": median_range([run[name]["model_state_peak"] for run in runs])}
-            peer = PEER_OF.get(name)
+            peer = PEER_OF.get(name) if PEER_OF.get(name) in args.configs else None
             if peer:
                 entry["peer"] = peer
                 entry["time_ratio"] = median_range([run[name]["step_s"] / run[peer]["step_s"] for run in runs])

@@ -66,6 +66,10 @@ class PendingCollective:
             self.work = None
         return self.launched, self.completed
 
+    def done(self) -> bool:
+        """True once the backend has finished it (no waiting); wait() still books it."""
+        return self.work is None or self.completed is not None or self.work.is_completed()
+
     def then(self, fn) -> torch.futures.Future:
         """A torch Future that completes with fn() once this collective has (DDP hooks return one)."""
         if self.work is None:

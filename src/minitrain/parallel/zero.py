@@ -125,6 +125,8 @@ class Zero2(ShardedStrategy):
             missing = [s.name for s in unit.segments if s.name not in self._arrived[i]]
             raise RuntimeError(f"no gradient reached {', '.join(missing)} in the previous backward; ZeRO-{self.stage} "
                                "needs every parameter to take part in the loss (remove unused ones from the model)")
+        while self._inflight and self._inflight[0][1].done():  # free finished units' buffers early
+            self._retire_oldest()
         buffer = self._buffers.get(i)
         if buffer is None:
             buffer = self._buffers[i] = torch.zeros(unit.stop - unit.start, dtype=p.dtype, device=p.device)

@@ -239,7 +239,7 @@ def assemble_flat(step_dir: Path, manifest: dict) -> dict[str, torch.Tensor]:
     put together from the pieces in whichever files hold them."""
     numel = manifest["flat"]["numel"]
     full: dict[str, torch.Tensor] = {}
-    covered: dict[str, int] = {}
+    covered: dict[str, torch.Tensor] = {}  # which logical elements some piece filled
     for t in manifest["tensors"]:
         if "pieces" not in t:
             continue
@@ -250,10 +250,10 @@ def assemble_flat(step_dir: Path, manifest: dict) -> dict[str, torch.Tensor]:
                 raise CheckpointError(f"checkpoint {step_dir}: piece {[at, lo, hi]} of '{t['key']}' in {t['file']} "
                                       "lies outside the tensor or the parameter vector")
             dest[lo:hi].copy_(value[at:at + hi - lo])
-            covered[t["key"]] = covered.get(t["key"], 0) + hi - lo
-    for key, count in covered.items():
-        if count != numel:
-            raise CheckpointError(f"checkpoint {step_dir} covers {count} of {numel} elements of '{key}'")
+            covered.setdefault(t["key"], torch.zeros(numel, dtype=torch.bool))[lo:hi] = True
+    for key, mask in covered.items():
+        if not mask.all():
+            raise CheckpointError(f"checkpoint {step_dir} covers {int(mask.sum())} of {numel} elements of '{key}'")
     return full
 
 

@@ -1,7 +1,11 @@
 """PyTorch's own sharded training on our model, data and schedule: the peers ZeRO is checked against.
 
+- "ddp": DistributedDataParallel and torch.optim.AdamW (nothing sharded: stage 0).
 - "zero-redundancy": DistributedDataParallel for the gradient all-reduce plus
   torch.distributed.optim.ZeroRedundancyOptimizer (optimizer state sharded: ZeRO-1).
+- "fsdp2-zero2": fully_shard with reshard_after_forward=False: parameters stay
+  gathered from forward until backward is done, gradients and optimizer state
+  sharded (between steps parameters are sharded too, unlike our ZeRO-2).
 - "fsdp2": torch.distributed.fsdp.fully_shard on every block and then the root
   (parameters, gradients and optimizer state sharded: ZeRO-3), as torchtitan applies it.
 
@@ -22,7 +26,8 @@ from ..model import MiniGPT
 from ..optim import lr_at
 from ..topology import Topology
 
-PEERS = ("zero-redundancy", "fsdp2")
+PEERS = ("ddp", "zero-redundancy", "fsdp2-zero2", "fsdp2")
+STAGE_OF = {"ddp": 0, "zero-redundancy": 1, "fsdp2-zero2": 2, "fsdp2": 3}
 
 
 def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -43,24 +48,30 @@ class PeerTrainer:
         torch.manual_seed(t.seed)  # every rank builds the same initial weights, as our Trainer does
         self.model = MiniGPT(cfg.model).to(device=topo.device, dtype=getattr(torch, t.dtype))
         adam = {"lr": t.lr, "betas": (t.beta1, t.beta2), "eps": t.eps}
-        if peer == "zero-redundancy":
+        if peer in ("ddp", "zero-redundancy"):
             from torch.distributed.optim import ZeroRedundancyOptimizer
             from torch.nn.parallel import DistributedDataParallel
 
             device_ids = [topo.device] if topo.device.type == "cuda" else None
             self.module = DistributedDataParallel(self.model, device_ids=device_ids, process_group=topo.dp.group)
             groups = _param_groups(self.model, t.weight_decay)
-            self.optimizer = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
-                                                     process_group=topo.dp.group, weight_decay=t.weight_decay, **adam)
-            self.optimizer.add_param_group(groups[1])
+            if peer == "ddp":
+                self.optimizer = torch.optim.AdamW(groups, **adam)
+            else:
+                self.optimizer = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
+                                                         process_group=topo.dp.group, weight_decay=t.weight_decay,
+                                                         **adam)
+                self.optimizer.add_param_group(groups[1])
         else:
             from torch.distributed.device_mesh import DeviceMesh
             from torch.distributed.fsdp import fully_shard
 
             mesh = DeviceMesh.from_group(topo.dp.group, topo.device.type)
+            reshard = peer == "fsdp2"
             for block in self.model.blocks.values():
-                fully_shard(block, mesh=mesh)
-            self.module = fully_shard(self.model, mesh=mesh)
+                fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+            self.module = fully_shard(self.model, mesh=mesh, reshard_after_forward=reshard)
+            # After fully_shard: it replaces every parameter with a sharded DTensor parameter.
             self.optimizer = torch.optim.AdamW(_param_groups(self.model, t.weight_decay), **adam)
         self.loader = ShardedLoader(load_corpus(cfg), cfg.model.seq_len, t.batch_size, topo.rank, topo.world_size,
                                     t.seed)

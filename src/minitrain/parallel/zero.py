@@ -109,6 +109,9 @@ class Zero2(ShardedStrategy):
         self._inflight: deque[tuple[int, PendingCollective, torch.Tensor | None, torch.Tensor]] = deque()
         self._reduced: set[int] = set()
         self._intervals: list[tuple[float, float]] = []
+        # A new forward means the last backward is over: finish its reductions now, so with
+        # gradient accumulation the last unit's full gradient does not sit through a forward.
+        model.register_forward_pre_hook(lambda _m, _args: self._retire_all())
 
     def held_grads(self) -> torch.Tensor:
         return self.grad_shard
@@ -166,10 +169,14 @@ class Zero2(ShardedStrategy):
         self.ledger.drop("grads", buffer)
 
     @torch.no_grad()
-    def finish_grad_sync(self) -> None:
-        backward_end = time.perf_counter()
+    def _retire_all(self) -> None:
         while self._inflight:
             self._retire_oldest()
+
+    @torch.no_grad()
+    def finish_grad_sync(self) -> None:
+        backward_end = time.perf_counter()
+        self._retire_all()
         unreduced = [u for i, u in enumerate(self.flat.units) if i not in self._reduced or self._arrived[i]]
         if unreduced:
             missing = [s.name for u in unreduced for s in u.segments

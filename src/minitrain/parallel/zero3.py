@@ -96,10 +96,23 @@ class Zero3(Zero2):
         for i in self._shared:  # used by several units: whole from forward until its gradient is reduced
             self._ensure(i)
 
-    def _after_model_forward(self, _model, _args, _output) -> None:
+    def _after_model_forward(self, _model, _args, output) -> None:
         if not torch.is_grad_enabled():  # no backward will come to free them
             for i in self._shared:
                 self._free(i)
+        elif self._shared:
+            # Backward starts at the model's output: make sure the shared unit is whole then too
+            # (a no-grad forward, or another backward, may have freed it since this forward).
+            self._hook_outputs(output, self._before_model_backward)
+
+    def _before_model_backward(self, _grad) -> None:
+        for i in self._shared:
+            self._ensure(i)
+
+    def _hook_outputs(self, output, hook) -> None:
+        for t in output if isinstance(output, (tuple, list)) else (output,):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(hook)
 
     def _before_forward(self, pos: int) -> None:
         self._ensure(self._order[pos])
@@ -110,9 +123,7 @@ class Zero3(Zero2):
         i = self._order[pos]
         self._free(i)
         if torch.is_grad_enabled():
-            for t in output if isinstance(output, (tuple, list)) else (output,):
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(lambda _grad, pos=pos: self._before_backward(pos))
+            self._hook_outputs(output, lambda _grad, pos=pos: self._before_backward(pos))
 
     def _before_backward(self, pos: int) -> None:
         self._ensure(self._order[pos])
@@ -121,6 +132,16 @@ class Zero3(Zero2):
 
     def _unit_reduced(self, i: int) -> None:
         self._free(i)
+
+    @torch.no_grad()
+    def finish_grad_sync(self) -> None:
+        super().finish_grad_sync()
+        # A prefetch nobody used (its unit got no backward) must land before the optimizer
+        # writes the shard it reads, and its buffer must not outlive the step.
+        for i in list(self._gathering):
+            self._ensure(i)
+        for i in list(self._gathered):
+            self._free(i)
 
     # --- what this rank holds ----------------------------------------------------------------
     def held_params(self) -> torch.Tensor:

@@ -3,14 +3,7 @@ import pytest
 import torch
 
 from minitrain.config import ConfigError, build_config
-from minitrain.data import (
-    ByteTokenizer,
-    ShardedLoader,
-    bin_corpus,
-    check_corpus,
-    make_corpus,
-    text_corpus,
-)
+from minitrain.data import ByteTokenizer, ShardedLoader, bin_corpus, check_corpus, make_corpus, text_corpus
 
 
 def test_synthetic_corpus_is_deterministic_and_structured():

@@ -12,14 +12,7 @@ import tempfile
 from pathlib import Path
 
 from . import __version__, checkpoint
-from .config import (
-    ConfigError,
-    RunConfig,
-    build_config,
-    field_specs,
-    load_toml,
-    parse_bool,
-)
+from .config import ConfigError, RunConfig, build_config, field_specs, load_toml, parse_bool
 from .launch import LaunchTimeoutError, RankFailedError, launch, run_under_torchrun
 from .topology import under_torchrun
 

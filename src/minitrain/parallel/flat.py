@@ -121,9 +121,6 @@ class FlatParameters:
     def param(self, seg: Segment) -> nn.Parameter:
         return self._by_name[seg.name]
 
-    def parameters(self) -> list[tuple[Segment, nn.Parameter]]:
-        return list(zip(self.segments, self._params))
-
     def decay_ranges(self) -> Ranges:
         """Physical ranges of matrices and embeddings (>= 2-D), the ones AdamW decays."""
         return [(s.offset, s.offset + s.numel) for s in self.segments if len(s.shape) >= 2]
@@ -135,10 +132,6 @@ class FlatParameters:
             if p.grad is None or p.grad.data_ptr() != self.grad[seg.offset:].data_ptr():
                 raise RuntimeError(f"gradient of '{seg.name}' is no longer a view of the flat gradient "
                                    "buffer; zero gradients with strategy.zero_grad(), not set_to_none")
-
-    def named_views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Named, shaped views of a full physical vector (parameters or any same-layout tensor)."""
-        return {s.name: flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.segments}
 
     # --- coordinates ----------------------------------------------------------------
     def to_logical(self, physical: torch.Tensor) -> torch.Tensor:

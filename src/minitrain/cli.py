@@ -83,8 +83,21 @@ def build_parser() -> Parser:
     scaling.add_argument("--preset", default="tiny", help="model preset (default tiny)")
     scaling.add_argument("--batch-size", type=int, default=4, help="examples per rank per step (default 4)")
 
+    ckpt = sub.add_parser("ckpt", help="inspect, verify or consolidate a checkpoint",
+                          description="Look into a sharded checkpoint. PATH is a step directory, a checkpoints/ "
+                          "directory or a run directory (its `latest` is used). Exit 1 if it does not verify.")
+    ckpt_sub = ckpt.add_subparsers(dest="ckpt", required=True, parser_class=Parser, metavar="ACTION")
+    for action, text in (("inspect", "step, topology, files and tensors"),
+                         ("verify", "every file's size and sha256 against the manifest")):
+        ckpt_sub.add_parser(action, help=text, description=text).add_argument("path", metavar="PATH")
+    merge = ckpt_sub.add_parser("consolidate", help="one plain state dict that MiniGPT.load_state_dict accepts",
+                                description="Write the parameters as one safetensors state dict, whatever world "
+                                "size and ZeRO stage saved them.")
+    merge.add_argument("path", metavar="PATH")
+    merge.add_argument("out", metavar="OUT.safetensors")
+
     train = sub.add_parser("train", help="train with the settings you give",
-                           description="Train MiniGPT with data parallel or ZeRO-1, locally (--nproc N) or "
+                           description="Train MiniGPT with data parallel or ZeRO-1/2/3, locally (--nproc N) or "
                            "under torchrun.", epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     train.add_argument("--config", metavar="FILE", help="TOML file of settings (flags override it)")
     groups: dict[str, argparse._ArgumentGroup] = {}
@@ -105,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_demo(args)
         if args.command == "bench":
             return cmd_bench(args)
+        if args.command == "ckpt":
+            return cmd_ckpt(args)
         return cmd_train(args)
     except (ConfigError, checkpoint.CheckpointError) as e:
         print(f"minitrain {args.command}: error: {e}", file=sys.stderr)
@@ -152,6 +167,22 @@ def cmd_bench(args) -> int:
     prepare_out_dir(args.out)
     return run_scaling(ScalingOptions(out=args.out, steps=args.steps, max_procs=args.max_procs,
                                       preset=args.preset, batch_size=args.batch_size))
+
+
+def cmd_ckpt(args) -> int:
+    from . import ckpt_tool
+
+    try:
+        if args.ckpt == "inspect":
+            print(ckpt_tool.inspect(args.path))
+        elif args.ckpt == "verify":
+            print(ckpt_tool.verify(args.path))
+        else:
+            print(ckpt_tool.consolidate(args.path, args.out))
+    except checkpoint.CheckpointError as e:  # a failed check, not a usage error
+        print(f"minitrain ckpt {args.ckpt}: FAILED: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def resolve_config(args) -> RunConfig:

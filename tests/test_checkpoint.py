@@ -156,3 +156,31 @@ def test_saving_a_step_again_replaces_it_and_keeps_latest_valid(saved):
     assert (saved.parent / "latest").read_text().strip() == saved.name
     assert sorted(p.name for p in saved.parent.iterdir()) == ["latest", saved.name]  # no .old-/.tmp- left
     checkpoint.verify(saved.parent)
+
+
+def _draws() -> tuple:
+    import random
+
+    import numpy as np
+    import torch
+
+    return random.random(), random.gauss(0, 1), float(np.random.rand()), float(np.random.randn()), \
+        float(torch.rand(1))
+
+
+def test_python_numpy_and_torch_random_streams_continue_after_resume(tmp_path):
+    import random
+
+    import numpy as np
+
+    trainer = Trainer(_config(1), Topology.single())
+    trainer.train_step()
+    random.seed(5), np.random.seed(6)
+    random.gauss(0, 1), np.random.randn()  # leaves a cached Gaussian in both generators
+    path = trainer.save_checkpoint(tmp_path)
+    expected = _draws()
+    random.seed(99), np.random.seed(99)  # anything else in between
+    Trainer(_config(1), Topology.single()).load_checkpoint(path)
+    assert _draws() == expected
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert {t["key"] for t in manifest["tensors"] if "rank" in t} == set(checkpoint.RNG_KEYS)

@@ -3,7 +3,8 @@
 Layout of OUT/checkpoints/:
   step-000010/rank-00000.safetensors   this rank's shard of the flat vectors
   step-000010/rank-00001.safetensors   (params, optim.master, optim.exp_avg,
-  ...                                   optim.exp_avg_sq) and its torch RNG state
+  ...                                   optim.exp_avg_sq) and its torch, python
+                                        and numpy RNG states
   step-000010/manifest.json            step, world size, strategy, model config,
                                         parameter layout, every tensor's file and
                                         logical pieces, every file's bytes and
@@ -28,9 +29,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
@@ -87,6 +90,31 @@ def _write_durably(path: Path, text: str) -> None:
     _fsync_dir(path.parent)
 
 
+# --- random number generators ----------------------------------------------------------------
+RNG_KEYS = ("rng.torch", "rng.python", "rng.python_gauss", "rng.numpy", "rng.numpy_gauss")
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    """This process's torch, python and numpy generator states as tensors (safetensors holds
+    nothing else). Mersenne Twister words fit int64; a cached Gaussian, if any, is a float64."""
+    _, words, gauss = random.getstate()
+    _, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"rng.torch": torch.get_rng_state(),
+            "rng.python": torch.tensor(words, dtype=torch.int64),
+            "rng.python_gauss": torch.tensor([] if gauss is None else [gauss], dtype=torch.float64),
+            "rng.numpy": torch.tensor([*keys.tolist(), pos, has_gauss], dtype=torch.int64),
+            "rng.numpy_gauss": torch.tensor([cached], dtype=torch.float64)}
+
+
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["rng.torch"])
+    gauss = state["rng.python_gauss"].tolist()
+    random.setstate((3, tuple(state["rng.python"].tolist()), gauss[0] if gauss else None))
+    *keys, pos, has_gauss = state["rng.numpy"].tolist()
+    np.random.set_state(("MT19937", np.array(keys, dtype=np.uint32), pos, has_gauss,
+                         float(state["rng.numpy_gauss"][0])))
+
+
 # --- save -------------------------------------------------------------------------------
 def save(root: str | os.PathLike, step: int, topo: Topology, strategy: FlatStrategy,
          train_state: dict, run_config: dict) -> Path:
@@ -101,7 +129,7 @@ def save(root: str | os.PathLike, step: int, topo: Topology, strategy: FlatStrat
     comm.barrier()
 
     shards = {k: v.contiguous() for k, v in strategy.state_shards().items()}
-    shards["rng.torch"] = torch.get_rng_state()
+    shards.update(rng_state())
     path = tmp / shard_file_name(rank)
     save_file(shards, str(path))
     _fsync_file(path)
@@ -152,9 +180,9 @@ def _manifest(step, topo, strategy, train_state, run_config, keys, rows) -> dict
             local = sum(b - a for a, b in ranges)
             pieces = flat.pieces(ranges)
             for key in keys:
-                if key != "rng.torch":
+                if not key.startswith("rng."):
                     tensors.append({"key": key, "file": name, "dtype": dtype, "shape": [local], "pieces": pieces})
-        tensors.append({"key": "rng.torch", "file": name, "dtype": "uint8", "rank": rank})
+        tensors += [{"key": key, "file": name, "rank": rank} for key in keys if key.startswith("rng.")]
     return {
         "format": FORMAT,
         "step": step,
@@ -279,6 +307,7 @@ def load(path: str | os.PathLike, topo: Topology, strategy: FlatStrategy) -> dic
     if full["params"].dtype != dtype:
         raise CheckpointError(f"checkpoint {step_dir} stores {full['params'].dtype}, this run trains in {dtype}")
     strategy.load_state(full, manifest["train_state"]["optimizer_steps"])
-    if manifest["world_size"] == topo.world_size:
-        torch.set_rng_state(_read_tensor(step_dir / shard_file_name(topo.rank), "rng.torch"))
+    if manifest["world_size"] == topo.world_size:  # each rank continues its own random streams
+        path = step_dir / shard_file_name(topo.rank)
+        set_rng_state({key: _read_tensor(path, key) for key in RNG_KEYS})
     return manifest["train_state"]

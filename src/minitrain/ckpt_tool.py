@@ -45,7 +45,7 @@ def inspect(path: str) -> str:
     for t in manifest["tensors"]:
         pieces = t.get("pieces", [])
         span = f"{min(p[1] for p in pieces)}..{max(p[2] for p in pieces)}" if pieces else "(per-rank state)"
-        rows.append([t["key"], t["file"], t["dtype"], "x".join(map(str, t.get("shape", []))) or "-",
+        rows.append([t["key"], t["file"], t.get("dtype", "-"), "x".join(map(str, t.get("shape", []))) or "-",
                      len(pieces), span])
     lines.append(format_table(["tensor", "file", "dtype", "shape", "pieces", "logical range"], rows, "<<<><<"))
     return "\n".join(lines)

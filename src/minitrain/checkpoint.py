@@ -124,7 +124,8 @@ def save(root: str | os.PathLike, step: int, topo: Topology, strategy: FlatStrat
     final, tmp = root / step_dir_name(step), root / f".tmp-{step_dir_name(step)}"
     if topo.is_main:
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
+        for stale in root.glob(".tmp-step-*"):  # left by saves that crashed: never checkpoints
+            shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     comm.barrier()
 
@@ -222,12 +223,47 @@ def resolve(path: str | os.PathLike) -> Path:
                           f"or a directory with a '{LATEST}' pointer")
 
 
-def find_latest(out_dir: str | os.PathLike) -> Path | None:
-    """For --resume auto: the newest checkpoint under OUT/checkpoints, or None if none was saved."""
+def complete_steps(root: Path) -> list[Path]:
+    """Step directories under root that have a manifest, newest first (temporaries excluded)."""
+    dirs = [d for d in root.glob("step-*") if (d / MANIFEST).is_file()]
+    return sorted(dirs, key=lambda d: d.name, reverse=True)
+
+
+def find_latest(out_dir: str | os.PathLike, warnings: list[str] | None = None) -> Path | None:
+    """For --resume auto: the newest checkpoint under OUT/checkpoints that verifies (manifest and
+    every sha256), or None if none was saved. A corrupt one is skipped, with a line naming the bad
+    file appended to `warnings`, and the next older one is tried."""
     root = Path(out_dir) / "checkpoints"
-    if not (root / LATEST).exists():
-        return None
-    return resolve(root)
+    candidates = complete_steps(root) if root.is_dir() else []
+    if (root / LATEST).exists():
+        try:
+            named = resolve(root)
+            candidates = [named] + [d for d in candidates if d != named]
+        except CheckpointError as e:
+            if warnings is not None:
+                warnings.append(f"{e}; looking for an older checkpoint")
+    for step_dir in candidates:
+        try:
+            verify(step_dir)
+            return step_dir
+        except CheckpointError as e:
+            if warnings is not None:
+                warnings.append(f"skipping {step_dir.name}: {e}")
+    if candidates:
+        raise CheckpointError(f"no checkpoint under {root} verifies; see the warnings above")
+    return None
+
+
+def prune(root: str | os.PathLike, keep_last: int) -> list[Path]:
+    """Delete all but the newest keep_last complete checkpoints (never the one `latest` names)."""
+    root = Path(root)
+    keep = set(complete_steps(root)[:keep_last])
+    if (root / LATEST).exists():
+        keep.add(root / (root / LATEST).read_text().strip())
+    doomed = [d for d in complete_steps(root) if d not in keep]
+    for d in doomed:
+        shutil.rmtree(d)
+    return doomed
 
 
 def read_manifest(step_dir: Path) -> dict:

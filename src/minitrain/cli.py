@@ -22,6 +22,7 @@ ALIASES = {
     "train.batch_size": "--batch-size", "train.grad_accum": "--grad-accum", "train.lr": "--lr",
     "train.zero": "--zero", "train.dtype": "--dtype", "data.corpus": "--corpus",
     "ckpt.every_steps": "--ckpt-every-steps", "ckpt.resume": "--resume", "out": "--out",
+    "ckpt.every_minutes": "--ckpt-every-minutes", "ckpt.keep_last": "--keep-last",
     "dist.backend": "--backend", "dist.timeout_s": "--timeout-s",
     "ddp.mode": "--dp", "ddp.bucket_mb": "--bucket-mb", "ddp.measure_sync": "--measure-sync",
     "train.prefetch": "--prefetch", "train.memory_profile": "--memory-profile",
@@ -40,6 +41,7 @@ Examples:
   minitrain train --nproc 4 --zero 1 --steps 50 --out runs/z1
   minitrain train --nproc 4 --zero 3 --memory-profile --out runs/z3  # per-rank memory vs the formula
   minitrain train --nproc 2 --ckpt-every-steps 10 --out runs/a      # checkpoints every 10 steps
+  minitrain train --ckpt-every-minutes 30 --keep-last 3 --out runs/b  # by the clock, newest 3 kept
   minitrain train --nproc 2 --resume auto --steps 40 --out runs/a   # continue the same run
   torchrun --nproc-per-node=2 -m minitrain train --zero 1 --out runs/tr
 

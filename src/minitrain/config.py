@@ -108,6 +108,10 @@ class DistConfig:
 @dataclass
 class CheckpointConfig:
     every_steps: int = opt(0, "save a sharded checkpoint every this many steps; 0 = never")
+    every_minutes: float = opt(0.0, "also save when this many minutes have passed since the last save (rank 0's "
+                               "clock decides for all ranks); 0 = off")
+    keep_last: int = opt(0, "keep only the newest K complete checkpoints (older ones are deleted after a save); "
+                         "0 = keep all")
     resume: str = opt("", "'' = start fresh, 'auto' = newest checkpoint under OUT if any, or a checkpoint path")
 
 
@@ -158,8 +162,9 @@ class RunConfig:
         if not d.timeout_s > 0:
             raise ConfigError(f"dist.timeout_s must be > 0, got {d.timeout_s}")
         _require_positive("dist.threads_per_rank", d.threads_per_rank)
-        if self.ckpt.every_steps < 0:
-            raise ConfigError(f"ckpt.every_steps must be >= 0, got {self.ckpt.every_steps}")
+        for name in ("every_steps", "every_minutes", "keep_last"):
+            if getattr(self.ckpt, name) < 0:
+                raise ConfigError(f"ckpt.{name} must be >= 0, got {getattr(self.ckpt, name)}")
         from .data import check_corpus  # late import: data depends on this module
 
         check_corpus(self)

@@ -139,12 +139,13 @@ class Trainer:
         self.loader.load_state_dict(state["loader"])
 
 
-def resume_path(cfg: RunConfig) -> Path | None:
-    """Where to resume from: None (fresh), the newest checkpoint under OUT (auto), or PATH."""
+def resume_path(cfg: RunConfig, warnings: list[str] | None = None) -> Path | None:
+    """Where to resume from: None (fresh), the newest checkpoint under OUT that verifies (auto),
+    or PATH."""
     if not cfg.ckpt.resume:
         return None
     if cfg.ckpt.resume == "auto":
-        return checkpoint.find_latest(cfg.out)
+        return checkpoint.find_latest(cfg.out, warnings)
     return checkpoint.resolve(cfg.ckpt.resume)
 
 
@@ -153,10 +154,13 @@ SCHEDULE_FIELDS = ("steps", "warmup_steps", "lr", "min_lr_ratio")
 
 def check_resume(cfg: RunConfig) -> list[str]:
     """Before any rank starts: refuse a resume checkpoint that is corrupt or does not fit
-    this run (ConfigError / CheckpointError, one line each); return notes worth printing."""
-    path = resume_path(cfg)
+    this run (ConfigError / CheckpointError, one line each); return notes worth printing.
+    With --resume auto the checkpoint chosen here is pinned in cfg, so every rank loads it."""
+    notes: list[str] = []
+    path = resume_path(cfg, notes)
     if path is None:
-        return []
+        return notes
+    cfg.ckpt.resume = str(path)
     step_dir, manifest = checkpoint.verify(path)
     saved = manifest["config"]
     mine = cfg.to_dict()
@@ -187,9 +191,9 @@ def check_resume(cfg: RunConfig) -> list[str]:
     changed = [f"{k} {saved['train'][k]} -> {mine['train'][k]}" for k in SCHEDULE_FIELDS
                if saved["train"][k] != mine["train"][k]]
     if changed:
-        return [f"learning-rate schedule differs from the checkpoint's run ({', '.join(changed)}): "
-                "training continues as a warm restart, not a bit-identical continuation"]
-    return []
+        notes.append(f"learning-rate schedule differs from the checkpoint's run ({', '.join(changed)}): "
+                     "training continues as a warm restart, not a bit-identical continuation")
+    return notes
 
 
 def train_worker(topo: Topology, cfg: RunConfig) -> dict:
@@ -204,7 +208,8 @@ def train_worker(topo: Topology, cfg: RunConfig) -> dict:
     if topo.is_main and start_path is not None:
         print(f"resumed from {start_path} at step {trainer.step}", flush=True)
     saved, last, records = [], None, []
-    every, total = cfg.ckpt.every_steps, cfg.train.steps
+    total = cfg.train.steps
+    cadence = SaveCadence(cfg, topo)
     while trainer.step < total:
         last = trainer.train_step()
         records.append(last)
@@ -212,8 +217,11 @@ def train_worker(topo: Topology, cfg: RunConfig) -> dict:
             writer.write(asdict(last))
         if topo.is_main and cfg.train.log_every and (last.step % cfg.train.log_every == 0 or last.step == total):
             print(progress_line(last, total), flush=True)
-        if every and (last.step % every == 0 or last.step == total):
+        if cadence.due(last.step):
             saved.append(str(trainer.save_checkpoint(out / "checkpoints")))
+            cadence.saved()
+            if cfg.ckpt.keep_last and topo.is_main:
+                checkpoint.prune(out / "checkpoints", cfg.ckpt.keep_last)
     if writer:
         writer.close()
     summary = {}
@@ -227,6 +235,30 @@ def train_worker(topo: Topology, cfg: RunConfig) -> dict:
             "resumed_from": None if start_path is None else str(start_path),
             "checkpoints": saved, "metrics": str(out / "metrics.jsonl"),
             "params": trainer.strategy.flat.numel, "world_size": topo.world_size}
+
+
+class SaveCadence:
+    """When to checkpoint: every K steps, every M minutes, and at the last step if either is set.
+    The clock is rank 0's, broadcast each step, so every rank agrees (a save is collective)."""
+
+    def __init__(self, cfg: RunConfig, topo: Topology):
+        self.every, self.minutes, self.total = cfg.ckpt.every_steps, cfg.ckpt.every_minutes, cfg.train.steps
+        self.comm = topo.dp
+        self.last = time.monotonic()
+
+    def due(self, step: int) -> bool:
+        if not (self.every or self.minutes):
+            return False
+        if step == self.total or (self.every and step % self.every == 0):
+            return True
+        if not self.minutes:
+            return False
+        flag = torch.tensor([float(time.monotonic() - self.last >= 60 * self.minutes)], device=self.comm.device)
+        self.comm.broadcast(flag, src=0)
+        return bool(flag.item())
+
+    def saved(self) -> None:
+        self.last = time.monotonic()
 
 
 def progress_line(r: StepRecord, total: int) -> str:

@@ -1,0 +1,55 @@
+"""Checkpoint cadence and retention, and --resume auto falling back past a corrupt checkpoint."""
+import pytest
+
+from .dist import run_cli
+
+
+def _train(out, *extra):
+    proc = run_cli("train", "--nproc", "2", "--zero", "2", "--train.log_every", "0", "--out", str(out), *extra)
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def _steps(out):
+    return sorted(d.name for d in (out / "checkpoints").glob("step-*"))
+
+
+def test_keep_last_keeps_the_newest_and_stale_temporaries_are_swept(tmp_path):
+    out = tmp_path / "run"
+    (out / "checkpoints" / ".tmp-step-000099").mkdir(parents=True)  # a crashed save's leftovers
+    _train(out, "--steps", "5", "--ckpt-every-steps", "1", "--keep-last", "2")
+    assert _steps(out) == ["step-000004", "step-000005"]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-000005"
+    assert not list((out / "checkpoints").glob(".tmp-*"))
+
+
+def test_every_minutes_saves_by_the_clock_and_at_the_end(tmp_path):
+    out = tmp_path / "run"
+    _train(out, "--steps", "3", "--ckpt-every-minutes", "1e-6")  # due after every step
+    assert _steps(out) == ["step-000001", "step-000002", "step-000003"]
+    quiet = tmp_path / "quiet"
+    _train(quiet, "--steps", "3", "--ckpt-every-minutes", "60")  # never due: only the final save
+    assert _steps(quiet) == ["step-000003"]
+
+
+def test_resume_auto_skips_a_corrupt_checkpoint_naming_the_file(tmp_path):
+    out = tmp_path / "run"
+    _train(out, "--steps", "4", "--ckpt-every-steps", "2")
+    shard = out / "checkpoints" / "step-000004" / "rank-00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x01
+    shard.write_bytes(bytes(data))
+    resumed = _train(out, "--steps", "6", "--resume", "auto", "--ckpt-every-steps", "2")
+    assert "skipping step-000004" in resumed.stderr and "rank-00001.safetensors is corrupt" in resumed.stderr
+    assert "resumed from" in resumed.stdout and "step-000002 at step 2" in resumed.stdout
+
+    for step in ("step-000002", "step-000004", "step-000006"):  # nothing left that verifies
+        (out / "checkpoints" / step / "manifest.json").write_text("{}")
+    refused = run_cli("train", "--nproc", "2", "--steps", "8", "--resume", "auto", "--out", str(out))
+    assert refused.returncode == 2 and "no checkpoint under" in refused.stderr
+
+
+@pytest.mark.parametrize("flag", ["--keep-last", "--ckpt-every-minutes"])
+def test_negative_cadence_is_refused(tmp_path, flag):
+    proc = run_cli("train", flag, "-1", "--out", str(tmp_path / "x"))
+    assert proc.returncode == 2 and "must be >= 0" in proc.stderr and not (tmp_path / "x").exists()

@@ -68,3 +68,30 @@ def test_hang_hits_the_hard_timeout_and_kills_the_group():
     with pytest.raises(LaunchTimeoutError, match=r"\[1\] still running"):
         launch(_hang_on_rank_1, 2, backend="gloo", pg_timeout_s=60, timeout_s=8)
     assert time.monotonic() - start < 18
+
+
+def _hang_rank_one_at_step_three(topo, stamp):
+    import time as _time
+
+    from minitrain.config import build_config
+    from minitrain.trainer import Trainer
+
+    cfg = build_config(cli_values={"train.zero": 3, "dist.nproc": topo.world_size, "train.log_every": 0}).validate()
+    trainer = Trainer(cfg, topo)
+    for _ in range(2):
+        trainer.train_step()
+    if topo.rank == 1:
+        with open(stamp, "w") as f:
+            f.write(repr(_time.time()))
+        _time.sleep(120)  # hung: never reaches step 3's collectives
+    trainer.train_step()
+
+
+def test_a_hung_rank_ends_every_rank_within_the_timeout_naming_step_and_op(tmp_path):
+    stamp = tmp_path / "hung-at"
+    with pytest.raises(RankFailedError) as failed:
+        launch(_hang_rank_one_at_step_three, 3, str(stamp), backend="gloo", pg_timeout_s=5, timeout_s=60)
+    since_hang = time.time() - float(stamp.read_text())
+    message = str(failed.value)
+    assert since_hang < 15, since_hang  # 5 s collective timeout; every rank gone (launch returned)
+    assert "step 3:" in message and "all_gather" in message, message

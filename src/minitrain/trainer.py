@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from . import checkpoint, memory
+from .comm import CollectiveError
 from .config import ConfigError, RunConfig
 from .data import ShardedLoader, load_corpus, num_examples
 from .memory import device_peak_bytes, reset_device_peak
@@ -64,6 +65,13 @@ class Trainer:
         self.tokens_per_step = t.batch_size * t.grad_accum * topo.world_size * cfg.model.seq_len
 
     def train_step(self) -> StepRecord:
+        try:
+            return self._train_step()
+        except CollectiveError as e:
+            # The comm layer names the op and the rank; the step says when (a peer hung or died).
+            raise CollectiveError(f"step {self.step + 1}: {e}") from e
+
+    def _train_step(self) -> StepRecord:
         cfg, comm, strategy = self.cfg.train, self.topo.dp, self.strategy
         measure_sync = self.cfg.ddp.measure_sync
         before = comm.totals()

@@ -84,6 +84,8 @@ class TrainConfig:
     prefetch: bool = opt(True, "ZeRO-3: gather the next block's parameters while the current one computes")
     memory_profile: bool = opt(False, "print per-rank memory (at rest and peak, measured and predicted) at the "
                                "end and write OUT/memory.json")
+    max_skipped_steps: int = opt(3, "a step whose gradients hold NaN/Inf is skipped (parameters unchanged); "
+                                 "this many in a row abort the run")
     log_every: int = opt(1, "print a progress line every this many steps (rank 0); 0 = quiet")
 
 
@@ -154,7 +156,7 @@ class RunConfig:
             raise ConfigError(f"train.lr must be > 0, got {t.lr}")
         if not 0 <= t.min_lr_ratio <= 1:
             raise ConfigError(f"train.min_lr_ratio must lie in [0, 1], got {t.min_lr_ratio}")
-        for name in ("warmup_steps", "weight_decay", "grad_clip", "log_every"):
+        for name in ("warmup_steps", "weight_decay", "grad_clip", "log_every", "max_skipped_steps"):
             if getattr(t, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(t, name)}")
         if not (0 <= t.beta1 < 1 and 0 <= t.beta2 < 1) or t.eps <= 0:

@@ -7,6 +7,7 @@ layer's `gather_rows`.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,6 +27,10 @@ from .parallel.flat import MEMORY_KINDS
 from .topology import Topology
 
 PEAK_KINDS = (*MEMORY_KINDS, "total", "device")
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive steps with NaN/Inf gradients."""
 
 
 @dataclass
@@ -48,6 +53,7 @@ class StepRecord:
     memory: dict[str, list[int]]  # bytes at rest: {"params": [rank0, rank1, ...], ...}
     memory_peak: dict[str, list[int]]  # most bytes held during the step: params, grads, optimizer, total, device
     sync: dict  # this rank's gradient sync: buckets, all-reduce calls and times, overlap (see sync_summary)
+    skipped: bool = False  # non-finite gradients: no update this step
 
 
 class Trainer:
@@ -59,7 +65,8 @@ class Trainer:
         self.strategy = make_strategy(self.model, topo.dp, cfg)
         self.loader = ShardedLoader(load_corpus(cfg), cfg.model.seq_len, cfg.train.batch_size,
                                     topo.rank, topo.world_size, cfg.train.seed)
-        self.step = 0  # optimizer steps completed
+        self.step = 0  # training steps completed (a skipped step counts: its data was consumed)
+        self.skipped_steps = self.skipped_in_a_row = 0
         self.tokens_seen = 0
         t = cfg.train
         self.tokens_per_step = t.batch_size * t.grad_accum * topo.world_size * cfg.model.seq_len
@@ -103,6 +110,8 @@ class Trainer:
             bracketed = {"compute_and_sync_s": done - start, "sync_exposed_s": done - backward_end}
         lr = lr_at(self.step, cfg)
         grad_norm = strategy.step(lr)
+        skipped = not math.isfinite(grad_norm)
+        self._check_skips(skipped)
         self.step += 1
         self.tokens_seen += self.tokens_per_step
 
@@ -132,7 +141,17 @@ class Trainer:
             memory={k: at_rest[:, i].tolist() for i, k in enumerate(MEMORY_KINDS)},
             memory_peak={k: peaks[:, i].tolist() for i, k in enumerate(PEAK_KINDS)},
             sync={**strategy.last_sync, **bracketed},
+            skipped=skipped,
         )
+
+    def _check_skips(self, skipped: bool) -> None:
+        """Count non-finite steps; every rank decides alike (the norm is global), so all abort together."""
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
+        self.skipped_steps += skipped
+        if self.skipped_in_a_row > self.cfg.train.max_skipped_steps:
+            raise NonFiniteError(f"step {self.step + 1}: gradients were NaN/Inf {self.skipped_in_a_row} steps in a "
+                                 f"row (more than --train.max_skipped_steps {self.cfg.train.max_skipped_steps}); "
+                                 "lower --lr, check the data, or resume from an earlier checkpoint")
 
     def train_state(self) -> dict:
         return {"step": self.step, "optimizer_steps": self.strategy.optimizer.steps_taken,
@@ -271,5 +290,6 @@ class SaveCadence:
 
 def progress_line(r: StepRecord, total: int) -> str:
     width = len(str(total))
+    skipped = "  SKIPPED (NaN/Inf gradients, parameters unchanged)" if r.skipped else ""
     return (f"step {r.step:>{width}}/{total}  loss {r.loss:.4f}  grad_norm {r.grad_norm:.3f}  "
-            f"lr {r.lr:.2e}  {r.tokens_per_s:,.0f} tok/s  comm {1000 * r.comm_time_s:.1f} ms")
+            f"lr {r.lr:.2e}  {r.tokens_per_s:,.0f} tok/s  comm {1000 * r.comm_time_s:.1f} ms{skipped}")

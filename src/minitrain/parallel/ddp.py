@@ -24,6 +24,7 @@ gradient accumulation over k micro-batches all-reduces once.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -59,6 +60,8 @@ class ReplicatedStrategy(FlatStrategy):
         self._synced = False
         grad = self.flat.grad
         norm, scale = self._clip_scale(sum_of_squares(grad))
+        if not math.isfinite(norm):  # the averaged gradient is identical on every rank, so is this
+            return norm  # skip: parameters and optimizer state unchanged
         self.optimizer.step(grad, lr, scale)
         self.flat.data.copy_(self.optimizer.master)
         return norm

@@ -276,7 +276,8 @@ class FlatStrategy:
         """Complete this step's gradient sync (the trainer may call it early, to time it)."""
 
     def step(self, lr: float) -> float:
-        """Sync gradients, clip, update parameters on every rank; return the global grad norm."""
+        """Sync gradients, clip, update parameters on every rank; return the global grad norm.
+        A non-finite norm (NaN/Inf in any rank's gradients) skips the update on every rank."""
         raise NotImplementedError
 
     def _clip_scale(self, sum_sq: torch.Tensor) -> tuple[float, float]:

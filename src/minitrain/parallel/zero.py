@@ -23,6 +23,7 @@ the sharding it exists for.
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 
@@ -60,6 +61,8 @@ class ShardedStrategy(FlatStrategy):
         sum_sq = sum_of_squares(grad).reshape(1)
         self.comm.all_reduce_sum(sum_sq)
         norm, scale = self._clip_scale(sum_sq)
+        if not math.isfinite(norm):  # NaN/Inf on some rank: every rank sees it in the all-reduced norm
+            return norm  # skip: parameters and optimizer state unchanged
         self.optimizer.step(grad, lr, scale)
         self._publish()
         return norm

@@ -22,14 +22,6 @@ import torch
 from .metrics import format_table, human_bytes
 from .parallel.flat import MEMORY_KINDS, FlatStrategy
 
-FORMULA = {  # per stage: what each kind costs per rank (E = bytes per element, P = padded params, N = ranks)
-    0: {"params": "E*P", "grads": "E*P", "optimizer": "3*E*P"},
-    1: {"params": "E*P", "grads": "E*P", "optimizer": "3*E*P/N"},
-    2: {"params": "E*P", "grads": "E*P/N", "optimizer": "3*E*P/N"},
-    3: {"params": "E*P/N", "grads": "E*P/N", "optimizer": "2*E*P/N"},  # m, v; the master is the param shard
-}
-
-
 def device_peak_source(device: torch.device) -> str:
     return "cuda max_memory_allocated" if device.type == "cuda" else "process peak RSS (VmHWM)"
 
@@ -74,7 +66,7 @@ def profile(strategy: FlatStrategy, records: list, device: torch.device) -> dict
         "dtype": str(flat.dtype).removeprefix("torch."), "element_size": flat.element_size,
         "params": flat.numel, "padded_params": flat.padded_numel, "padding": flat.padding,
         "units": [{"name": u.name, "padded_numel": u.stop - u.start} for u in flat.units],
-        "formula": FORMULA[strategy.stage], "expected_at_rest": expected,
+        "formula": strategy.memory_formula(), "expected_at_rest": expected,
         "device_peak_source": device_peak_source(device), "ranks": ranks,
     }
 

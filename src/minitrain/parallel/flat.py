@@ -317,17 +317,23 @@ class FlatStrategy:
         peak["total"] = sum(rest.values()) + self.ledger.peak_total_transient
         return peak
 
+    def _memory_terms(self) -> dict[str, tuple[int, bool]]:
+        """The memory math, per kind: (tensors of P elements, sharded over N?). 3 optimizer tensors
+        (master, m, v), 2 where the master is the parameter shard itself. Stage s shards the
+        optimizer state (s >= 1), gradients (s >= 2), parameters (s = 3)."""
+        return {"params": (1, self.stage >= 3), "grads": (1, self.stage >= 2),
+                "optimizer": (2 if self.master_is_params else 3, self.stage >= 1)}
+
     def expected_memory_bytes(self) -> dict[str, int]:
-        """The memory math: P = padded params, N = ranks, 3 optimizer tensors (master, m, v) per
-        param, 2 where the master is the parameter shard itself. Stage s shards the optimizer
-        state (s >= 1), gradients (s >= 2), parameters (s = 3)."""
+        """Bytes at rest by the memory math: P = padded params, N = ranks, E = bytes per element."""
         elem, P, N = self.flat.element_size, self.flat.padded_numel, self.comm.world_size
+        return {kind: count * elem * (P // N if sharded else P)
+                for kind, (count, sharded) in self._memory_terms().items()}
 
-        def per_rank(sharded: bool) -> int:
-            return elem * (P // N if sharded else P)
-
-        return {"params": per_rank(self.stage >= 3), "grads": per_rank(self.stage >= 2),
-                "optimizer": (2 if self.master_is_params else 3) * per_rank(self.stage >= 1)}
+    def memory_formula(self) -> dict[str, str]:
+        """expected_memory_bytes() as text, e.g. {"optimizer": "3*E*P/N", ...}."""
+        return {kind: ("" if count == 1 else f"{count}*") + "E*P" + ("/N" if sharded else "")
+                for kind, (count, sharded) in self._memory_terms().items()}
 
     def state_snapshot(self) -> dict[str, torch.Tensor]:
         """A copy of everything this rank holds that a resume must reproduce: its parameters

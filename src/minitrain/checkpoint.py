@@ -31,6 +31,8 @@ import json
 import os
 import random
 import shutil
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +54,11 @@ class CheckpointError(Exception):
 
 def step_dir_name(step: int) -> str:
     return f"step-{step:06d}"
+
+
+def step_of(step_dir: Path) -> int:
+    """The step a step directory's name says (step-000010 -> 10)."""
+    return int(step_dir.name.removeprefix("step-"))
 
 
 def shard_file_name(rank: int) -> str:
@@ -116,32 +123,83 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
 
 
 # --- save -------------------------------------------------------------------------------
-def save(root: str | os.PathLike, step: int, topo: Topology, strategy: FlatStrategy,
-         train_state: dict, run_config: dict) -> Path:
-    """Collective: every rank calls it. Returns the final step directory."""
-    comm, rank = topo.dp, topo.rank
+# A save has three phases. begin (collective): rank 0 makes the temporary directory. write
+# (local, may run in a background thread): this rank's shard file, fsynced, and its size and
+# sha256. commit (collective): every rank's outcome gathered; rank 0 writes the manifest and
+# renames the directory into place, then moves `latest`. A failed write on any rank makes
+# commit raise on every rank, and nothing is renamed.
+class PeerSaveError(CheckpointError):
+    """Another rank's part of a save failed (that rank reports the cause)."""
+
+    caused_by_peer = True  # the launcher shows the failing rank's error first
+
+
+class ShardWrite:
+    """One rank's part of one save: the snapshot to write and, once written, its outcome."""
+
+    def __init__(self, root: Path, step: int, topo: Topology, strategy: FlatStrategy, train_state: dict,
+                 run_config: dict, copy: bool, after_written: Callable[[int], None] | None = None):
+        self.root, self.step, self.topo, self.strategy = root, step, topo, strategy
+        self.train_state, self.run_config, self.after_written = train_state, run_config, after_written
+        self.final, self.tmp = root / step_dir_name(step), root / f".tmp-{step_dir_name(step)}"
+        self.path = self.tmp / shard_file_name(topo.rank)
+        # A background write needs a copy: training goes on changing the live buffers.
+        shards = {k: v.detach().to("cpu", copy=copy).contiguous() for k, v in strategy.state_shards().items()}
+        self.shards = {**shards, **rng_state()}
+        self.keys = list(self.shards)
+        self.row: list[int] | None = None  # [bytes, sha256 as 4 int64 words] once written
+        self.error: str | None = None
+
+    def write(self) -> None:
+        """Write, fsync, hash. Never raises: the outcome is exchanged at commit."""
+        try:
+            save_file(self.shards, str(self.path))
+            _fsync_file(self.path)
+            if self.after_written is not None:
+                self.after_written(self.step)
+            digest = bytes.fromhex(sha256_of(self.path))
+            self.row = [self.path.stat().st_size] + [int.from_bytes(digest[i:i + 8], "big", signed=True)
+                                                     for i in range(0, 32, 8)]
+        except Exception as e:  # noqa: BLE001 - a disk error is reported by commit, on every rank
+            self.error = f"{type(e).__name__}: {e}"
+        finally:
+            self.shards = {}  # the snapshot's memory goes back as soon as it is on disk
+
+    @property
+    def written(self) -> bool:
+        return self.row is not None or self.error is not None
+
+
+def begin(root: str | os.PathLike, step: int, topo: Topology) -> None:
+    """Collective: rank 0 sweeps crashed saves' leftovers and makes this save's temporary directory."""
     root = Path(root)
-    final, tmp = root / step_dir_name(step), root / f".tmp-{step_dir_name(step)}"
+    tmp = root / f".tmp-{step_dir_name(step)}"
     if topo.is_main:
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob(".tmp-step-*"):  # left by saves that crashed: never checkpoints
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
-    comm.barrier()
+    topo.dp.barrier()
 
-    shards = {k: v.contiguous() for k, v in strategy.state_shards().items()}
-    shards.update(rng_state())
-    path = tmp / shard_file_name(rank)
-    save_file(shards, str(path))
-    _fsync_file(path)
-    digest = bytes.fromhex(sha256_of(path))
-    row = torch.tensor([path.stat().st_size]
-                       + [int.from_bytes(digest[i:i + 8], "big", signed=True) for i in range(0, 32, 8)],
-                       dtype=torch.int64)
-    rows = comm.gather_rows(row).tolist()
 
+def commit(job: ShardWrite) -> Path:
+    """Collective: agree on every rank's outcome; if all wrote, make the checkpoint complete and
+    point `latest` at it. Returns the final step directory; raises CheckpointError on every rank
+    if any rank's write failed (the temporary directory stays, and is swept by the next save)."""
+    topo = job.topo
+    row = torch.tensor([0 if job.error is None else 1] + (job.row or [0] * 5), dtype=torch.int64)
+    rows = topo.dp.gather_rows(row).tolist()
+    failed = [rank for rank, r in enumerate(rows) if r[0]]
+    if failed:
+        where = f"step {job.step}: writing {job.path}"
+        if job.error is not None:
+            raise CheckpointError(f"{where} failed on rank {topo.rank}: {job.error}; `latest` still names the "
+                                  "previous checkpoint")
+        raise PeerSaveError(f"step {job.step}: checkpoint not saved: rank(s) {failed} could not write their shard")
     if topo.is_main:
-        manifest = _manifest(step, topo, strategy, train_state, run_config, list(shards), rows)
+        root, final, tmp = job.root, job.final, job.tmp
+        manifest = _manifest(job.step, topo, job.strategy, job.train_state, job.run_config, job.keys,
+                             [r[1:] for r in rows])
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         _fsync_file(tmp / MANIFEST)
         _fsync_dir(tmp)
@@ -151,8 +209,42 @@ def save(root: str | os.PathLike, step: int, topo: Topology, strategy: FlatStrat
         _write_durably(root / LATEST, final.name + "\n")
         if old is not None:
             shutil.rmtree(old)
-    comm.barrier()
-    return final
+    topo.dp.barrier()
+    return job.final
+
+
+def save(root: str | os.PathLike, step: int, topo: Topology, strategy: FlatStrategy,
+         train_state: dict, run_config: dict, after_written: Callable[[int], None] | None = None) -> Path:
+    """Collective: every rank calls it. Returns the final step directory."""
+    begin(root, step, topo)
+    job = ShardWrite(Path(root), step, topo, strategy, train_state, run_config, copy=False,
+                     after_written=after_written)
+    job.write()
+    return commit(job)
+
+
+class AsyncSave:
+    """A save whose file writes run in a background thread from a CPU snapshot of the shards.
+    `begin` and the snapshot happen at construction (collective); `commit()` (collective) waits for
+    the write, and only then is the checkpoint renamed into place and `latest` moved."""
+
+    def __init__(self, root: str | os.PathLike, step: int, topo: Topology, strategy: FlatStrategy,
+                 train_state: dict, run_config: dict, after_written: Callable[[int], None] | None = None):
+        begin(root, step, topo)
+        self.job = ShardWrite(Path(root), step, topo, strategy, train_state, run_config, copy=True,
+                              after_written=after_written)
+        self.step = step
+        self._thread = threading.Thread(target=self.job.write, name=f"checkpoint-step-{step}", daemon=True)
+        self._thread.start()
+
+    @property
+    def written(self) -> bool:
+        """This rank's file is written (or failed): commit would not wait."""
+        return self.job.written
+
+    def commit(self) -> Path:
+        self._thread.join()
+        return commit(self.job)
 
 
 def _move_aside(root: Path, final: Path) -> Path:

@@ -198,7 +198,7 @@ def resolve_config(args) -> RunConfig:
 
 
 def cmd_train(args) -> int:
-    from .trainer import check_resume, train_worker
+    from .run import check_resume, train_worker
 
     cfg = resolve_config(args)
     speaks = not under_torchrun() or os.environ["RANK"] == "0"
@@ -220,6 +220,7 @@ def cmd_train(args) -> int:
         print("gradient sync after warmup: " + "; ".join(parts))
     ckpts = f"; last checkpoint {result['checkpoints'][-1]}" if result["checkpoints"] else ""
     final = "n/a" if result["final_loss"] is None else f"{result['final_loss']:.4f}"
-    print(f"done: {result['steps']} steps on {result['world_size']} rank(s), final loss {final}; "
+    stopped = f" (stopped by {result['stopped_by']})" if result["stopped_by"] else ""
+    print(f"done: {result['steps']} steps{stopped} on {result['world_size']} rank(s), final loss {final}; "
           f"metrics {result['metrics']}{ckpts}")
     return 0

@@ -86,6 +86,10 @@ class TrainConfig:
                                "end and write OUT/memory.json")
     max_skipped_steps: int = opt(3, "a step whose gradients hold NaN/Inf is skipped (parameters unchanged); "
                                  "this many in a row abort the run")
+    spike_factor: float = opt(2.0, "a step whose loss exceeds this many times the mean of the previous "
+                              "spike_window losses rolls the run back to the last checkpoint before it; 0 = off")
+    spike_window: int = opt(10, "losses in the running mean the spike check compares against (checking starts "
+                            "once the window is full)")
     log_every: int = opt(1, "print a progress line every this many steps (rank 0); 0 = quiet")
 
 
@@ -115,6 +119,19 @@ class CheckpointConfig:
     keep_last: int = opt(0, "keep only the newest K complete checkpoints (older ones are deleted after a save); "
                          "0 = keep all")
     resume: str = opt("", "'' = start fresh, 'auto' = newest checkpoint under OUT if any, or a checkpoint path")
+    async_save: bool = opt(False, "write checkpoint files in a background thread from a CPU snapshot while training "
+                           "goes on; `latest` moves only once every rank's file is durable")
+
+
+@dataclass
+class FaultConfig:
+    """Deliberate failures for testing fault tolerance (see minitrain/faults.py)."""
+
+    kind: str = opt("", "'' = none | sigkill | sigterm | kill-in-save | save-error | lr-spike; fires once, "
+                    "never in a resumed run")
+    step: int = opt(0, "the step at which the fault fires")
+    rank: int = opt(0, "the rank it fires on (lr-spike applies on every rank)")
+    lr_multiplier: float = opt(100.0, "lr-spike: that step's learning rate is multiplied by this")
 
 
 @dataclass
@@ -125,6 +142,7 @@ class RunConfig:
     ddp: DDPConfig = field(default_factory=DDPConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
     out: str = opt("runs/train", "directory for everything the run writes: metrics.jsonl, checkpoints/")
 
     def validate(self) -> "RunConfig":
@@ -167,6 +185,10 @@ class RunConfig:
         for name in ("every_steps", "every_minutes", "keep_last"):
             if getattr(self.ckpt, name) < 0:
                 raise ConfigError(f"ckpt.{name} must be >= 0, got {getattr(self.ckpt, name)}")
+        if t.spike_factor and not t.spike_factor > 1:
+            raise ConfigError(f"train.spike_factor must be > 1 (or 0 to turn the check off), got {t.spike_factor}")
+        _require_positive("train.spike_window", t.spike_window)
+        _check_fault(self.fault, d.nproc)
         from .data import check_corpus  # late import: data depends on this module
 
         check_corpus(self)
@@ -187,6 +209,16 @@ def _check_gpus(d: DistConfig) -> None:
     if gpus < local_ranks:
         raise ConfigError(f"--backend nccl needs a CUDA device per rank: {local_ranks} local ranks, "
                           f"{gpus} GPU(s) visible; use --backend gloo or fewer ranks")
+
+
+def _check_fault(f: FaultConfig, nproc: int) -> None:
+    from .faults import KINDS  # late import: faults depends on this module
+
+    _require_choice("fault.kind", f.kind, KINDS)
+    if f.kind:
+        _require_positive("fault.step", f.step)
+        if not 0 <= f.rank < nproc:
+            raise ConfigError(f"fault.rank {f.rank} is not a rank of this run (world size {nproc})")
 
 
 def _require_positive(name: str, value) -> None:

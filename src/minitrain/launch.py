@@ -19,6 +19,7 @@ import pickle
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from contextlib import contextmanager
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 
 from .comm import CollectiveError
+from .resilience import STOP_SIGNALS
 
 # After the first failure, collect reports this long: the root cause usually
 # reports first, but peers whose collectives broke report right after.
@@ -107,7 +109,8 @@ def _rank_main(fn, args, rank, nproc, port, backend, pg_timeout_s, threads, conn
         result = fn(topo, *args)
         _send(conn, ("ok", result))
     except BaseException as e:  # noqa: BLE001 - every failure must reach the launcher
-        _send(conn, ("error", traceback.format_exc(), time.time(), isinstance(e, CollectiveError)))
+        secondary = isinstance(e, CollectiveError) or getattr(e, "caused_by_peer", False)
+        _send(conn, ("error", traceback.format_exc(), time.time(), secondary))
         conn.close()
         os._exit(1)  # skip teardown that could block on dead peers; the launcher reaps us
     if topo is not None:
@@ -137,12 +140,34 @@ def launch(fn, nproc: int, *args, backend: str = "auto", pg_timeout_s: float = 3
                 p.start()
                 send_end.close()
                 conns[recv_end] = rank
-        results = _supervise(procs, conns, timeout_s)
+        with _forwarding_stop_signals(procs):
+            results = _supervise(procs, conns, timeout_s)
         for p in procs:  # every rank reported; let each destroy its process group and exit
             p.join(timeout=TEARDOWN_S)
         return results
     finally:
         _kill_all(procs)
+
+
+@contextmanager
+def _forwarding_stop_signals(procs):
+    """A scheduler's SIGTERM or SIGUSR1 to the launcher is passed on to every rank, which saves
+    a checkpoint and finishes; the launcher keeps supervising them meanwhile."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def forward(signum, _frame):
+        for p in procs:
+            if p.pid is not None and p.is_alive():
+                os.kill(p.pid, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _supervise(procs, conns: dict, timeout_s: float | None) -> list:

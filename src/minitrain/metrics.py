@@ -30,6 +30,12 @@ class MetricsWriter:
                 continue  # a line cut short by a crash
         self.path.write_text("".join(line + "\n" for line in kept))
 
+    def rewind(self, step: int) -> None:
+        """After a rollback to `step`: drop the lines after it, which are about to be redone."""
+        self._file.close()
+        self._truncate_after(step)
+        self._file = open(self.path, "a")
+
     def write(self, record: dict) -> None:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()

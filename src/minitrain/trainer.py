@@ -1,32 +1,46 @@
-"""The training loop: forward, backward, step, log, checkpoint.
+"""One training step: forward, backward, sync, update, and the step's record; and the
+trainer's state in a checkpoint. (The loop around it, with cadence, signals and
+rollback, is run.py.)
 
 It calls no collective itself: gradient sync and parameter updates belong to
 the strategy, and the one per-step statistics exchange goes through the comm
-layer's `gather_rows`.
+layer's `gather_rows`. That exchange also carries each rank's stop signal and
+background-save progress, so the ranks agree on both without another collective.
 """
 from __future__ import annotations
 
 import contextlib
 import math
+import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from . import checkpoint, memory
+from . import checkpoint
 from .comm import CollectiveError
-from .config import ConfigError, RunConfig
-from .data import ShardedLoader, load_corpus, num_examples
+from .config import RunConfig
+from .data import ShardedLoader, load_corpus
+from .faults import Faults
 from .memory import device_peak_bytes, reset_device_peak
-from .metrics import MetricsWriter, sync_report
 from .model import MiniGPT
 from .optim import lr_at
 from .parallel import make_strategy
 from .parallel.flat import MEMORY_KINDS
+from .resilience import SpikeGuard, StopRequest
 from .topology import Topology
 
 PEAK_KINDS = (*MEMORY_KINDS, "total", "device")
+
+
+def seed_everything(seed: int, rank: int) -> None:
+    """torch alike on every rank (identical initial weights); python and numpy per rank, so a run
+    is reproducible whole, down to the generator states its checkpoints hold."""
+    torch.manual_seed(seed)
+    random.seed(f"minitrain/{seed}/rank{rank}")
+    np.random.seed([seed, rank])
 
 
 class NonFiniteError(RuntimeError):
@@ -60,7 +74,7 @@ class Trainer:
     def __init__(self, cfg: RunConfig, topo: Topology):
         self.cfg, self.topo = cfg, topo
         dtype = getattr(torch, cfg.train.dtype)
-        torch.manual_seed(cfg.train.seed)
+        seed_everything(cfg.train.seed, topo.rank)
         self.model = MiniGPT(cfg.model).to(device=topo.device, dtype=dtype)
         self.strategy = make_strategy(self.model, topo.dp, cfg)
         self.loader = ShardedLoader(load_corpus(cfg), cfg.model.seq_len, cfg.train.batch_size,
@@ -70,6 +84,15 @@ class Trainer:
         self.tokens_seen = 0
         t = cfg.train
         self.tokens_per_step = t.batch_size * t.grad_accum * topo.world_size * cfg.model.seq_len
+        self.spikes = SpikeGuard(t.spike_factor, t.spike_window)
+        self.faults = Faults(cfg.fault, topo.rank, resumed=False)
+        # Exchanged at every step boundary (set by the run loop; None when not in use):
+        self.stop_request: StopRequest | None = None
+        self.pending_save: checkpoint.AsyncSave | None = None
+        # ...and what the ranks agreed on at the last boundary:
+        self.agreed_stop = 0  # a signal number if any rank received SIGTERM/SIGUSR1, else 0
+        self.stop_ranks: list[int] = []  # ...and which ranks received one
+        self.pending_save_written = False  # every rank's background write has finished (or failed)
 
     def train_step(self) -> StepRecord:
         try:
@@ -81,6 +104,7 @@ class Trainer:
     def _train_step(self) -> StepRecord:
         cfg, comm, strategy = self.cfg.train, self.topo.dp, self.strategy
         measure_sync = self.cfg.ddp.measure_sync
+        self.faults.at_step_start(self.step + 1)
         before = comm.totals()
         if measure_sync:
             comm.barrier()  # every rank starts the step together
@@ -108,7 +132,7 @@ class Trainer:
             # compute_and_sync: forward + backward + sync, barrier to barrier. sync_exposed: the part
             # after this rank's backward returned, i.e. communication not hidden behind compute.
             bracketed = {"compute_and_sync_s": done - start, "sync_exposed_s": done - backward_end}
-        lr = lr_at(self.step, cfg)
+        lr = lr_at(self.step, cfg) * self.faults.lr_factor(self.step + 1)
         grad_norm = strategy.step(lr)
         skipped = not math.isfinite(grad_norm)
         self._check_skips(skipped)
@@ -118,10 +142,14 @@ class Trainer:
         held, peak = strategy.memory_bytes(), strategy.peak_memory_bytes()
         peak["device"] = device_peak_bytes(self.topo.device)
         row = torch.tensor([float(loss_sum) / cfg.grad_accum, strategy.param_norm()]
-                           + [float(held[k]) for k in MEMORY_KINDS] + [float(peak[k]) for k in PEAK_KINDS],
-                           dtype=torch.float64)
-        rows = comm.gather_rows(row)  # (world, 2 + 3 + 5), identical on every rank
-        at_rest, peaks = rows[:, 2:2 + len(MEMORY_KINDS)].long(), rows[:, 2 + len(MEMORY_KINDS):].long()
+                           + [float(held[k]) for k in MEMORY_KINDS] + [float(peak[k]) for k in PEAK_KINDS]
+                           + self._boundary_flags(), dtype=torch.float64)
+        rows = comm.gather_rows(row)  # (world, 2 + 3 + 5 + 2), identical on every rank
+        memory_cols = rows[:, 2:2 + len(MEMORY_KINDS) + len(PEAK_KINDS)].long()
+        at_rest, peaks = memory_cols[:, :len(MEMORY_KINDS)], memory_cols[:, len(MEMORY_KINDS):]
+        self.agreed_stop = int(rows[:, -2].max())
+        self.stop_ranks = rows[:, -2].nonzero().flatten().tolist()
+        self.pending_save_written = bool((rows[:, -1] == 1).all())
         elapsed = time.perf_counter() - start
         after = comm.totals()
         return StepRecord(
@@ -144,6 +172,12 @@ class Trainer:
             skipped=skipped,
         )
 
+    def _boundary_flags(self) -> list[float]:
+        """[signal received (its number, or 0), background save: 1 written, 0 still writing or none]."""
+        signum = self.stop_request.signum if self.stop_request else 0
+        written = self.pending_save is not None and self.pending_save.written
+        return [float(signum), float(written)]
+
     def _check_skips(self, skipped: bool) -> None:
         """Count non-finite steps; every rank decides alike (the norm is global), so all abort together."""
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
@@ -155,141 +189,23 @@ class Trainer:
 
     def train_state(self) -> dict:
         return {"step": self.step, "optimizer_steps": self.strategy.optimizer.steps_taken,
-                "tokens_seen": self.tokens_seen, "loader": self.loader.state_dict()}
+                "tokens_seen": self.tokens_seen, "loader": self.loader.state_dict(),
+                "recent_losses": self.spikes.state()}
 
     def save_checkpoint(self, root: str | Path) -> Path:
-        return checkpoint.save(root, self.step, self.topo, self.strategy, self.train_state(), self.cfg.to_dict())
+        """Collective: save now, return the step directory once it is complete."""
+        return checkpoint.save(root, self.step, self.topo, self.strategy, self.train_state(), self.cfg.to_dict(),
+                               after_written=self.faults.after_shard_written)
+
+    def start_async_save(self, root: str | Path) -> checkpoint.AsyncSave:
+        """Collective: snapshot now, write in the background; the caller commits it later."""
+        return checkpoint.AsyncSave(root, self.step, self.topo, self.strategy, self.train_state(),
+                                    self.cfg.to_dict(), after_written=self.faults.after_shard_written)
 
     def load_checkpoint(self, path: str | Path) -> None:
         state = checkpoint.load(path, self.topo, self.strategy)
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         self.loader.load_state_dict(state["loader"])
-
-
-def resume_path(cfg: RunConfig, warnings: list[str] | None = None) -> Path | None:
-    """Where to resume from: None (fresh), the newest checkpoint under OUT that verifies (auto),
-    or PATH."""
-    if not cfg.ckpt.resume:
-        return None
-    if cfg.ckpt.resume == "auto":
-        return checkpoint.find_latest(cfg.out, warnings)
-    return checkpoint.resolve(cfg.ckpt.resume)
-
-
-SCHEDULE_FIELDS = ("steps", "warmup_steps", "lr", "min_lr_ratio")
-
-
-def check_resume(cfg: RunConfig) -> list[str]:
-    """Before any rank starts: refuse a resume checkpoint that is corrupt or does not fit
-    this run (ConfigError / CheckpointError, one line each); return notes worth printing.
-    With --resume auto the checkpoint chosen here is pinned in cfg, so every rank loads it."""
-    notes: list[str] = []
-    path = resume_path(cfg, notes)
-    if path is None:
-        return notes
-    cfg.ckpt.resume = str(path)
-    step_dir, manifest = checkpoint.verify(path)
-    saved = manifest["config"]
-    mine = cfg.to_dict()
-    diff = [k for k in mine["model"] if k != "preset" and saved["model"].get(k) != mine["model"][k]]
-    if diff:
-        raise checkpoint.CheckpointError(f"checkpoint {step_dir} has a different model: " + ", ".join(
-            f"{k}={saved['model'].get(k)!r} (this run {mine['model'][k]!r})" for k in diff))
-    if saved["train"]["dtype"] != cfg.train.dtype:
-        raise checkpoint.CheckpointError(f"checkpoint {step_dir} was trained in {saved['train']['dtype']}, "
-                                         f"this run uses {cfg.train.dtype}")
-    if manifest["step"] >= cfg.train.steps:
-        raise ConfigError(f"checkpoint {step_dir} is at step {manifest['step']}; ask for more --steps to continue")
-    loader = manifest["train_state"]["loader"]
-    global_batch = cfg.train.batch_size * cfg.dist.nproc
-    if loader["global_batch"] != global_batch:
-        fits = loader["global_batch"] % cfg.dist.nproc == 0
-        hint = (f" (e.g. --batch-size {loader['global_batch'] // cfg.dist.nproc} with --nproc {cfg.dist.nproc})"
-                if fits else "")
-        raise ConfigError(f"checkpoint {step_dir} was saved with batch_size x ranks = {loader['global_batch']} "
-                          f"examples per micro-batch, this run has {global_batch}; keep the product equal{hint} "
-                          "so the data order continues exactly")
-    if loader["seed"] != cfg.train.seed:
-        raise ConfigError(f"checkpoint {step_dir} was saved with --seed {loader['seed']}, this run has "
-                          f"{cfg.train.seed}; use the same seed to continue the same data order")
-    if loader["num_examples"] != num_examples(cfg):
-        raise ConfigError(f"checkpoint {step_dir} was trained on a corpus of {loader['num_examples']} examples, "
-                          f"this run's corpus has {num_examples(cfg)}; resume with the same --corpus")
-    changed = [f"{k} {saved['train'][k]} -> {mine['train'][k]}" for k in SCHEDULE_FIELDS
-               if saved["train"][k] != mine["train"][k]]
-    if changed:
-        notes.append(f"learning-rate schedule differs from the checkpoint's run ({', '.join(changed)}): "
-                     "training continues as a warm restart, not a bit-identical continuation")
-    return notes
-
-
-def train_worker(topo: Topology, cfg: RunConfig) -> dict:
-    """What each rank runs for `minitrain train`. Rank 0 logs and returns the summary."""
-    out = Path(cfg.out)
-    trainer = Trainer(cfg, topo)
-    start_path = resume_path(cfg)
-    if start_path is not None:
-        trainer.load_checkpoint(start_path)
-    writer = MetricsWriter(out / "metrics.jsonl", resume_step=trainer.step if start_path else None) \
-        if topo.is_main else None
-    if topo.is_main and start_path is not None:
-        print(f"resumed from {start_path} at step {trainer.step}", flush=True)
-    saved, last, records = [], None, []
-    total = cfg.train.steps
-    cadence = SaveCadence(cfg, topo)
-    while trainer.step < total:
-        last = trainer.train_step()
-        records.append(last)
-        if writer:
-            writer.write(asdict(last))
-        if topo.is_main and cfg.train.log_every and (last.step % cfg.train.log_every == 0 or last.step == total):
-            print(progress_line(last, total), flush=True)
-        if cadence.due(last.step):
-            saved.append(str(trainer.save_checkpoint(out / "checkpoints")))
-            cadence.saved()
-            if cfg.ckpt.keep_last and topo.is_main:
-                checkpoint.prune(out / "checkpoints", cfg.ckpt.keep_last)
-    if writer:
-        writer.close()
-    summary = {}
-    if cfg.train.memory_profile and records and topo.is_main:
-        report = memory.profile(trainer.strategy, records, topo.device)
-        memory.write(report, out / "memory.json")
-        print(memory.render(report), flush=True)
-        summary["memory"] = str(out / "memory.json")
-    return {**summary, "steps": trainer.step, "final_loss": None if last is None else last.loss,
-            "sync": sync_report([r.sync for r in records], warmup=min(5, len(records) // 5)),
-            "resumed_from": None if start_path is None else str(start_path),
-            "checkpoints": saved, "metrics": str(out / "metrics.jsonl"),
-            "params": trainer.strategy.flat.numel, "world_size": topo.world_size}
-
-
-class SaveCadence:
-    """When to checkpoint: every K steps, every M minutes, and at the last step if either is set.
-    The clock is rank 0's, broadcast each step, so every rank agrees (a save is collective)."""
-
-    def __init__(self, cfg: RunConfig, topo: Topology):
-        self.every, self.minutes, self.total = cfg.ckpt.every_steps, cfg.ckpt.every_minutes, cfg.train.steps
-        self.comm = topo.dp
-        self.last = time.monotonic()
-
-    def due(self, step: int) -> bool:
-        if not (self.every or self.minutes):
-            return False
-        if step == self.total or (self.every and step % self.every == 0):
-            return True
-        if not self.minutes:
-            return False
-        flag = torch.tensor([float(time.monotonic() - self.last >= 60 * self.minutes)], device=self.comm.device)
-        self.comm.broadcast(flag, src=0)
-        return bool(flag.item())
-
-    def saved(self) -> None:
-        self.last = time.monotonic()
-
-
-def progress_line(r: StepRecord, total: int) -> str:
-    width = len(str(total))
-    skipped = "  SKIPPED (NaN/Inf gradients, parameters unchanged)" if r.skipped else ""
-    return (f"step {r.step:>{width}}/{total}  loss {r.loss:.4f}  grad_norm {r.grad_norm:.3f}  "
-            f"lr {r.lr:.2e}  {r.tokens_per_s:,.0f} tok/s  comm {1000 * r.comm_time_s:.1f} ms{skipped}")
+        t = self.cfg.train
+        self.spikes = SpikeGuard(t.spike_factor, t.spike_window, state.get("recent_losses"))
+        self.faults.armed = False  # deliberate faults never fire in a run that loaded a checkpoint

@@ -1,0 +1,80 @@
+"""Surviving a run: a stop signal every rank agrees on, and loss-spike detection.
+
+(Steps with NaN/Inf gradients are skipped by the strategies and counted by the
+trainer; a collective that hangs fails through the process-group timeout.)
+"""
+from __future__ import annotations
+
+import math
+import signal
+import threading
+from collections import deque
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StopRequest:
+    """Remembers the first SIGTERM or SIGUSR1 this process receives.
+
+    The handler only sets a number. The trainer exchanges it with every rank at the next step
+    boundary (a checkpoint is collective: all ranks must decide to save at the same step), and
+    the run then saves and exits 0. Schedulers send SIGTERM before they kill a job; SIGUSR1 is
+    what Slurm's `--signal` sends ahead of a time limit.
+    """
+
+    def __init__(self):
+        self.signum = 0
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> "StopRequest":
+        if threading.current_thread() is not threading.main_thread():
+            return self  # Python delivers signals to the main thread only
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+            # Restart interrupted system calls (a collective blocked in recv) instead of
+            # failing them with EINTR: the signal must not break the step it arrives in.
+            signal.siginterrupt(sig, False)
+        return self
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, _frame) -> None:
+        self.signum = self.signum or signum
+
+    @staticmethod
+    def name(signum: int) -> str:
+        return signal.Signals(signum).name
+
+
+class SpikeError(RuntimeError):
+    """The loss spiked again after rolling back: the spike is reproducible, not transient."""
+
+
+class SpikeGuard:
+    """Flags a loss above `factor` x the mean of the previous `window` losses.
+
+    Detection starts once the window is full. A spiking loss is not added to the window; the
+    window is part of the checkpoint's training state, so a resumed or rolled-back run decides
+    exactly as the uninterrupted one would.
+    """
+
+    def __init__(self, factor: float, window: int, history: list[float] | None = None):
+        self.factor = factor
+        self.losses: deque[float] = deque(history or [], maxlen=window)
+
+    def check(self, loss: float) -> float | None:
+        """The running mean if `loss` is a spike, else None (and the loss joins the window)."""
+        if not math.isfinite(loss):
+            return None  # a non-finite step was skipped by the NaN guard; it says nothing about the trend
+        if self.factor and len(self.losses) == self.losses.maxlen:
+            mean = sum(self.losses) / len(self.losses)
+            if loss > self.factor * mean:
+                return mean
+        self.losses.append(loss)
+        return None
+
+    def state(self) -> list[float]:
+        return list(self.losses)

@@ -1,0 +1,264 @@
+"""What each rank runs for `minitrain train`: the trainer's steps, and around them the
+things a long run needs. Checkpoints on a cadence (written in line or in the background),
+an agreed stop on SIGTERM/SIGUSR1 (save, then exit 0), and a rollback to the last
+checkpoint when the loss spikes.
+
+Every decision here is taken alike on every rank: the inputs are either the same on all
+of them (step, loss, config) or were exchanged at the step boundary (stop signal,
+background-save progress), because each decision leads to collectives.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from . import checkpoint, memory
+from .config import ConfigError, RunConfig
+from .data import num_examples
+from .metrics import MetricsWriter, sync_report
+from .resilience import SpikeError, StopRequest
+from .topology import Topology
+from .trainer import StepRecord, Trainer
+
+
+def train_worker(topo: Topology, cfg: RunConfig) -> dict:
+    """Rank 0 logs and returns the summary."""
+    return TrainingRun(topo, cfg).run()
+
+
+class TrainingRun:
+    def __init__(self, topo: Topology, cfg: RunConfig):
+        self.topo, self.cfg = topo, cfg
+        self.out = Path(cfg.out)
+        self.ckpt_root = self.out / "checkpoints"
+        self.trainer = Trainer(cfg, topo)
+        self.start_path = resume_path(cfg)
+        if self.start_path is not None:
+            self.trainer.load_checkpoint(self.start_path)
+        self.writer = (MetricsWriter(self.out / "metrics.jsonl",
+                                     resume_step=self.trainer.step if self.start_path else None)
+                       if topo.is_main else None)
+        self.cadence = SaveCadence(cfg, topo)
+        self.saved: list[str] = []
+        self.records: list[StepRecord] = []
+        self.rollbacks: list[dict] = []
+        self.stopped_by: str | None = None
+
+    def say(self, line: str, err: bool = False) -> None:
+        if self.topo.is_main:
+            print(line, file=sys.stderr if err else sys.stdout, flush=True)
+
+    def run(self) -> dict:
+        t, total = self.trainer, self.cfg.train.steps
+        if self.start_path is not None:
+            self.say(f"resumed from {self.start_path} at step {t.step}")
+        t.stop_request = StopRequest().install()
+        try:
+            while t.step < total:
+                record = t.train_step()
+                self.records.append(record)
+                self._log(record)
+                if t.pending_save is not None and t.pending_save_written:
+                    self._commit_pending()
+                if self._rolled_back(record):
+                    continue
+                stopping = bool(t.agreed_stop)
+                if self.cadence.due(t.step) or stopping:
+                    self._save(background=self.cfg.ckpt.async_save and not stopping)
+                if stopping:
+                    self.stopped_by = t.stop_request.name(t.agreed_stop)
+                    self.say(f"{self.stopped_by} received by rank {t.stop_ranks}: stopped after step {t.step}, checkpoint "
+                             f"{self.saved[-1]}; continue with --resume auto")
+                    break
+            self._commit_pending()  # the run is done only when its last checkpoint is durable
+        finally:
+            t.stop_request.uninstall()
+            if self.writer:
+                self.writer.close()
+        return self._summary()
+
+    def _log(self, r: StepRecord) -> None:
+        if self.writer:
+            self.writer.write(asdict(r))
+        every, total = self.cfg.train.log_every, self.cfg.train.steps
+        if every and (r.step % every == 0 or r.step == total):
+            self.say(progress_line(r, total))
+
+    # --- checkpoints ----------------------------------------------------------------------
+    def _save(self, background: bool) -> None:
+        self._commit_pending()
+        if background:
+            self.trainer.pending_save = self.trainer.start_async_save(self.ckpt_root)
+            return
+        self.saved.append(str(self.trainer.save_checkpoint(self.ckpt_root)))
+        self._saved()
+
+    def _commit_pending(self) -> None:
+        """Collective: wait for this rank's background write, then make the checkpoint complete."""
+        pending, self.trainer.pending_save = self.trainer.pending_save, None
+        if pending is not None:
+            self.saved.append(str(pending.commit()))
+            self._saved()
+
+    def _saved(self) -> None:
+        self.cadence.saved()
+        if self.cfg.ckpt.keep_last and self.topo.is_main:
+            checkpoint.prune(self.ckpt_root, self.cfg.ckpt.keep_last)
+
+    # --- loss spikes -----------------------------------------------------------------------
+    def _rolled_back(self, r: StepRecord) -> bool:
+        """On a loss spike, go back to the newest checkpoint saved before the update that
+        produced the spiking parameters, and replay from there (same data, same random streams).
+        A spike that comes back after rolling back to the same checkpoint is reproducible:
+        SpikeError. Without such a checkpoint the spike is reported and training goes on."""
+        mean = self.trainer.spikes.check(r.loss)
+        if mean is None:
+            return False
+        self._commit_pending()
+        what = f"loss spike at step {r.step}: loss {r.loss:.4f} > {self.cfg.train.spike_factor:g} x running mean {mean:.4f}"
+        # The loss of step s comes from the parameters after update s-1: a checkpoint of step s-1
+        # already holds them, so the newest usable one is at step s-2 or earlier.
+        target = self._rollback_target(before=r.step - 1)
+        if target is None:
+            self.say(f"minitrain train: warning: {what}; no checkpoint before step {r.step - 1} to roll back to "
+                     "(set --ckpt-every-steps), continuing", err=True)
+            return False
+        if any(rb["to_step"] == target for rb in self.rollbacks):
+            raise SpikeError(f"{what}, again after rolling back to step {target}: the spike is reproducible "
+                             "(the replay sees the same data); lower --lr, raise --train.spike_factor, or check the data")
+        path = self.ckpt_root / checkpoint.step_dir_name(target)
+        self.trainer.load_checkpoint(path)
+        event = {"step": target, "event": "rollback", "spike_step": r.step, "loss": r.loss, "running_mean": mean,
+                 "to_step": target}
+        self.rollbacks.append(event)
+        if self.writer:
+            self.writer.rewind(target)  # the steps after the checkpoint will be logged again as they are redone
+            self.writer.write(event)
+        self.say(f"{what}; rolled back to {path} and continuing")
+        return True
+
+    def _rollback_target(self, before: int) -> int | None:
+        """Rank 0 picks the newest checkpoint at a step < `before` that verifies; every rank gets its step."""
+        choice = torch.tensor([-1.0], device=self.topo.dp.device)
+        if self.topo.is_main and self.ckpt_root.is_dir():
+            for step_dir in checkpoint.complete_steps(self.ckpt_root):
+                step = checkpoint.step_of(step_dir)
+                if step < before:
+                    try:
+                        checkpoint.verify(step_dir)
+                    except checkpoint.CheckpointError as e:
+                        self.say(f"minitrain train: warning: not rolling back to {step_dir.name}: {e}", err=True)
+                        continue
+                    choice.fill_(step)
+                    break
+        self.topo.dp.broadcast(choice, src=0)
+        step = int(choice.item())
+        return None if step < 0 else step
+
+    def _summary(self) -> dict:
+        t, records, summary = self.trainer, self.records, {}
+        if self.cfg.train.memory_profile and records and self.topo.is_main:
+            report = memory.profile(t.strategy, records, self.topo.device)
+            memory.write(report, self.out / "memory.json")
+            print(memory.render(report), flush=True)
+            summary["memory"] = str(self.out / "memory.json")
+        last = records[-1] if records else None
+        return {**summary, "steps": t.step, "final_loss": None if last is None else last.loss,
+                "sync": sync_report([r.sync for r in records], warmup=min(5, len(records) // 5)),
+                "resumed_from": None if self.start_path is None else str(self.start_path),
+                "checkpoints": self.saved, "metrics": str(self.out / "metrics.jsonl"),
+                "params": t.strategy.flat.numel, "world_size": self.topo.world_size,
+                "skipped_steps": t.skipped_steps, "rollbacks": self.rollbacks, "stopped_by": self.stopped_by}
+
+
+class SaveCadence:
+    """When to checkpoint: every K steps, every M minutes, and at the last step if either is set.
+    The clock is rank 0's, broadcast each step, so every rank agrees (a save is collective)."""
+
+    def __init__(self, cfg: RunConfig, topo: Topology):
+        self.every, self.minutes, self.total = cfg.ckpt.every_steps, cfg.ckpt.every_minutes, cfg.train.steps
+        self.comm = topo.dp
+        self.last = time.monotonic()
+
+    def due(self, step: int) -> bool:
+        if not (self.every or self.minutes):
+            return False
+        if step == self.total or (self.every and step % self.every == 0):
+            return True
+        if not self.minutes:
+            return False
+        flag = torch.tensor([float(time.monotonic() - self.last >= 60 * self.minutes)], device=self.comm.device)
+        self.comm.broadcast(flag, src=0)
+        return bool(flag.item())
+
+    def saved(self) -> None:
+        self.last = time.monotonic()
+
+
+def progress_line(r: StepRecord, total: int) -> str:
+    width = len(str(total))
+    skipped = "  SKIPPED (NaN/Inf gradients, parameters unchanged)" if r.skipped else ""
+    return (f"step {r.step:>{width}}/{total}  loss {r.loss:.4f}  grad_norm {r.grad_norm:.3f}  "
+            f"lr {r.lr:.2e}  {r.tokens_per_s:,.0f} tok/s  comm {1000 * r.comm_time_s:.1f} ms{skipped}")
+
+
+# --- resuming ------------------------------------------------------------------------------
+def resume_path(cfg: RunConfig, warnings: list[str] | None = None) -> Path | None:
+    """Where to resume from: None (fresh), the newest checkpoint under OUT that verifies (auto),
+    or PATH."""
+    if not cfg.ckpt.resume:
+        return None
+    if cfg.ckpt.resume == "auto":
+        return checkpoint.find_latest(cfg.out, warnings)
+    return checkpoint.resolve(cfg.ckpt.resume)
+
+
+SCHEDULE_FIELDS = ("steps", "warmup_steps", "lr", "min_lr_ratio")
+
+
+def check_resume(cfg: RunConfig) -> list[str]:
+    """Before any rank starts: refuse a resume checkpoint that is corrupt or does not fit
+    this run (ConfigError / CheckpointError, one line each); return notes worth printing.
+    With --resume auto the checkpoint chosen here is pinned in cfg, so every rank loads it."""
+    notes: list[str] = []
+    path = resume_path(cfg, notes)
+    if path is None:
+        return notes
+    cfg.ckpt.resume = str(path)
+    step_dir, manifest = checkpoint.verify(path)
+    saved = manifest["config"]
+    mine = cfg.to_dict()
+    diff = [k for k in mine["model"] if k != "preset" and saved["model"].get(k) != mine["model"][k]]
+    if diff:
+        raise checkpoint.CheckpointError(f"checkpoint {step_dir} has a different model: " + ", ".join(
+            f"{k}={saved['model'].get(k)!r} (this run {mine['model'][k]!r})" for k in diff))
+    if saved["train"]["dtype"] != cfg.train.dtype:
+        raise checkpoint.CheckpointError(f"checkpoint {step_dir} was trained in {saved['train']['dtype']}, "
+                                         f"this run uses {cfg.train.dtype}")
+    if manifest["step"] >= cfg.train.steps:
+        raise ConfigError(f"checkpoint {step_dir} is at step {manifest['step']}; ask for more --steps to continue")
+    loader = manifest["train_state"]["loader"]
+    global_batch = cfg.train.batch_size * cfg.dist.nproc
+    if loader["global_batch"] != global_batch:
+        fits = loader["global_batch"] % cfg.dist.nproc == 0
+        hint = (f" (e.g. --batch-size {loader['global_batch'] // cfg.dist.nproc} with --nproc {cfg.dist.nproc})"
+                if fits else "")
+        raise ConfigError(f"checkpoint {step_dir} was saved with batch_size x ranks = {loader['global_batch']} "
+                          f"examples per micro-batch, this run has {global_batch}; keep the product equal{hint} "
+                          "so the data order continues exactly")
+    if loader["seed"] != cfg.train.seed:
+        raise ConfigError(f"checkpoint {step_dir} was saved with --seed {loader['seed']}, this run has "
+                          f"{cfg.train.seed}; use the same seed to continue the same data order")
+    if loader["num_examples"] != num_examples(cfg):
+        raise ConfigError(f"checkpoint {step_dir} was trained on a corpus of {loader['num_examples']} examples, "
+                          f"this run's corpus has {num_examples(cfg)}; resume with the same --corpus")
+    changed = [f"{k} {saved['train'][k]} -> {mine['train'][k]}" for k in SCHEDULE_FIELDS
+               if saved["train"][k] != mine["train"][k]]
+    if changed:
+        notes.append(f"learning-rate schedule differs from the checkpoint's run ({', '.join(changed)}): "
+                     "training continues as a warm restart, not a bit-identical continuation")
+    return notes

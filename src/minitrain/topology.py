@@ -33,6 +33,18 @@ def under_torchrun() -> bool:
     return all(v in os.environ for v in TORCHRUN_VARS)
 
 
+def _rendezvous_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
+    """The key-value store ranks meet in, as `env://` would make it, but with a key prefix per
+    torchrun restart. torchrun's default (static) rendezvous keeps one store across restarts, and
+    `env://` adds no prefix, so a restarted rank could read the previous attempt's addresses and
+    fail connecting to a dead port: about half of all restarts here, whether or not
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE was set (benchmarks/torchrun_restarts.py)."""
+    agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent_hosts_it and rank == 0, timeout=timeout, multi_tenant=True)
+    return dist.PrefixStore(f"minitrain/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 @dataclass
 class Topology:
     rank: int
@@ -66,8 +78,9 @@ class Topology:
             torch.cuda.set_device(device)
         else:
             device = torch.device("cpu")
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        dist.init_process_group(backend, store=_rendezvous_store(rank, world, timeout), rank=rank,
+                                world_size=world, timeout=timeout)
         return cls(rank, world, local_rank, backend, device, Comm(rank, world, dist.group.WORLD, device))
 
     def close(self) -> None:

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -31,11 +32,11 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = DEFAULT_TIMEOUT_S) 
 
 
 def run_cli(*argv: str, cwd=None, timeout_s: float = DEFAULT_TIMEOUT_S, torchrun_nproc: int = 0,
-            env: dict | None = None) -> subprocess.CompletedProcess:
-    """`minitrain ARGV...` (or torchrun with N local ranks), output captured as text."""
+            torchrun_args: tuple[str, ...] = (), env: dict | None = None) -> subprocess.CompletedProcess:
+    """`minitrain ARGV...` (or torchrun with N local ranks and `torchrun_args`), output captured as text."""
     if torchrun_nproc:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={torchrun_nproc}",
-               "--nnodes=1", f"--master-port={free_port()}", "-m", "minitrain", *argv]
+               "--nnodes=1", f"--master-port={free_port()}", *torchrun_args, "-m", "minitrain", *argv]
     else:
         cmd = [sys.executable, "-m", "minitrain", *argv]
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -48,3 +49,27 @@ def run_cli(*argv: str, cwd=None, timeout_s: float = DEFAULT_TIMEOUT_S, torchrun
         pytest.fail(f"`{' '.join(argv)}` hung past {timeout_s:g} s; killed its process group.\n"
                     f"stdout:\n{out}\nstderr:\n{err}", pytrace=False)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def run_cli_and_signal(*argv: str, signum: int, after_line: str,
+                       timeout_s: float = DEFAULT_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """`minitrain ARGV...`; once a stdout line contains `after_line`, send `signum` to the
+    minitrain process itself (as a scheduler would). A hard timeout kills the process group."""
+    cmd = [sys.executable, "-m", "minitrain", *argv]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    timer = threading.Timer(timeout_s, lambda: os.killpg(proc.pid, signal.SIGKILL))
+    timer.start()
+    try:
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if after_line in line:
+                proc.send_signal(signum)
+                break
+        out, err = proc.communicate()
+    finally:
+        timer.cancel()
+    if proc.returncode == -signal.SIGKILL:
+        pytest.fail(f"`{' '.join(argv)}` hung past {timeout_s:g} s; killed its process group.\n"
+                    f"stdout:\n{''.join(seen)}{out}\nstderr:\n{err}", pytrace=False)
+    return subprocess.CompletedProcess(cmd, proc.returncode, "".join(seen) + out, err)

@@ -16,6 +16,10 @@ METRIC_KEYS = {"step", "loss", "grad_norm", "param_norm", "lr", "tokens", "step_
     (["train", "--resume", "no/such/dir"], "does not exist"),
     (["train", "--out", "/proc/no-such-dir/x"], "cannot write to output directory"),
     (["demo", "--world-size", "0"], "world size must be at least 1"),
+    (["train", "--spike-factor", "0.5"], "train.spike_factor must be > 1 (or 0"),
+    (["train", "--fault.kind", "meteor"], "fault.kind must be one of"),
+    (["train", "--nproc", "2", "--fault.kind", "sigkill", "--fault.step", "3", "--fault.rank", "2"],
+     "fault.rank 2 is not a rank of this run (world size 2)"),
 ])
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, argv, message):
     result = run_cli(*argv, cwd=tmp_path)

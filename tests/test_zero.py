@@ -200,20 +200,31 @@ def _save_then_continue(topo, root, zero, batch_size):
     return str(path), losses, trainer.strategy.full_params()
 
 
-def _load_then_continue(topo, path, zero, batch_size):
+def _load_then_continue(topo, path, zero, batch_size, root):
     trainer = Trainer(_config(topo.world_size, zero, batch_size=batch_size, steps=6), topo)
     trainer.load_checkpoint(path)
+    again = trainer.save_checkpoint(root)  # this layout's shards, gathered back through its own manifest
     losses = [trainer.train_step().loss for _ in range(3)]
-    return trainer.step, losses, trainer.strategy.full_params()
+    return str(again), trainer.step, losses, trainer.strategy.full_params()
 
 
-@pytest.mark.parametrize("saved_as,loaded_as", [((2, 1, 4), (4, 3, 2)), ((4, 3, 2), (1, 0, 8)), ((3, 2, 4), (2, 3, 6))],
-                         ids=["zero1x2-to-zero3x4", "zero3x4-to-dp1", "zero2x3-to-zero3x2"])
+@pytest.mark.parametrize("saved_as,loaded_as", [((2, 1, 4), (1, 0, 8)), ((2, 1, 4), (4, 3, 2)),
+                                                ((4, 3, 2), (1, 0, 8)), ((3, 2, 4), (2, 3, 6))],
+                         ids=["zero1x2-to-dp1", "zero1x2-to-zero3x4", "zero3x4-to-dp1", "zero2x3-to-zero3x2"])
 def test_checkpoints_move_between_stages_and_world_sizes(tmp_path, saved_as, loaded_as):
+    from minitrain import checkpoint
+
     # (world, zero, batch per rank); the global batch stays equal so the data order continues.
     (world, zero, batch), (world2, zero2, batch2) = saved_as, loaded_as
-    path, losses, params = run_ranks(_save_then_continue, world, str(tmp_path), zero, batch)[0]
-    step, losses2, params2 = run_ranks(_load_then_continue, world2, path, zero2, batch2)[0]
+    path, losses, params = run_ranks(_save_then_continue, world, str(tmp_path / "a"), zero, batch)[0]
+    again, step, losses2, params2 = run_ranks(_load_then_continue, world2, path, zero2, batch2, str(tmp_path / "b"))[0]
+    # The state as loaded (parameters, master, Adam m and v) equals the source in every element.
+    source = checkpoint.assemble_flat(*checkpoint.verify(path))
+    loaded = checkpoint.assemble_flat(*checkpoint.verify(again))
+    assert set(loaded) <= set(source) and "optim.exp_avg_sq" in loaded
+    for key, value in loaded.items():
+        assert torch.equal(value, source[key]), key
+    # ...and training continues the same: float64, the mean over ranks summed in another order.
     assert step == 6
     assert max(abs(a - b) for a, b in zip(losses, losses2)) <= 1e-12
     assert _max_diff(params, params2) <= 1e-12
@@ -237,3 +248,4 @@ def test_cli_memory_profile_prints_the_table_and_writes_memory_json(tmp_path):
     bad = run_cli("train", "--zero", "4", "--out", str(tmp_path / "bad"))
     assert bad.returncode == 2 and "train.zero must be one of 0, 1, 2, 3" in bad.stderr
     assert not (tmp_path / "bad").exists()
+

@@ -26,6 +26,7 @@ ALIASES = {
     "dist.backend": "--backend", "dist.timeout_s": "--timeout-s",
     "ddp.mode": "--dp", "ddp.bucket_mb": "--bucket-mb", "ddp.measure_sync": "--measure-sync",
     "train.prefetch": "--prefetch", "train.memory_profile": "--memory-profile",
+    "ckpt.async_save": "--async-save", "train.spike_factor": "--spike-factor",
 }
 
 TRAIN_EPILOG = """\
@@ -43,7 +44,14 @@ Examples:
   minitrain train --nproc 2 --ckpt-every-steps 10 --out runs/a      # checkpoints every 10 steps
   minitrain train --ckpt-every-minutes 30 --keep-last 3 --out runs/b  # by the clock, newest 3 kept
   minitrain train --nproc 2 --resume auto --steps 40 --out runs/a   # continue the same run
+  minitrain train --nproc 4 --ckpt-every-steps 50 --async-save --out runs/c  # saves written in the background
   torchrun --nproc-per-node=2 -m minitrain train --zero 1 --out runs/tr
+  torchrun --nproc-per-node=2 --max-restarts=3 -m minitrain train --ckpt-every-steps 5 --resume auto --out runs/e
+                                           # a dead rank: torchrun restarts all, they resume from the last checkpoint
+
+Fault tolerance: SIGTERM or SIGUSR1 to any rank (or to the launcher) makes every rank save a
+checkpoint at the next step boundary and exit 0. A step with NaN/Inf gradients is skipped on
+every rank. A loss above --spike-factor x the running mean rolls back to the last checkpoint.
 
 Writes under --out: metrics.jsonl (one JSON line per step, rank 0),
 checkpoints/step-NNNNNN/ (rank-RRRRR.safetensors + manifest.json) with a `latest` pointer,
@@ -221,6 +229,8 @@ def cmd_train(args) -> int:
     ckpts = f"; last checkpoint {result['checkpoints'][-1]}" if result["checkpoints"] else ""
     final = "n/a" if result["final_loss"] is None else f"{result['final_loss']:.4f}"
     stopped = f" (stopped by {result['stopped_by']})" if result["stopped_by"] else ""
+    if result["rollbacks"]:
+        stopped += f" ({len(result['rollbacks'])} loss-spike rollback(s))"
     print(f"done: {result['steps']} steps{stopped} on {result['world_size']} rank(s), final loss {final}; "
           f"metrics {result['metrics']}{ckpts}")
     return 0

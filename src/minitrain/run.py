@@ -33,6 +33,8 @@ def train_worker(topo: Topology, cfg: RunConfig) -> dict:
 class TrainingRun:
     def __init__(self, topo: Topology, cfg: RunConfig):
         self.topo, self.cfg = topo, cfg
+        # First thing: a signal that arrives while the model builds or a checkpoint loads is kept too.
+        self.stop_request = StopRequest().install()
         self.out = Path(cfg.out)
         self.ckpt_root = self.out / "checkpoints"
         self.trainer = Trainer(cfg, topo)
@@ -56,7 +58,7 @@ class TrainingRun:
         t, total = self.trainer, self.cfg.train.steps
         if self.start_path is not None:
             self.say(f"resumed from {self.start_path} at step {t.step}")
-        t.stop_request = StopRequest().install()
+        t.stop_request = self.stop_request
         try:
             while t.step < total:
                 record = t.train_step()

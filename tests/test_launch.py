@@ -95,3 +95,32 @@ def test_a_hung_rank_ends_every_rank_within_the_timeout_naming_step_and_op(tmp_p
     message = str(failed.value)
     assert since_hang < 15, since_hang  # 5 s collective timeout; every rank gone (launch returned)
     assert "step 3:" in message and "all_gather" in message, message
+
+
+def test_no_rank_outlives_a_killed_launcher(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "minitrain", "train", "--nproc", "2", "--steps", "100000",
+                             "--out", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            start_new_session=True)
+    try:
+        for line in proc.stdout:  # training has started on both ranks
+            if line.startswith("step"):
+                break
+        proc.kill()  # SIGKILL: the launcher gets no chance to clean up
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(proc.pid, 0)  # anything left of the launcher's process group?
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+        pytest.fail("ranks (or the fork server) still running 10 s after the launcher was killed")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

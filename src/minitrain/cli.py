@@ -27,6 +27,7 @@ ALIASES = {
     "ddp.mode": "--dp", "ddp.bucket_mb": "--bucket-mb", "ddp.measure_sync": "--measure-sync",
     "train.prefetch": "--prefetch", "train.memory_profile": "--memory-profile",
     "ckpt.async_save": "--async-save", "train.spike_factor": "--spike-factor",
+    "train.activation_checkpointing": "--activation-checkpointing",
 }
 
 TRAIN_EPILOG = """\

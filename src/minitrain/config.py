@@ -81,6 +81,8 @@ class TrainConfig:
     dtype: str = opt("float32", "float32 | float64 (float64 is for exact parity checks)")
     zero: int = opt(0, "ZeRO stage: 0 = data parallel (everything replicated), 1 = optimizer state sharded, "
                     "2 = gradients too, 3 = parameters too (gathered one block at a time)")
+    activation_checkpointing: str = opt("none", "none | block (keep each block's input, recompute the block in "
+                                        "backward) | selective (recompute only the attention core, the T^2 part)")
     prefetch: bool = opt(True, "ZeRO-3: gather the next block's parameters while the current one computes")
     memory_profile: bool = opt(False, "print per-rank memory (at rest and peak, measured and predicted) at the "
                                "end and write OUT/memory.json")
@@ -168,6 +170,7 @@ class RunConfig:
         if not self.ddp.bucket_mb > 0:
             raise ConfigError(f"ddp.bucket_mb must be > 0, got {self.ddp.bucket_mb}")
         _require_choice("train.dtype", t.dtype, ("float32", "float64"))
+        _require_choice("train.activation_checkpointing", t.activation_checkpointing, ("none", "block", "selective"))
         _require_choice("dist.backend", d.backend, ("auto", "gloo", "nccl"))
         _check_gpus(d)
         if not t.lr > 0:

@@ -15,12 +15,36 @@ process's resident-set high-water mark (Linux VmHWM, reset each step through
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from .metrics import format_table, human_bytes
 from .parallel.flat import MEMORY_KINDS, FlatStrategy
+
+@contextmanager
+def saved_activation_bytes(model: nn.Module) -> Iterator[dict[str, int]]:
+    """Inside the block, count what autograd stores for backward: each storage once (q, k and v
+    are views of one tensor), the model's parameters left out. `counter["bytes"]` is the total.
+    Regions that activation checkpointing recomputes store through their own hooks, so they are
+    not counted: that is the saving this measures."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: set[int] = set()
+    counter = {"bytes": 0}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            counter["bytes"] += storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield counter
+
 
 def device_peak_source(device: torch.device) -> str:
     return "cuda max_memory_allocated" if device.type == "cuda" else "process peak RSS (VmHWM)"

@@ -29,13 +29,20 @@ class CausalSelfAttention(nn.Module):
         # (B, T, 3, nh, hs): -1 heads because a tensor-parallel split may hold fewer.
         qkv = self.qkv(x).view(B, T, 3, -1, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each (B, nh, T, hs)
+        y = self.attend(q, k, v).transpose(1, 2).reshape(B, T, -1)  # (B, T, nh*hs)
+        return self.proj(y)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(hs) + causal mask) v. Its own method because it is the cheap,
+        memory-hungry part (two (B, nh, T, T) tensors, no weights) that selective activation
+        checkpointing recomputes instead of storing."""
+        T = q.size(-2)
         att = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)  # (B, nh, T, T)
         # Explicit causal mask rather than a fused kernel: the path is readable,
         # works in float64 on CPU, and the masking is tested directly.
-        mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
         att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-        y = (att @ v).transpose(1, 2).reshape(B, T, -1)  # (B, T, nh*hs)
-        return self.proj(y)
+        return att @ v
 
 
 class MLP(nn.Module):

@@ -29,6 +29,7 @@ from .model import MiniGPT
 from .optim import lr_at
 from .parallel import make_strategy
 from .parallel.flat import MEMORY_KINDS
+from .recompute import apply_activation_checkpointing
 from .resilience import SpikeGuard, StopRequest
 from .topology import Topology
 
@@ -76,6 +77,8 @@ class Trainer:
         dtype = getattr(torch, cfg.train.dtype)
         seed_everything(cfg.train.seed, topo.rank)
         self.model = MiniGPT(cfg.model).to(device=topo.device, dtype=dtype)
+        # Before the strategy: it hooks module calls, which the recompute wrapper leaves in place.
+        apply_activation_checkpointing(self.model, cfg.train.activation_checkpointing)
         self.strategy = make_strategy(self.model, topo.dp, cfg)
         self.loader = ShardedLoader(load_corpus(cfg), cfg.model.seq_len, cfg.train.batch_size,
                                     topo.rank, topo.world_size, cfg.train.seed)

@@ -1,0 +1,93 @@
+"""What activation checkpointing saves and what it costs, on one rank.
+
+For each mode (`none`, `block`, `selective`) a fresh process trains the `small` preset
+(4 blocks, d_model 256, 8 heads, seq 128, vocab 256) with batch 8, float32, one thread, and
+reports:
+- stored activations: bytes autograd keeps for backward during one step, each storage once,
+  parameters left out (`minitrain.memory.saved_activation_bytes`; exact);
+- peak memory: the process's resident high-water mark during a step above its level before the
+  step (glibc told to return freed blocks at once, so it follows live tensors);
+- step time: median after warmup.
+Ratios are to `none` measured in the same repeat; each figure is median [min-max] over repeats,
+every repeat running the modes in rotated order.
+
+    .venv/bin/python benchmarks/activation_checkpointing.py [--steps 6] [--repeats 3] [--out runs/bench-ac]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from ranges import fmt_range, median_range  # benchmarks/ranges.py
+
+from minitrain.config import build_config
+from minitrain.launch import launch
+from minitrain.memory import device_peak_bytes, reset_device_peak, saved_activation_bytes
+from minitrain.metrics import format_table, human_bytes
+from minitrain.recompute import MODES
+from minitrain.trainer import Trainer
+
+MODEL = {"model.preset": "small", "train.batch_size": 8, "data.synthetic_tokens": 1 << 18, "train.log_every": 0,
+         "dist.backend": "gloo"}
+WARMUP = 2
+
+
+def worker(topo, mode: str, steps: int) -> dict:
+    cfg = build_config(cli_values={**MODEL, "train.activation_checkpointing": mode, "train.steps": steps + 1}).validate()
+    trainer = Trainer(cfg, topo)
+    with saved_activation_bytes(trainer.model) as stored:
+        trainer.train_step()  # the counting step (hooks slow it: not timed)
+    times, peaks = [], []
+    for _ in range(steps):
+        gc.collect()
+        reset_device_peak(topo.device)
+        before = device_peak_bytes(topo.device)
+        start = time.perf_counter()
+        trainer.train_step()
+        times.append(time.perf_counter() - start)
+        peaks.append(device_peak_bytes(topo.device) - before)
+    return {"stored_bytes": stored["bytes"], "peak_bytes": max(peaks[WARMUP:]), "step_s": statistics.median(times[WARMUP:])}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default="runs/bench-ac")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))  # read by the fork server at its start
+    runs = []
+    for r in range(args.repeats):
+        order = MODES[r % len(MODES):] + MODES[:r % len(MODES)]
+        runs.append({mode: launch(worker, 1, mode, args.steps, backend="gloo", timeout_s=1800)[0] for mode in order})
+        print(f"repeat {r + 1}: " + ", ".join(f"{m} {1000 * runs[-1][m]['step_s']:.0f} ms" for m in MODES),
+              file=sys.stderr, flush=True)
+    report, rows = {}, []
+    for mode in MODES:
+        entry = {key: median_range([run[mode][key] for run in runs]) for key in ("stored_bytes", "peak_bytes")}
+        entry["step_ms"] = median_range([1000 * run[mode]["step_s"] for run in runs])
+        for key, name in (("stored_bytes", "stored_ratio"), ("peak_bytes", "peak_ratio"), ("step_s", "time_ratio")):
+            entry[name] = median_range([run[mode][key] / run["none"][key] for run in runs])
+        report[mode] = entry
+        rows.append([mode, human_bytes(entry["stored_bytes"][0]), fmt_range(entry["stored_ratio"], "{:.2f}"),
+                     human_bytes(entry["peak_bytes"][0]), fmt_range(entry["peak_ratio"], "{:.2f}"),
+                     f"{entry['step_ms'][0]:.0f}", fmt_range(entry["time_ratio"], "{:.2f}")])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "activation_checkpointing.json").write_text(json.dumps(
+        {"model": MODEL, "steps": args.steps, "warmup": WARMUP, "repeats": args.repeats,
+         "format": "each figure is [median, min, max] over repeats", "results": report}, indent=1))
+    print(format_table(["mode", "stored activations", "vs none", "peak in step", "vs none", "step ms", "vs none"],
+                       rows, "<>>>>>>"))
+    print(f"wrote {out / 'activation_checkpointing.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -32,3 +32,34 @@ def test_bench_scaling_writes_its_outputs(tmp_path):
 def test_bench_scaling_rejects_a_single_process():
     result = run_cli("bench", "scaling", "--max-procs", "1")
     assert result.returncode == 2 and "--max-procs: invalid choice: 1 (choose from 2, 4)" in result.stderr
+
+
+def test_bench_comm_reports_bandwidths_as_nccl_tests_define_them_and_a_fit(tmp_path):
+    result = run_cli("bench", "comm", "--nproc", "2", "--max-mb", "1", "--out", "bc", cwd=tmp_path, timeout_s=120)
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "bc" / "comm.json").read_text())
+    assert report["world_size"] == 2 and report["backend"] == "gloo"
+    factors = {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.5, "broadcast": 1.0, "all_to_all": 0.5}
+    assert set(report["ops"]) == set(factors)
+    for op, r in report["ops"].items():
+        assert r["sizes_bytes"] == [1024 * 4**i for i in range(6)] and r["busbw_factor"] == factors[op]  # 2(N-1)/N
+        for s, t, alg, bus in zip(r["sizes_bytes"], r["time_s"], r["algbw_Bps"], r["busbw_Bps"]):
+            assert t > 0 and alg == s / t and bus == alg * factors[op]
+        assert r["alpha_s"] > 0 and 0 < r["beta_Bps"] < float("inf"), (op, r["alpha_s"], r["beta_Bps"])
+        assert r["fit_time_s"][0] < r["fit_time_s"][-1]  # 1 MiB takes longer than 1 KiB, in the model too
+    assert (tmp_path / "bc" / "comm.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "alpha-beta fit" in result.stdout
+
+
+def test_fit_recovers_a_known_alpha_and_beta():
+    from minitrain.bench.comm import fit_alpha_beta
+
+    sizes = [1024 * 4**i for i in range(9)]
+    times = [50e-6 + 1.5 * s / 2e9 for s in sizes]  # alpha 50 us, beta 2 GB/s, factor 1.5
+    alpha, beta = fit_alpha_beta(sizes, times, 1.5)
+    assert abs(alpha - 50e-6) < 1e-12 and abs(beta - 2e9) / 2e9 < 1e-9
+
+
+def test_bench_comm_refuses_one_rank(tmp_path):
+    result = run_cli("bench", "comm", "--nproc", "1", "--out", "x", cwd=tmp_path)
+    assert result.returncode == 2 and "needs at least 2 ranks" in result.stderr and not (tmp_path / "x").exists()

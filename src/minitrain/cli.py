@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 from . import __version__, checkpoint
+from .bench.comm import OPS as COMM_OPS
 from .config import ConfigError, RunConfig, build_config, field_specs, load_toml, parse_bool
 from .launch import LaunchTimeoutError, RankFailedError, launch, run_under_torchrun
 from .topology import under_torchrun
@@ -80,7 +81,7 @@ def build_parser() -> Parser:
     demo.add_argument("--steps", type=int, default=20, metavar="S", help="steps; checkpoint at S/2 (default 20)")
     demo.add_argument("--out", default="runs/demo", metavar="DIR", help="output directory (default runs/demo)")
 
-    bench = sub.add_parser("bench", help="measurements: scaling", description="Measurements that write their "
+    bench = sub.add_parser("bench", help="measurements: scaling, comm", description="Measurements that write their "
                            "figures, plots and raw timings to a directory.")
     bench_sub = bench.add_subparsers(dest="bench", required=True, parser_class=Parser, metavar="BENCH")
     scaling = bench_sub.add_parser("scaling", help="tokens/s with 1 vs N processes, and why",
@@ -93,6 +94,16 @@ def build_parser() -> Parser:
     scaling.add_argument("--max-procs", type=int, default=2, choices=(2, 4), help="largest world size (default 2)")
     scaling.add_argument("--preset", default="tiny", help="model preset (default tiny)")
     scaling.add_argument("--batch-size", type=int, default=4, help="examples per rank per step (default 4)")
+    comm = bench_sub.add_parser("comm", help="time, algbw and busbw of each collective; alpha-beta fit",
+                                description="Time all_reduce, all_gather, reduce_scatter, broadcast and all_to_all "
+                                "from 1 KiB to --max-mb MiB on N ranks (gloo on CPU, NCCL with a GPU per rank); "
+                                "report algbw and busbw as nccl-tests defines them, and fit t = alpha + factor*S/beta "
+                                "per op. Writes comm.json and comm.png under --out.")
+    comm.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks (default 2)")
+    comm.add_argument("--max-mb", type=float, default=64.0, metavar="M", help="largest size in MiB (default 64)")
+    comm.add_argument("--ops", nargs="+", choices=COMM_OPS, default=list(COMM_OPS), metavar="OP",
+                      help=f"a subset of: {' '.join(COMM_OPS)} (default all)")
+    comm.add_argument("--out", default="runs/bench-comm", metavar="DIR", help="output directory (default runs/bench-comm)")
 
     ckpt = sub.add_parser("ckpt", help="inspect, verify or consolidate a checkpoint",
                           description="Look into a sharded checkpoint. PATH is a step directory, a checkpoints/ "
@@ -173,6 +184,13 @@ def cmd_demo(args) -> int:
 def cmd_bench(args) -> int:
     from .bench.scaling import ScalingOptions, run_scaling
 
+    if args.bench == "comm":
+        from .bench.comm import CommOptions, check_comm_options, run_comm
+
+        opts = CommOptions(nproc=args.nproc, max_mb=args.max_mb, out=args.out, ops=tuple(args.ops))
+        check_comm_options(opts)
+        prepare_out_dir(args.out)
+        return run_comm(opts)
     if args.steps < 10:
         raise ConfigError(f"bench scaling needs at least 10 steps to measure past warmup (got --steps {args.steps})")
     prepare_out_dir(args.out)

@@ -165,6 +165,14 @@ class Comm:
         return self._launch("all_gather", _nbytes(full_out), lambda: _all_gather_single(
             full_out, shard_in, group=self.group, async_op=True))
 
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """Block j of inp (split into world_size equal blocks) goes to rank j; out holds the
+        blocks every rank sent to this one, in rank order."""
+        if self.world_size == 1:
+            out.copy_(inp)
+            return
+        self._run("all_to_all", _nbytes(inp), lambda: dist.all_to_all_single(out, inp, group=self.group))
+
     def gather_rows(self, row: torch.Tensor) -> torch.Tensor:
         """Every rank's small 1-D `row`, stacked into a CPU tensor (world_size, len(row)) on
         every rank. Moves through the group's device, so callers may build rows on the CPU."""

@@ -99,7 +99,7 @@ class FlatParameters:
             for name in names:
                 segs.append(Segment(name, offset, tuple(named[name].shape), logical[name]))
                 offset += named[name].numel()
-            offset = start + -(-(offset - start) // world_size) * world_size
+            offset = start + padded_numel([offset - start], world_size)
             self.units.append(Unit(unit_name, start, offset, tuple(segs)))
         self.padded_numel = offset
         self.padding = self.padded_numel - self.numel
@@ -203,6 +203,20 @@ def sync_summary(intervals: list[tuple[float, float]], backward_end: float | Non
 
 
 MEMORY_KINDS = ("params", "grads", "optimizer")
+
+
+def memory_terms(stage: int, master_is_params: bool) -> dict[str, tuple[int, bool]]:
+    """The memory math, per kind: (tensors of P elements, sharded over N?). 3 optimizer tensors
+    (master, m, v), 2 where the master is the parameter shard itself. Stage s shards the
+    optimizer state (s >= 1), gradients (s >= 2), parameters (s = 3). The strategies and the
+    planner both use this one rule."""
+    return {"params": (1, stage >= 3), "grads": (1, stage >= 2),
+            "optimizer": (2 if master_is_params else 3, stage >= 1)}
+
+
+def padded_numel(unit_sizes: list[int], world_size: int) -> int:
+    """Elements in the flat buffer: every unit padded to a multiple of the world size (as laid out below)."""
+    return sum(-(-size // world_size) * world_size for size in unit_sizes)
 
 
 class MemoryLedger:
@@ -318,11 +332,7 @@ class FlatStrategy:
         return peak
 
     def _memory_terms(self) -> dict[str, tuple[int, bool]]:
-        """The memory math, per kind: (tensors of P elements, sharded over N?). 3 optimizer tensors
-        (master, m, v), 2 where the master is the parameter shard itself. Stage s shards the
-        optimizer state (s >= 1), gradients (s >= 2), parameters (s = 3)."""
-        return {"params": (1, self.stage >= 3), "grads": (1, self.stage >= 2),
-                "optimizer": (2 if self.master_is_params else 3, self.stage >= 1)}
+        return memory_terms(self.stage, self.master_is_params)
 
     def expected_memory_bytes(self) -> dict[str, int]:
         """Bytes at rest by the memory math: P = padded params, N = ranks, E = bytes per element."""

@@ -6,7 +6,7 @@ import torch
 
 from minitrain import plan
 from minitrain.config import build_config
-from minitrain.memory import saved_activation_bytes
+from minitrain.memory import saved_activation_bytes, tensor_peak_bytes
 from minitrain.model import MiniGPT
 from minitrain.recompute import apply_activation_checkpointing
 from minitrain.topology import Topology
@@ -30,9 +30,9 @@ def test_cli_json_has_the_promised_fields():
     proc = run_cli("plan", "--params", "7.5e9", "--precision", "fp16", "--dp", "64", "--zero", "2", "--json")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
-    assert set(result["bytes_per_rank"]) == {"params", "grads", "optimizer", "activations", "total"}
+    assert {"params", "grads", "optimizer", "activations", "total"} <= set(result["bytes_per_rank"])
     b = result["bytes_per_rank"]
-    assert b["total"] == b["params"] + b["grads"] + b["optimizer"] + b["activations"]
+    assert b["total"] == b["params"] + b["grads"] + b["optimizer"] + b["gathered"] + b["activations"]
     assert round((b["params"] + b["grads"] + b["optimizer"]) / 1e9, 1) == 16.6
     assert result["step_s"] > 0 and result["tokens_per_s"] > 0
 
@@ -91,3 +91,28 @@ def test_block_recomputation_keeps_one_input_per_layer_and_replays_one_layer():
 def test_bad_plan_input_exits_2_with_one_line(argv, message):
     proc = run_cli("plan", *argv)
     assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def _peaks(topo, names):
+    peaks = {}
+    for name in names:
+        for zero in range(4):
+            cfg = build_config(cli_values={**MODELS[name], "train.zero": zero, "dist.nproc": topo.world_size,
+                                           "train.batch_size": 8, "train.log_every": 0}).validate()
+            trainer = Trainer(cfg, topo)
+            trainer.train_step()
+            peaks[(name, zero)] = tensor_peak_bytes(trainer.train_step)
+    return peaks
+
+
+def test_predicted_peak_is_within_15_percent_of_the_measured_tensor_peak():
+    # One process, every stage (ZeRO-3 still gathers and frees each block). Sharding is covered by
+    # the exact at-rest test at 1-4 ranks; under 2 ranks the profiler's memory analysis (the
+    # deprecated timeline, PyTorch's one CPU tensor-peak measurement) intermittently fails an
+    # internal assertion, so it cannot be a reliable test there.
+    measured = _peaks(Topology.single(), tuple(MODELS))
+    for (name, zero), peak in measured.items():
+        model = build_config(cli_values=MODELS[name]).validate().model
+        predicted = plan.plan(plan.PlanInput(model=model, params=plan.model_params(model), zero=zero,
+                                             micro_batch=8))["bytes_per_rank"]["total"]
+        assert abs(predicted - peak) <= 0.15 * peak, (name, zero, predicted, peak)

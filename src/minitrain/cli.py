@@ -267,7 +267,7 @@ def cmd_plan(args) -> int:
         overrides = {k.removeprefix("model_"): v for k, v in vars(args).items() if k.startswith("model_") and v}
         values = {"model.preset": args.preset, **{f"model.{k}": v for k, v in overrides.items()}}
         model = build_config(cli_values=values).validate().model
-        params = sum(plan.model_units(model))
+        params = plan.model_params(model)
     hardware = plan.cpu_here(args.comm_json) if args.hardware == "cpu-here" else plan.PRESETS[args.hardware]
     inp = plan.PlanInput(model=model, params=params, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
                          precision=args.precision, dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero,

@@ -46,6 +46,25 @@ def saved_activation_bytes(model: nn.Module) -> Iterator[dict[str, int]]:
         yield counter
 
 
+def tensor_peak_bytes(fn) -> int:
+    """Run fn() and return the most bytes of tensors alive at once on the CPU meanwhile, counting
+    those that existed before (parameters, optimizer state), as PyTorch's memory profiler tracks
+    them. It is the CPU's counterpart of cuda max_memory_allocated (without allocator slack);
+    the profiler's memory timeline is deprecated for CUDA, where max_memory_allocated serves."""
+    import tempfile
+    import warnings
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        fn()
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        prof.export_memory_timeline(f"{tmp}/timeline.json", device="cpu")
+        _times, sizes = json.loads(Path(f"{tmp}/timeline.json").read_text())
+    return max(sum(row) for row in sizes)
+
+
 def device_peak_source(device: torch.device) -> str:
     return "cuda max_memory_allocated" if device.type == "cuda" else "process peak RSS (VmHWM)"
 

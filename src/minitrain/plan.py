@@ -131,21 +131,25 @@ class PlanInput:
     hardware: Hardware = field(default_factory=lambda: PRESETS["h100-sxm"])
 
 
-def model_units(cfg: ModelConfig) -> list[int]:
-    """Parameter counts of the units ZeRO-2/3 move together (parallel/units.py), from a model
-    built on the meta device (no memory, no initialisation cost)."""
+def model_units(cfg: ModelConfig) -> dict[str, int]:
+    """Parameter count of each unit ZeRO-2/3 move together (parallel/units.py), in layout order,
+    from a model built on the meta device (no memory, no initialisation cost)."""
     from .model import MiniGPT
     from .parallel.units import module_units
 
     with torch.device("meta"):
         model = MiniGPT(cfg)
     named = dict(model.named_parameters())
-    return [sum(named[n].numel() for n in plan.params) for plan in module_units(model)]
+    return {plan.name: sum(named[n].numel() for n in plan.params) for plan in module_units(model)}
+
+
+def model_params(cfg: ModelConfig) -> int:
+    return sum(model_units(cfg).values())
 
 
 def padded_params(cfg: ModelConfig, zero: int, dp: int) -> int:
     """P as the strategy lays it out: one unit at ZeRO 0-1, one per block at ZeRO 2-3."""
-    units = model_units(cfg)
+    units = list(model_units(cfg).values())
     return padded_numel(units if zero >= 2 else [sum(units)], dp)
 
 
@@ -168,6 +172,18 @@ def model_state_bytes(inp: PlanInput) -> dict[str, int]:
         per_param = 12 if (kind == "optimizer" and mixed) else count * elem
         out[kind] = round(per_param * (P / inp.dp if sharded else P))
     return out
+
+
+def gathered_bytes(inp: PlanInput) -> int:
+    """ZeRO-3's transient: full parameters of the units gathered at once. The shared unit (tied
+    weights) stays gathered through forward and backward; of the others, the one computing and
+    the one prefetched (the largest, twice). Other stages hold no full-size transient at the
+    activation peak (the end of forward). Without a model, no unit sizes are known: 0."""
+    if inp.zero < 3 or inp.model is None:
+        return 0
+    units = model_units(inp.model)
+    shared = units.pop("shared", 0)
+    return round(element_bytes(inp.precision) * (shared + 2 * max(units.values())) / inp.tp)
 
 
 def layer_activation_bytes(cfg: ModelConfig, b: int, elem: int, mode: str) -> int:
@@ -250,8 +266,8 @@ def _row(what: str, links: dict[str, Link], op: str, factor: float, size: float,
 
 def plan(inp: PlanInput) -> dict:
     state = model_state_bytes(inp)
-    acts = activation_bytes(inp)
-    total = sum(state.values()) + acts
+    acts, gathered = activation_bytes(inp), gathered_bytes(inp)
+    total = sum(state.values()) + gathered + acts
     hw = inp.hardware
     seq = inp.model.seq_len if inp.model else inp.seq_len
     tokens_rank = inp.micro_batch * seq * inp.grad_accum * max(1, inp.microbatches)
@@ -268,7 +284,8 @@ def plan(inp: PlanInput) -> dict:
         "input": {k: v for k, v in asdict(inp).items() if k not in ("model", "hardware")}
         | {"model": None if inp.model is None else asdict(inp.model), "hardware": hw.name},
         "world_size": inp.dp * inp.tp * inp.pp,
-        "bytes_per_rank": {**state, "activations": acts, "total": total},
+        # total is the predicted peak: state at rest, ZeRO-3's gathered units, activations at the end of forward
+        "bytes_per_rank": {**state, "gathered": gathered, "activations": acts, "total": total},
         "device_memory_bytes": hw.memory_bytes,
         "fits": total <= hw.memory_bytes,
         "flops_per_token": model_fpt, "flops_per_token_with_recompute": hw_fpt,
@@ -285,7 +302,7 @@ def render(result: dict) -> str:
 
     inp, b = result["input"], result["bytes_per_rank"]
     rows = [[kind, human_bytes(b[kind]), f"{b[kind] / GB:.3f}"] for kind in ("params", "grads", "optimizer",
-                                                                           "activations", "total")]
+                                                                           "gathered", "activations", "total")]
     memory = human_bytes(result["device_memory_bytes"])
     lines = [f"Plan: {result['world_size']} rank(s) = dp {inp['dp']} x tp {inp['tp']} x pp {inp['pp']}, ZeRO-{inp['zero']}, "
              f"{inp['precision']}, micro-batch {inp['micro_batch']}, activation checkpointing "

@@ -54,10 +54,20 @@ def run_cli(*argv: str, cwd=None, timeout_s: float = DEFAULT_TIMEOUT_S, torchrun
 def run_cli_and_signal(*argv: str, signum: int, after_line: str,
                        timeout_s: float = DEFAULT_TIMEOUT_S) -> subprocess.CompletedProcess:
     """`minitrain ARGV...`; once a stdout line contains `after_line`, send `signum` to the
-    minitrain process itself (as a scheduler would). A hard timeout kills the process group."""
+    minitrain process itself (as a scheduler would), and wait until its output closes, i.e.
+    until it and every rank it started are gone. A hard timeout kills the process group."""
     cmd = [sys.executable, "-m", "minitrain", *argv]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    timer = threading.Timer(timeout_s, lambda: os.killpg(proc.pid, signal.SIGKILL))
+    hung = threading.Event()
+
+    def kill_group():
+        hung.set()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    timer = threading.Timer(timeout_s, kill_group)
     timer.start()
     try:
         seen = []
@@ -69,7 +79,9 @@ def run_cli_and_signal(*argv: str, signum: int, after_line: str,
         out, err = proc.communicate()
     finally:
         timer.cancel()
-    if proc.returncode == -signal.SIGKILL:
+    if hung.is_set():
         pytest.fail(f"`{' '.join(argv)}` hung past {timeout_s:g} s; killed its process group.\n"
                     f"stdout:\n{''.join(seen)}{out}\nstderr:\n{err}", pytrace=False)
-    return subprocess.CompletedProcess(cmd, proc.returncode, "".join(seen) + out, err)
+    result = subprocess.CompletedProcess(cmd, proc.returncode, "".join(seen) + out, err)
+    result.pid = proc.pid  # also its process group's id
+    return result

@@ -99,28 +99,19 @@ def test_a_hung_rank_ends_every_rank_within_the_timeout_naming_step_and_op(tmp_p
 
 def test_no_rank_outlives_a_killed_launcher(tmp_path):
     import signal
-    import subprocess
-    import sys
 
-    proc = subprocess.Popen([sys.executable, "-m", "minitrain", "train", "--nproc", "2", "--steps", "100000",
-                             "--out", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            start_new_session=True)
-    try:
-        for line in proc.stdout:  # training has started on both ranks
-            if line.startswith("step"):
-                break
-        proc.kill()  # SIGKILL: the launcher gets no chance to clean up
-        proc.wait()
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(proc.pid, 0)  # anything left of the launcher's process group?
-            except ProcessLookupError:
-                return
-            time.sleep(0.2)
-        pytest.fail("ranks (or the fork server) still running 10 s after the launcher was killed")
-    finally:
+    from .dist import run_cli_and_signal
+
+    # SIGKILL: the launcher gets no chance to clean up. The harness waits until the output pipe,
+    # which every rank inherited, closes: that is, until every rank has gone too.
+    proc = run_cli_and_signal("train", "--nproc", "2", "--steps", "100000", "--out", str(tmp_path),
+                              signum=signal.SIGKILL, after_line="step ", timeout_s=30)
+    assert proc.returncode == -signal.SIGKILL
+    deadline = time.monotonic() + 10  # ...and the process table agrees, once they are reaped
+    while time.monotonic() < deadline:
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.killpg(proc.pid, 0)
         except ProcessLookupError:
-            pass
+            return
+        time.sleep(0.2)
+    pytest.fail("ranks (or the fork server) still running 10 s after the launcher was killed")

@@ -85,3 +85,26 @@ def run_cli_and_signal(*argv: str, signum: int, after_line: str,
     result = subprocess.CompletedProcess(cmd, proc.returncode, "".join(seen) + out, err)
     result.pid = proc.pid  # also its process group's id
     return result
+
+
+def run_main(*argv: str, cwd=None) -> subprocess.CompletedProcess:
+    """`minitrain ARGV...` in this process (no interpreter start-up): for commands that end before
+    launching any rank, such as refused input. Same result shape as run_cli."""
+    import contextlib
+    import io
+
+    from minitrain.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    previous = os.getcwd()
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(argv))
+            except SystemExit as e:  # argparse's usage errors
+                code = e.code
+    finally:
+        os.chdir(previous)
+    return subprocess.CompletedProcess(["minitrain", *argv], code, out.getvalue(), err.getvalue())

@@ -2,7 +2,7 @@ import json
 
 from safetensors.torch import load_file
 
-from .dist import run_cli
+from .dist import run_cli, run_main
 
 MANIFEST_KEYS = {"seed", "backend", "world_size", "model_params", "steps", "allreduce_p50_ms", "allreduce_p95_ms",
                  "tokens_per_sec_1proc", "tokens_per_sec_2proc", "byte_equivalent", "lesson_notes"}
@@ -30,7 +30,7 @@ def test_bench_scaling_writes_its_outputs(tmp_path):
 
 
 def test_bench_scaling_rejects_a_single_process():
-    result = run_cli("bench", "scaling", "--max-procs", "1")
+    result = run_main("bench", "scaling", "--max-procs", "1")
     assert result.returncode == 2 and "--max-procs: invalid choice: 1 (choose from 2, 4)" in result.stderr
 
 
@@ -61,5 +61,5 @@ def test_fit_recovers_a_known_alpha_and_beta():
 
 
 def test_bench_comm_refuses_one_rank(tmp_path):
-    result = run_cli("bench", "comm", "--nproc", "1", "--out", "x", cwd=tmp_path)
+    result = run_main("bench", "comm", "--nproc", "1", "--out", "x", cwd=tmp_path)
     assert result.returncode == 2 and "needs at least 2 ranks" in result.stderr and not (tmp_path / "x").exists()

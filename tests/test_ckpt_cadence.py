@@ -1,7 +1,7 @@
 """Checkpoint cadence and retention, and --resume auto falling back past a corrupt checkpoint."""
 import pytest
 
-from .dist import run_cli
+from .dist import run_cli, run_main
 
 
 def _train(out, *extra):
@@ -45,11 +45,11 @@ def test_resume_auto_skips_a_corrupt_checkpoint_naming_the_file(tmp_path):
 
     for step in ("step-000002", "step-000004", "step-000006"):  # nothing left that verifies
         (out / "checkpoints" / step / "manifest.json").write_text("{}")
-    refused = run_cli("train", "--nproc", "2", "--steps", "8", "--resume", "auto", "--out", str(out))
+    refused = run_main("train", "--nproc", "2", "--steps", "8", "--resume", "auto", "--out", str(out))
     assert refused.returncode == 2 and "no checkpoint under" in refused.stderr
 
 
 @pytest.mark.parametrize("flag", ["--keep-last", "--ckpt-every-minutes"])
 def test_negative_cadence_is_refused(tmp_path, flag):
-    proc = run_cli("train", flag, "-1", "--out", str(tmp_path / "x"))
+    proc = run_main("train", flag, "-1", "--out", str(tmp_path / "x"))
     assert proc.returncode == 2 and "must be >= 0" in proc.stderr and not (tmp_path / "x").exists()

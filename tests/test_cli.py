@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from .dist import run_cli
+from .dist import run_cli, run_main
 
 METRIC_KEYS = {"step", "loss", "grad_norm", "param_norm", "lr", "tokens", "step_time_s", "tokens_per_s",
                "comm_time_s", "comm_bytes", "memory"}
@@ -22,10 +22,18 @@ METRIC_KEYS = {"step", "loss", "grad_norm", "param_norm", "lr", "tokens", "step_
      "fault.rank 2 is not a rank of this run (world size 2)"),
 ])
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, argv, message):
-    result = run_cli(*argv, cwd=tmp_path)
+    result = run_main(*argv, cwd=tmp_path)  # refused before any rank starts (the exit status of the
+    # real command is covered by test_the_command_exits_2_on_bad_input below)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_command_exits_2_on_bad_input(tmp_path):
+    for argv in (["train", "--model.n_head", "5"], ["train", "--steps", "ten"]):  # a ConfigError, a usage error
+        result = run_cli(*argv, cwd=tmp_path)
+        assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert list(tmp_path.iterdir()) == []
 
 
@@ -35,7 +43,7 @@ def test_resume_that_does_not_fit_is_refused_in_one_line(tmp_path):
                           (["--seed", "3"], "use the same seed"),
                           (["--model.n_layer", "3"], "different model: n_layer=2 (this run 3)"),
                           (["--steps", "2"], "ask for more --steps")):
-        result = run_cli("train", "--steps", "4", "--resume", "a", "--out", "b", *argv, cwd=tmp_path)
+        result = run_main("train", "--steps", "4", "--resume", "a", "--out", "b", *argv, cwd=tmp_path)
         assert result.returncode == 2 and message in result.stderr, result.stderr
         assert len(result.stderr.strip().splitlines()) == 1
     result = run_cli("train", "--steps", "3", "--lr", "0.001", "--resume", "a", "--out", "b", cwd=tmp_path)
@@ -45,7 +53,7 @@ def test_resume_that_does_not_fit_is_refused_in_one_line(tmp_path):
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF
     shard.write_bytes(bytes(data))
-    result = run_cli("train", "--steps", "4", "--resume", "a", "--out", "c", cwd=tmp_path)
+    result = run_main("train", "--steps", "4", "--resume", "a", "--out", "c", cwd=tmp_path)
     assert result.returncode == 2 and "rank-00000.safetensors is corrupt" in result.stderr
     assert not (tmp_path / "c").exists()
 

@@ -12,7 +12,7 @@ from minitrain.recompute import apply_activation_checkpointing
 from minitrain.topology import Topology
 from minitrain.trainer import Trainer
 
-from .dist import run_cli, run_ranks
+from .dist import run_cli, run_main, run_ranks
 
 MODELS = {"tiny": {}, "mid": {"model.n_layer": 4, "model.d_model": 64, "model.n_head": 4, "model.vocab_size": 128,
                               "model.seq_len": 32, "model.tie_weights": True}}
@@ -89,7 +89,7 @@ def test_block_recomputation_keeps_one_input_per_layer_and_replays_one_layer():
     (["--preset", "huge"], "unknown preset 'huge'"),
 ])
 def test_bad_plan_input_exits_2_with_one_line(argv, message):
-    proc = run_cli("plan", *argv)
+    proc = run_main("plan", *argv)
     assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 

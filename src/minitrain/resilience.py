@@ -26,7 +26,7 @@ class StopRequest:
         self.signum = 0
         self._previous: dict[int, object] = {}
 
-    def install(self) -> "StopRequest":
+    def install(self) -> StopRequest:
         if threading.current_thread() is not threading.main_thread():
             return self  # Python delivers signals to the main thread only
         for sig in STOP_SIGNALS:

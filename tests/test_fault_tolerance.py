@@ -42,10 +42,11 @@ def reference(tmp_path_factory):
 
 
 def test_sigkill_under_torchrun_restarts_from_the_last_checkpoint_bit_identical(tmp_path, reference):
-    # Rank 1 dies (SIGKILL) as step 7 starts; torchrun restarts both ranks, which resume from step 5.
+    # Rank 1 dies (SIGKILL) as step 7 starts; torchrun restarts both ranks, which resume from step 5
+    # (a restarted attempt resumes by itself: no --resume needed).
     for attempt in range(3):
         out = tmp_path / f"attempt{attempt}"
-        proc = _ok(run_cli(*RUN, "--resume", "auto", "--out", str(out), "--fault.kind", "sigkill",
+        proc = _ok(run_cli(*RUN, "--out", str(out), "--fault.kind", "sigkill",
                            "--fault.step", "7", "--fault.rank", "1", torchrun_nproc=2,
                            torchrun_args=("--max-restarts=1",), timeout_s=120))
         assert "(exitcode: -9) local_rank: 1" in proc.stderr  # torchrun saw rank 1 killed, and restarted

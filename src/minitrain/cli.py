@@ -48,7 +48,7 @@ Examples:
   minitrain train --nproc 2 --resume auto --steps 40 --out runs/a   # continue the same run
   minitrain train --nproc 4 --ckpt-every-steps 50 --async-save --out runs/c  # saves written in the background
   torchrun --nproc-per-node=2 -m minitrain train --zero 1 --out runs/tr
-  torchrun --nproc-per-node=2 --max-restarts=3 -m minitrain train --ckpt-every-steps 5 --resume auto --out runs/e
+  torchrun --nproc-per-node=2 --max-restarts=3 -m minitrain train --ckpt-every-steps 5 --out runs/e
                                            # a dead rank: torchrun restarts all, they resume from the last checkpoint
 
 Fault tolerance: SIGTERM or SIGUSR1 to any rank (or to the launcher) makes every rank save a
@@ -286,6 +286,9 @@ def resolve_config(args) -> RunConfig:
     cfg = build_config(file_values, cli_values)
     if under_torchrun():  # torchrun decides the world size
         cfg.dist.nproc = int(os.environ["WORLD_SIZE"])
+        # A torchrun restart (--max-restarts) continues the run it replaces, never starts it over.
+        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and not cfg.ckpt.resume:
+            cfg.ckpt.resume = "auto"
     return cfg.validate()
 
 

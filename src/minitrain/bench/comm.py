@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import pyplot, save_figure
 from ..config import ConfigError
 from ..launch import launch
 from ..metrics import format_table, human_bytes
@@ -127,12 +128,7 @@ def report(raw: dict) -> dict:
 
 
 def plot(rep: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    fig, ax = pyplot("bench comm").subplots(figsize=(6, 4), dpi=120)
     for op, r in rep["ops"].items():
         line, = ax.plot(r["sizes_bytes"], [b / 1e9 for b in r["busbw_Bps"]], "o-", label=op)
         fitted = [r["busbw_factor"] * s / t / 1e9 for s, t in zip(r["sizes_bytes"], r["fit_time_s"])]
@@ -142,17 +138,12 @@ def plot(rep: dict, path: Path) -> None:
     ax.set_ylabel("busbw (GB/s)")
     ax.set_title(f"Collectives, {rep['world_size']} ranks ({rep['backend']}); dashed: alpha-beta fit")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def check_comm_options(opts: CommOptions) -> None:
     """ConfigError (exit 2, one line) before anything runs or is written."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise ConfigError("bench comm draws comm.png with matplotlib: pip install 'minitrain[bench]'") from None
+    pyplot("bench comm (comm.png)")
     if opts.nproc < 2:
         raise ConfigError(f"bench comm needs at least 2 ranks to communicate (got --nproc {opts.nproc})")
     if opts.max_mb * 2**20 < MIN_BYTES:

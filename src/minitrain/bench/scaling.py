@@ -24,7 +24,8 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from ..config import ConfigError, RunConfig, build_config
+from . import pyplot, save_figure
+from ..config import RunConfig, build_config
 from ..launch import launch
 from ..metrics import format_table, percentile, sync_report
 from ..parallel.flat import same_state
@@ -115,11 +116,7 @@ def lesson_notes(per_world: dict[int, dict], params: int) -> str:
 
 
 def plot(per_world: dict[int, dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot("bench scaling")
     worlds = sorted(per_world)
     measured = [per_world[w]["tokens_per_sec"] for w in worlds]
     fig, ax = plt.subplots(figsize=(5, 3.6), dpi=120)
@@ -130,16 +127,11 @@ def plot(per_world: dict[int, dict], path: Path) -> None:
     ax.set_xticks(worlds)
     ax.set_title("Data-parallel scaling (gloo, CPU)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def run_scaling(opts: ScalingOptions) -> int:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise ConfigError("bench scaling draws scaling.png with matplotlib: pip install 'minitrain[bench]'") from None
+    pyplot("bench scaling (scaling.png)")
     worlds = [w for w in (1, 2, 4) if w <= opts.max_procs]
     configs = {w: scaling_config(opts, w) for w in worlds}  # validates before anything runs
     out = Path(opts.out)

@@ -233,7 +233,6 @@ class AsyncSave:
         begin(root, step, topo)
         self.job = ShardWrite(Path(root), step, topo, strategy, train_state, run_config, copy=True,
                               after_written=after_written)
-        self.step = step
         self._thread = threading.Thread(target=self.job.write, name=f"checkpoint-step-{step}", daemon=True)
         self._thread.start()
 

@@ -155,7 +155,8 @@ def launch(fn, nproc: int, *args, backend: str = "auto", pg_timeout_s: float = 3
     procs, conns, lifelines = [], {}, []
     threads = str(threads_per_rank)
     try:
-        # Children inherit this environment; torch.distributed.run does the same for nproc > 1.
+        # The fork server, started by the first launch, inherits this environment (its torch import then
+        # sizes no large thread pool); each rank sets its own again in _rank_main.
         with _environ(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads):
             for rank in range(nproc):
                 recv_end, send_end = ctx.Pipe(duplex=False)

@@ -16,46 +16,53 @@ from .dist import run_cli, run_main, run_ranks
 
 MODELS = {"tiny": {}, "mid": {"model.n_layer": 4, "model.d_model": 64, "model.n_head": 4, "model.vocab_size": 128,
                               "model.seq_len": 32, "model.tie_weights": True}}
+# (model, --precision, --reduce-dtype): full precision on both models, and both mixed-precision layouts.
+AT_REST_CASES = [("tiny", "fp32", "fp32"), ("mid", "fp32", "fp32"), ("mid", "bf16", "fp32"), ("tiny", "fp16", "compute")]
 
 
 @pytest.mark.parametrize("zero,gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
 def test_reproduces_the_zero_papers_figure_1(zero, gb):
     # 7.5B parameters, K = 12, Nd = 64, fp16 parameters and gradients; GB = 1e9 bytes.
-    result = plan.plan(plan.PlanInput(model=None, params=7.5e9, precision="fp16", dp=64, zero=zero))
+    result = plan.plan(plan.PlanInput(model=None, params=7.5e9, precision="fp16", reduce_dtype="compute", dp=64,
+                                      zero=zero))
     b = result["bytes_per_rank"]
     assert abs((b["params"] + b["grads"] + b["optimizer"]) / 1e9 - gb) < 0.1
 
 
 def test_cli_json_has_the_promised_fields():
-    proc = run_cli("plan", "--params", "7.5e9", "--precision", "fp16", "--dp", "64", "--zero", "2", "--json")
+    proc = run_cli("plan", "--params", "7.5e9", "--precision", "fp16", "--reduce-dtype", "compute", "--dp", "64",
+                   "--zero", "2", "--json")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert {"params", "grads", "optimizer", "activations", "total"} <= set(result["bytes_per_rank"])
     b = result["bytes_per_rank"]
-    assert b["total"] == b["params"] + b["grads"] + b["optimizer"] + b["gathered"] + b["activations"]
+    state = b["params"] + b["grads"] + b["optimizer"]
+    assert b["total"] == state + max(b["gathered"] + b["activations"] + b["reduce_copy"], b["update"])
     assert round((b["params"] + b["grads"] + b["optimizer"]) / 1e9, 1) == 16.6
     assert result["step_s"] > 0 and result["tokens_per_s"] > 0
 
 
 def _at_rest(topo):
     measured = {}
-    for name, values in MODELS.items():
+    for name, precision, reduce in AT_REST_CASES:
         for zero in range(4):
-            cfg = build_config(cli_values={**values, "train.zero": zero, "dist.nproc": topo.world_size,
+            cfg = build_config(cli_values={**MODELS[name], "train.zero": zero, "dist.nproc": topo.world_size,
+                                           "train.precision": precision, "train.reduce_dtype": reduce,
                                            "train.log_every": 0}).validate()
             trainer = Trainer(cfg, topo)
             trainer.train_step()
-            measured[(name, zero)] = trainer.strategy.memory_bytes()
+            measured[(name, precision, reduce, zero)] = trainer.strategy.memory_bytes()
     return measured
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_predicted_bytes_at_rest_equal_the_measured_ones(world):
     measured = _at_rest(Topology.single()) if world == 1 else run_ranks(_at_rest, world)[0]
-    for (name, zero), held in measured.items():
+    for (name, precision, reduce, zero), held in measured.items():
         model = build_config(cli_values=MODELS[name]).validate().model
-        predicted = plan.model_state_bytes(plan.PlanInput(model=model, params=0, dp=world, zero=zero))
-        assert predicted == {k: held[k] for k in predicted}, (name, zero)
+        predicted = plan.model_state_bytes(plan.PlanInput(model=model, params=0, dp=world, zero=zero,
+                                                          precision=precision, reduce_dtype=reduce))
+        assert predicted == {k: held[k] for k in predicted}, (name, precision, reduce, zero)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -93,15 +100,17 @@ def test_bad_plan_input_exits_2_with_one_line(argv, message):
     assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
-def _peaks(topo, names):
+def _peaks(topo, names, precisions):
     peaks = {}
     for name in names:
-        for zero in range(4):
-            cfg = build_config(cli_values={**MODELS[name], "train.zero": zero, "dist.nproc": topo.world_size,
-                                           "train.batch_size": 8, "train.log_every": 0}).validate()
-            trainer = Trainer(cfg, topo)
-            trainer.train_step()
-            peaks[(name, zero)] = tensor_peak_bytes(trainer.train_step)
+        for precision in precisions:
+            for zero in range(4):
+                cfg = build_config(cli_values={**MODELS[name], "train.zero": zero, "dist.nproc": topo.world_size,
+                                               "train.batch_size": 8, "train.precision": precision,
+                                               "train.log_every": 0}).validate()
+                trainer = Trainer(cfg, topo)
+                trainer.train_step()
+                peaks[(name, precision, zero)] = tensor_peak_bytes(trainer.train_step)
     return peaks
 
 
@@ -109,10 +118,12 @@ def test_predicted_peak_is_within_15_percent_of_the_measured_tensor_peak():
     # One process, every stage (ZeRO-3 still gathers and frees each block). Sharding is covered by
     # the exact at-rest test at 1-4 ranks; under 2 ranks the profiler's memory analysis (the
     # deprecated timeline, PyTorch's one CPU tensor-peak measurement) intermittently fails an
-    # internal assertion, so it cannot be a reliable test there.
-    measured = _peaks(Topology.single(), tuple(MODELS))
-    for (name, zero), peak in measured.items():
+    # internal assertion, so it cannot be a reliable test there. Mixed precision is checked in bf16;
+    # fp16 on CPU runs its kernels through float32 temporaries the planner does not count (measured
+    # 1-15% above the prediction on these models), a CPU artefact GPUs do not share.
+    measured = _peaks(Topology.single(), tuple(MODELS), ("fp32", "bf16"))
+    for (name, precision, zero), peak in measured.items():
         model = build_config(cli_values=MODELS[name]).validate().model
-        predicted = plan.plan(plan.PlanInput(model=model, params=plan.model_params(model), zero=zero,
-                                             micro_batch=8))["bytes_per_rank"]["total"]
-        assert abs(predicted - peak) <= 0.15 * peak, (name, zero, predicted, peak)
+        predicted = plan.plan(plan.PlanInput(model=model, params=plan.model_params(model), zero=zero, micro_batch=8,
+                                             precision=precision))["bytes_per_rank"]["total"]
+        assert abs(predicted - peak) <= 0.15 * peak, (name, precision, zero, predicted, peak)

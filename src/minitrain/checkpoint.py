@@ -261,7 +261,8 @@ def _move_aside(root: Path, final: Path) -> Path:
 
 def _manifest(step, topo, strategy, train_state, run_config, keys, rows) -> dict:
     flat = strategy.flat
-    dtype = str(flat.dtype).removeprefix("torch.")
+    # Parameters in their dtype, optimizer state in the master's (they differ in mixed precision).
+    dtypes = {"params": flat.dtype, **{f"optim.{k}": t.dtype for k, t in strategy.optimizer.state_tensors().items()}}
     files, tensors = [], []
     for rank, (size, *digest_words) in enumerate(rows):
         name = shard_file_name(rank)
@@ -273,7 +274,8 @@ def _manifest(step, topo, strategy, train_state, run_config, keys, rows) -> dict
             pieces = flat.pieces(ranges)
             for key in keys:
                 if not key.startswith("rng."):
-                    tensors.append({"key": key, "file": name, "dtype": dtype, "shape": [local], "pieces": pieces})
+                    tensors.append({"key": key, "file": name, "dtype": str(dtypes[key]).removeprefix("torch."),
+                                    "shape": [local], "pieces": pieces})
         tensors += [{"key": key, "file": name, "rank": rank} for key in keys if key.startswith("rng.")]
     return {
         "format": FORMAT,
@@ -430,9 +432,10 @@ def load(path: str | os.PathLike, topo: Topology, strategy: FlatStrategy) -> dic
         diff = next((f"{a} vs {b}" for a, b in zip(mine, theirs) if a != b), f"{len(mine)} vs {len(theirs)} tensors")
         raise CheckpointError(f"checkpoint {step_dir} holds a different model (this run vs checkpoint: {diff})")
     full = assemble_flat(step_dir, manifest)
-    dtype = strategy.flat.dtype
-    if full["params"].dtype != dtype:
-        raise CheckpointError(f"checkpoint {step_dir} stores {full['params'].dtype}, this run trains in {dtype}")
+    for key, mine in (("params", strategy.flat.dtype), ("optim.master", strategy.optimizer.master.dtype)):
+        if full[key].dtype != mine:
+            raise CheckpointError(f"checkpoint {step_dir} stores {key} in {full[key].dtype}, this run keeps them "
+                                  f"in {mine} (resume with the --dtype and --precision it was saved with)")
     strategy.load_state(full, manifest["train_state"]["optimizer_steps"])
     if manifest["world_size"] == topo.world_size:  # each rank continues its own random streams
         path = step_dir / shard_file_name(topo.rank)

@@ -29,6 +29,7 @@ ALIASES = {
     "train.prefetch": "--prefetch", "train.memory_profile": "--memory-profile",
     "ckpt.async_save": "--async-save", "train.spike_factor": "--spike-factor",
     "train.activation_checkpointing": "--activation-checkpointing",
+    "train.precision": "--precision", "train.reduce_dtype": "--reduce-dtype",
 }
 
 TRAIN_EPILOG = """\
@@ -43,6 +44,7 @@ same sections as the flags, e.g.
 Examples:
   minitrain train --nproc 4 --zero 1 --steps 50 --out runs/z1
   minitrain train --nproc 4 --zero 3 --memory-profile --out runs/z3  # per-rank memory vs the formula
+  minitrain train --nproc 2 --zero 1 --precision bf16 --out runs/bf16  # float32 master, 16-bit compute
   minitrain train --nproc 2 --ckpt-every-steps 10 --out runs/a      # checkpoints every 10 steps
   minitrain train --ckpt-every-minutes 30 --keep-last 3 --out runs/b  # by the clock, newest 3 kept
   minitrain train --nproc 2 --resume auto --steps 40 --out runs/a   # continue the same run
@@ -124,7 +126,7 @@ def build_parser() -> Parser:
                              "alpha-beta model, pipeline bubble) for a model and a layout. Describe the model by "
                              "--preset (with overrides) or by a raw --params count.",
                              epilog="Examples:\n  minitrain plan --preset gpt2-124m --dp 8 --zero 1 --precision bf16\n"
-                             "  minitrain plan --params 7.5e9 --dp 64 --zero 3 --precision fp16   # the ZeRO paper's "
+                             "  minitrain plan --params 7.5e9 --dp 64 --zero 3 --precision fp16 --reduce-dtype compute  # the ZeRO paper's "
                              "example\n  minitrain bench comm --out runs/bench-comm && minitrain plan --hardware "
                              "cpu-here --dp 2 --zero 1", formatter_class=argparse.RawDescriptionHelpFormatter)
     planner.add_argument("--preset", default="tiny", help="model preset (default tiny)")
@@ -136,6 +138,8 @@ def build_parser() -> Parser:
     planner.add_argument("--micro-batch", type=int, default=1, help="examples per rank per micro-batch (default 1)")
     planner.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (default 1)")
     planner.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
+    planner.add_argument("--reduce-dtype", choices=("fp32", "compute"), default="fp32",
+                         help="what gradients are summed in with bf16/fp16 (the ZeRO paper's figures: compute)")
     for flag in ("--dp", "--tp", "--pp"):
         planner.add_argument(flag, type=int, default=1, help="parallel degree (default 1)")
     planner.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
@@ -270,7 +274,7 @@ def cmd_plan(args) -> int:
         params = plan.model_params(model)
     hardware = plan.cpu_here(args.comm_json) if args.hardware == "cpu-here" else plan.PRESETS[args.hardware]
     inp = plan.PlanInput(model=model, params=params, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
-                         precision=args.precision, dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero,
+                         precision=args.precision, reduce_dtype=args.reduce_dtype, dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero,
                          activation_checkpointing=args.activation_checkpointing, microbatches=args.microbatches,
                          schedule=args.schedule, mfu=args.mfu, hardware=hardware,
                          seq_len=args.model_seq_len or 1024)

@@ -78,7 +78,15 @@ class TrainConfig:
     eps: float = opt(1e-8, "Adam epsilon")
     grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0 disables clipping")
     seed: int = opt(0, "seed for initialisation and data order; same seed, same run, bit for bit")
-    dtype: str = opt("float32", "float32 | float64 (float64 is for exact parity checks)")
+    dtype: str = opt("float32", "float32 | float64 (float64 is for exact parity checks); the optimizer's master "
+                     "weights and state are kept in this dtype whatever --precision is")
+    precision: str = opt("fp32", "fp32 (compute in --dtype) | bf16 | fp16: parameters and gradients in 16 bits, "
+                         "forward under autocast, float32 master weights in the optimizer; fp16 adds loss scaling")
+    reduce_dtype: str = opt("fp32", "fp32 | compute: the dtype gradients are summed across ranks in (with bf16/fp16; "
+                            "compute halves the traffic and, at ZeRO-2/3, the gradient shard)")
+    loss_scale_init: float = opt(65536.0, "fp16: the initial loss scale (a power of two)")
+    loss_scale_window: int = opt(1000, "fp16: double the loss scale after this many steps without overflow (an "
+                                 "overflow halves it and skips the step)")
     zero: int = opt(0, "ZeRO stage: 0 = data parallel (everything replicated), 1 = optimizer state sharded, "
                     "2 = gradients too, 3 = parameters too (gathered one block at a time)")
     activation_checkpointing: str = opt("none", "none | block (keep each block's input, recompute the block in "
@@ -170,6 +178,14 @@ class RunConfig:
         if not self.ddp.bucket_mb > 0:
             raise ConfigError(f"ddp.bucket_mb must be > 0, got {self.ddp.bucket_mb}")
         _require_choice("train.dtype", t.dtype, ("float32", "float64"))
+        _require_choice("train.precision", t.precision, ("fp32", "bf16", "fp16"))
+        _require_choice("train.reduce_dtype", t.reduce_dtype, ("fp32", "compute"))
+        if t.precision != "fp32" and t.dtype != "float32":
+            raise ConfigError(f"--precision {t.precision} keeps float32 master weights; use --dtype float32 "
+                              f"(float64 is for exact parity checks in full precision)")
+        if not t.loss_scale_init > 0:
+            raise ConfigError(f"train.loss_scale_init must be > 0, got {t.loss_scale_init}")
+        _require_positive("train.loss_scale_window", t.loss_scale_window)
         _require_choice("train.activation_checkpointing", t.activation_checkpointing, ("none", "block", "selective"))
         _require_choice("dist.backend", d.backend, ("auto", "gloo", "nccl"))
         _check_gpus(d)

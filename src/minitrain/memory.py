@@ -106,7 +106,9 @@ def profile(strategy: FlatStrategy, records: list, device: torch.device) -> dict
     flat = strategy.flat
     return {
         "stage": strategy.stage, "strategy": strategy.name, "world_size": n,
-        "dtype": str(flat.dtype).removeprefix("torch."), "element_size": flat.element_size,
+        "dtype": str(flat.dtype).removeprefix("torch."), "element_sizes": strategy.element_sizes(),
+        "master_dtype": str(strategy.optimizer.master.dtype).removeprefix("torch."),
+        "master_is_params": strategy.master_is_params,
         "params": flat.numel, "padded_params": flat.padded_numel, "padding": flat.padding,
         "units": [{"name": u.name, "padded_numel": u.stop - u.start} for u in flat.units],
         "formula": strategy.memory_formula(), "expected_at_rest": expected,
@@ -115,7 +117,7 @@ def profile(strategy: FlatStrategy, records: list, device: torch.device) -> dict
 
 
 def render(report: dict) -> str:
-    n, E, P = report["world_size"], report["element_size"], report["padded_params"]
+    n, P = report["world_size"], report["padded_params"]
     rows = []
     for rank in report["ranks"]:
         for k in MEMORY_KINDS:
@@ -124,10 +126,12 @@ def render(report: dict) -> str:
                          rank["peak_in_step"][k]])
         rows.append([rank["rank"], "total", sum(rank["at_rest"].values()), "", "",
                      f"{rank['peak_in_step']['total']}  (device {human_bytes(rank['device_peak_bytes'])})"])
-    head = (f"Memory per rank, bytes: ZeRO-{report['stage']}, N = {n}, E = {E} ({report['dtype']}), "
-            f"P = {P} padded params ({report['params']} + {report['padding']} padding over "
-            f"{len(report['units'])} units)")
-    master = "; the optimizer's master is the parameter shard itself" if report["stage"] == 3 else ""
+    E = report["element_sizes"]
+    head = (f"Memory per rank, bytes: ZeRO-{report['stage']}, N = {n}, P = {P} padded params ({report['params']} + "
+            f"{report['padding']} padding over {len(report['units'])} units); bytes per element: params "
+            f"{E['params']} ({report['dtype']}), grads {E['grads']}, optimizer {E['optimizer']} "
+            f"({report['master_dtype']})")
+    master = "; the optimizer's master is the parameter shard itself" if report["master_is_params"] else ""
     note = (f"optimizer = master + Adam m + v{master}\n"
             f"peak = most model-state bytes held at any moment of a step (gathered units, gradient buckets); "
             f"device = {report['device_peak_source']}, which includes activations and the runtime")

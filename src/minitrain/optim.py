@@ -45,8 +45,9 @@ class FlatAdamW:
     """Decoupled-weight-decay Adam (Loshchilov & Hutter) over one flat vector.
 
     State: `master`, the parameters it updates (it takes ownership of the tensor
-    passed in), plus exp_avg (m) and exp_avg_sq (v) of the same length: 12 bytes
-    per parameter in float32 (the ZeRO paper's K). `decay_ranges` are the
+    passed in), plus exp_avg (m) and exp_avg_sq (v) of the same length and dtype: 12
+    bytes per parameter in float32 (the ZeRO paper's K), also when the model computes in
+    bf16/fp16. `decay_ranges` are the
     [start, stop) ranges of `master` that get weight decay (matrices and
     embeddings; biases and LayerNorm gains do not, as in GPT-2).
     """
@@ -64,12 +65,13 @@ class FlatAdamW:
 
     @torch.no_grad()
     def step(self, grad: torch.Tensor, lr: float, grad_scale: float = 1.0) -> None:
-        """One update of `master` from `grad` (same length), pre-multiplied by grad_scale.
-        `grad` is scaled in place: callers pass a gradient buffer they are done with."""
+        """One update of `master` from `grad` (same length), multiplied by grad_scale (clipping,
+        and unscaling an fp16 loss scale). In full precision `grad` is scaled in place: callers
+        pass a gradient buffer they are done with. It may be in a narrower dtype than the master
+        (mixed precision): then each chunk is upcast before it is scaled, so small fp16
+        gradients are not flushed to zero by the unscaling."""
         beta1, beta2 = self.betas
         self.steps_taken += 1
-        if grad_scale != 1.0:
-            grad.mul_(grad_scale)
         if self.weight_decay:
             for a, b in self.decay_ranges:
                 self.master[a:b].mul_(1.0 - lr * self.weight_decay)
@@ -80,10 +82,13 @@ class FlatAdamW:
         # result is bit-identical to whole-vector passes.
         for a in range(0, self.master.numel(), self.CHUNK):
             g, m, v, w = (t[a:a + self.CHUNK] for t in (grad, self.exp_avg, self.exp_avg_sq, self.master))
+            g = g.to(w.dtype)  # a chunk-sized copy in mixed precision; the gradient itself in full precision
+            if grad_scale != 1.0:
+                g.mul_(grad_scale)
             m.lerp_(g, 1.0 - beta1)
             v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
             # Same operation order as torch.optim.AdamW, so float64 runs agree to ~1e-15.
-            denom = (v.sqrt() / bias2_sqrt).add_(self.eps)
+            denom = v.sqrt().div_(bias2_sqrt).add_(self.eps)
             w.addcdiv_(m, denom, value=-lr / bias1)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:

@@ -2,12 +2,13 @@
 
 Memory per rank, by kind:
 - parameters, gradients, optimizer state: the ZeRO memory math (`parallel.flat.memory_terms`,
-  the same rule the strategies' memory profile checks). In float32, as minitrain trains today,
-  the optimizer holds master, m and v (3 x 4 bytes/param; at ZeRO-3 the parameter shard is the
-  master, so 2 x 4) and P is the padded flat size the strategy lays out (each unit padded to a
-  multiple of the data-parallel degree), so at-rest figures equal the measured ones exactly.
-  In bf16/fp16, parameters and gradients take 2 bytes and the optimizer K = 12 bytes/param
-  (fp32 master, m, v), the ZeRO paper's accounting.
+  the same rule the strategies' memory profile checks). In fp32 the optimizer holds master, m
+  and v (3 x 4 bytes/param; at ZeRO-3 the parameter shard is the master, so 2 x 4). In bf16/fp16
+  (precision.py) parameters take 2 bytes, the optimizer K = 12 bytes/param (fp32 master, m, v),
+  and gradients 2 bytes, except ZeRO-2/3's gradient shard, which is in the reduce dtype (4 bytes
+  with the default --reduce-dtype fp32; --reduce-dtype compute gives the ZeRO paper's 2+2+K).
+  P is the padded flat size the strategy lays out (each unit padded to a multiple of the
+  data-parallel degree), so at-rest figures equal the measured ones exactly.
 - activations: what autograd keeps for backward, per micro-batch and layer, counted from
   MiniGPT's operations (b micro-batch, s sequence, h width, a heads, f MLP width, E bytes):
   E(8bsh + 2bsf + a b s^2 + 4bs) + s^2 (the causal mask); plus, outside the blocks,
@@ -120,6 +121,7 @@ class PlanInput:
     micro_batch: int = 1
     grad_accum: int = 1
     precision: str = "fp32"
+    reduce_dtype: str = "fp32"  # fp32 | compute: what gradients are summed in (precision.py)
     dp: int = 1
     tp: int = 1
     pp: int = 1
@@ -164,13 +166,23 @@ def element_bytes(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
 
+def reduce_bytes(inp: PlanInput) -> int:
+    """Bytes per gradient element on the wire (and in ZeRO-2/3's gradient shard)."""
+    return 4 if inp.reduce_dtype == "fp32" else element_bytes(inp.precision)
+
+
+def state_element_bytes(inp: PlanInput) -> dict[str, int]:
+    """Bytes per element of each kind, as the strategies hold them (FlatStrategy.element_sizes)."""
+    elem = element_bytes(inp.precision)
+    return {"params": elem, "grads": reduce_bytes(inp) if inp.zero >= 2 else elem, "optimizer": 4}
+
+
 def model_state_bytes(inp: PlanInput) -> dict[str, int]:
-    mixed, P, elem = inp.precision != "fp32", layout_params(inp), element_bytes(inp.precision)
+    mixed, P, elem = inp.precision != "fp32", layout_params(inp), state_element_bytes(inp)
     out = {}
     # fp32 keeps a separate master except at ZeRO-3 (the shard is the master); mixed precision always does.
     for kind, (count, sharded) in memory_terms(inp.zero, master_is_params=inp.zero == 3 and not mixed).items():
-        per_param = 12 if (kind == "optimizer" and mixed) else count * elem
-        out[kind] = round(per_param * (P / inp.dp if sharded else P))
+        out[kind] = round(count * elem[kind] * (P / inp.dp if sharded else P))
     return out
 
 
@@ -184,6 +196,21 @@ def gathered_bytes(inp: PlanInput) -> int:
     units = model_units(inp.model)
     shared = units.pop("shared", 0)
     return round(element_bytes(inp.precision) * (shared + 2 * max(units.values())) / inp.tp)
+
+
+def update_transients(inp: PlanInput) -> tuple[int, int]:
+    """(bytes held beside the activations in backward, bytes held beside the state during the update).
+    Backward: ZeRO-0 in mixed precision reducing in fp32 sums a float32 copy of the whole gradient
+    (started by the first bucket). Update: ZeRO-1's gradient shard (reduced after backward), and
+    the optimizer's chunk-sized temporaries (denominator; in mixed precision the upcast gradient)."""
+    from .optim import FlatAdamW
+
+    mixed, P = inp.precision != "fp32", layout_params(inp)
+    wide = 4 * P if inp.zero == 0 and mixed and reduce_bytes(inp) == 4 else 0
+    shard = P if inp.zero == 0 else P / inp.dp
+    update = reduce_bytes(inp) * shard if inp.zero == 1 else wide
+    update += (2 if mixed else 1) * 4 * min(shard, FlatAdamW.CHUNK)
+    return wide, round(update)
 
 
 def layer_activation_bytes(cfg: ModelConfig, b: int, elem: int, mode: str) -> int:
@@ -235,15 +262,16 @@ def communication(inp: PlanInput) -> list[dict]:
     units = (inp.model.n_layer + 4) if inp.model else 1  # blocks, embeddings, ln_f, head
     rows = []
     if N > 1:
-        S = elem * layout_params(inp)  # the whole gradient (or parameter) vector of the group
+        grads, params = reduce_bytes(inp) * layout_params(inp), elem * layout_params(inp)  # the group's whole vectors
         syncs = inp.grad_accum if inp.zero >= 2 else 1  # ZeRO-2/3 reduce every micro-batch
         if inp.zero == 0:
-            rows.append(_row("all_reduce gradients", dp_links, "all_reduce", 2 * (N - 1) / N, S, syncs))
+            rows.append(_row("all_reduce gradients", dp_links, "all_reduce", 2 * (N - 1) / N, grads, syncs))
         else:
             calls = units if inp.zero >= 2 else 1
-            rows.append(_row("reduce_scatter gradients", dp_links, "reduce_scatter", (N - 1) / N, S, syncs, calls))
+            rows.append(_row("reduce_scatter gradients", dp_links, "reduce_scatter", (N - 1) / N, grads, syncs,
+                             calls))
             gathers = 2 * inp.grad_accum if inp.zero == 3 else 1  # ZeRO-3: before forward and before backward
-            rows.append(_row("all_gather parameters", dp_links, "all_gather", (N - 1) / N, S, gathers,
+            rows.append(_row("all_gather parameters", dp_links, "all_gather", (N - 1) / N, params, gathers,
                              units if inp.zero == 3 else 1))
     if inp.model and (inp.tp > 1 or inp.pp > 1):
         act = elem * inp.micro_batch * inp.model.seq_len * inp.model.d_model
@@ -267,7 +295,10 @@ def _row(what: str, links: dict[str, Link], op: str, factor: float, size: float,
 def plan(inp: PlanInput) -> dict:
     state = model_state_bytes(inp)
     acts, gathered = activation_bytes(inp), gathered_bytes(inp)
-    total = sum(state.values()) + gathered + acts
+    in_backward, in_update = update_transients(inp)
+    # The peak is the larger of two moments: the end of forward (activations all alive) and the update.
+    transient = max(gathered + acts + in_backward, in_update)
+    total = sum(state.values()) + transient
     hw = inp.hardware
     seq = inp.model.seq_len if inp.model else inp.seq_len
     tokens_rank = inp.micro_batch * seq * inp.grad_accum * max(1, inp.microbatches)
@@ -284,8 +315,10 @@ def plan(inp: PlanInput) -> dict:
         "input": {k: v for k, v in asdict(inp).items() if k not in ("model", "hardware")}
         | {"model": None if inp.model is None else asdict(inp.model), "hardware": hw.name},
         "world_size": inp.dp * inp.tp * inp.pp,
-        # total is the predicted peak: state at rest, ZeRO-3's gathered units, activations at the end of forward
-        "bytes_per_rank": {**state, "gathered": gathered, "activations": acts, "total": total},
+        # total is the predicted peak: state at rest plus the larger of (ZeRO-3's gathered units, activations
+        # and a float32 gradient copy, at the end of forward) and (the update's temporaries)
+        "bytes_per_rank": {**state, "gathered": gathered, "activations": acts, "reduce_copy": in_backward,
+                           "update": in_update, "total": total},
         "device_memory_bytes": hw.memory_bytes,
         "fits": total <= hw.memory_bytes,
         "flops_per_token": model_fpt, "flops_per_token_with_recompute": hw_fpt,
@@ -301,8 +334,8 @@ def render(result: dict) -> str:
     from .metrics import format_table, human_bytes
 
     inp, b = result["input"], result["bytes_per_rank"]
-    rows = [[kind, human_bytes(b[kind]), f"{b[kind] / GB:.3f}"] for kind in ("params", "grads", "optimizer",
-                                                                           "gathered", "activations", "total")]
+    kinds = ("params", "grads", "optimizer", "gathered", "activations", "reduce_copy", "update", "total")
+    rows = [[kind, human_bytes(b[kind]), f"{b[kind] / GB:.3f}"] for kind in kinds]
     memory = human_bytes(result["device_memory_bytes"])
     lines = [f"Plan: {result['world_size']} rank(s) = dp {inp['dp']} x tp {inp['tp']} x pp {inp['pp']}, ZeRO-{inp['zero']}, "
              f"{inp['precision']}, micro-batch {inp['micro_batch']}, activation checkpointing "

@@ -174,7 +174,9 @@ class TrainingRun:
                 "resumed_from": None if self.start_path is None else str(self.start_path),
                 "checkpoints": self.saved, "metrics": str(self.out / "metrics.jsonl"),
                 "params": t.strategy.flat.numel, "world_size": self.topo.world_size,
-                "skipped_steps": t.skipped_steps, "rollbacks": self.rollbacks, "stopped_by": self.stopped_by}
+                "skipped_steps": t.skipped_steps, "overflow_steps": t.overflow_steps,
+                "loss_scale": t.loss_scaler.scale if t.loss_scaler else None,
+                "rollbacks": self.rollbacks, "stopped_by": self.stopped_by}
 
 
 class SaveCadence:
@@ -203,9 +205,13 @@ class SaveCadence:
 
 def progress_line(r: StepRecord, total: int) -> str:
     width = len(str(total))
-    skipped = "  SKIPPED (NaN/Inf gradients, parameters unchanged)" if r.skipped else ""
+    scale = "" if r.loss_scale is None else f"  scale {r.loss_scale:g}"
+    if r.skipped and r.loss_scale is not None and r.loss_scale > 1:
+        skipped = "  SKIPPED (fp16 overflow: loss scale halved, parameters unchanged)"
+    else:
+        skipped = "  SKIPPED (NaN/Inf gradients, parameters unchanged)" if r.skipped else ""
     return (f"step {r.step:>{width}}/{total}  loss {r.loss:.4f}  grad_norm {r.grad_norm:.3f}  "
-            f"lr {r.lr:.2e}  {r.tokens_per_s:,.0f} tok/s  comm {1000 * r.comm_time_s:.1f} ms{skipped}")
+            f"lr {r.lr:.2e}  {r.tokens_per_s:,.0f} tok/s  comm {1000 * r.comm_time_s:.1f} ms{scale}{skipped}")
 
 
 # --- resuming ------------------------------------------------------------------------------
@@ -238,9 +244,11 @@ def check_resume(cfg: RunConfig) -> list[str]:
     if diff:
         raise checkpoint.CheckpointError(f"checkpoint {step_dir} has a different model: " + ", ".join(
             f"{k}={saved['model'].get(k)!r} (this run {mine['model'][k]!r})" for k in diff))
-    if saved["train"]["dtype"] != cfg.train.dtype:
-        raise checkpoint.CheckpointError(f"checkpoint {step_dir} was trained in {saved['train']['dtype']}, "
-                                         f"this run uses {cfg.train.dtype}")
+    for key in ("dtype", "precision"):
+        theirs = saved["train"].get(key, "fp32")  # checkpoints from before --precision trained in fp32
+        if theirs != mine["train"][key]:
+            raise checkpoint.CheckpointError(f"checkpoint {step_dir} was trained with --{key} {theirs}, "
+                                             f"this run uses --{key} {mine['train'][key]}")
     if manifest["step"] >= cfg.train.steps:
         raise ConfigError(f"checkpoint {step_dir} is at step {manifest['step']}; ask for more --steps to continue")
     loader = manifest["train_state"]["loader"]

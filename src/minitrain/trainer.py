@@ -29,6 +29,7 @@ from .model import MiniGPT
 from .optim import lr_at
 from .parallel import make_strategy
 from .parallel.flat import MEMORY_KINDS
+from .precision import autocast, compute_dtype, make_loss_scaler
 from .recompute import apply_activation_checkpointing
 from .resilience import SpikeGuard, StopRequest
 from .topology import Topology
@@ -68,15 +69,19 @@ class StepRecord:
     memory: dict[str, list[int]]  # bytes at rest: {"params": [rank0, rank1, ...], ...}
     memory_peak: dict[str, list[int]]  # most bytes held during the step: params, grads, optimizer, total, device
     sync: dict  # this rank's gradient sync: buckets, all-reduce calls and times, overlap (see sync_summary)
-    skipped: bool = False  # non-finite gradients: no update this step
+    skipped: bool = False  # non-finite gradients (or an fp16 overflow): no update this step
+    loss_scale: float | None = None  # fp16: the loss scale this step's backward used
 
 
 class Trainer:
     def __init__(self, cfg: RunConfig, topo: Topology):
         self.cfg, self.topo = cfg, topo
-        dtype = getattr(torch, cfg.train.dtype)
         seed_everything(cfg.train.seed, topo.rank)
-        self.model = MiniGPT(cfg.model).to(device=topo.device, dtype=dtype)
+        # Initialised in --dtype, then held in the compute dtype (16-bit in mixed precision; the
+        # strategy's optimizer keeps the master copy in --dtype).
+        self.model = MiniGPT(cfg.model).to(device=topo.device, dtype=getattr(torch, cfg.train.dtype))
+        self.model.to(dtype=compute_dtype(cfg.train))
+        self.loss_scaler = make_loss_scaler(cfg.train)
         # Before the strategy: it hooks module calls, which the recompute wrapper leaves in place.
         apply_activation_checkpointing(self.model, cfg.train.activation_checkpointing)
         self.strategy = make_strategy(self.model, topo.dp, cfg)
@@ -84,6 +89,7 @@ class Trainer:
                                     topo.rank, topo.world_size, cfg.train.seed)
         self.step = 0  # training steps completed (a skipped step counts: its data was consumed)
         self.skipped_steps = self.skipped_in_a_row = 0
+        self.overflow_steps = 0  # fp16 steps skipped because the scaled gradients overflowed
         self.tokens_seen = 0
         t = cfg.train
         self.tokens_per_step = t.batch_size * t.grad_accum * topo.world_size * cfg.model.seq_len
@@ -117,14 +123,17 @@ class Trainer:
         self.model.train()
         strategy.zero_grad()
         loss_sum = torch.zeros((), dtype=torch.float64)
+        loss_scale = self.loss_scaler.scale if self.loss_scaler else 1.0
         for micro in range(cfg.grad_accum):
             last = micro == cfg.grad_accum - 1
             with contextlib.nullcontext() if last else strategy.no_sync():  # sync once per step
                 x, y = self.loader.next_batch()
-                loss = strategy.module(x.to(self.topo.device), y.to(self.topo.device))
+                with autocast(cfg, self.topo.device):  # forward only; backward follows the forward's dtypes
+                    loss = strategy.module(x.to(self.topo.device), y.to(self.topo.device))
                 # Mean over this rank's tokens / accumulation; the strategy averages over ranks,
                 # so the gradient is the mean over the global token count.
-                (loss / cfg.grad_accum).backward()
+                scaled = loss / cfg.grad_accum
+                (scaled if loss_scale == 1.0 else scaled * loss_scale).backward()
             loss_sum += loss.detach().double().cpu()
         bracketed = {}
         if measure_sync:
@@ -136,7 +145,7 @@ class Trainer:
             # after this rank's backward returned, i.e. communication not hidden behind compute.
             bracketed = {"compute_and_sync_s": done - start, "sync_exposed_s": done - backward_end}
         lr = lr_at(self.step, cfg) * self.faults.lr_factor(self.step + 1)
-        grad_norm = strategy.step(lr)
+        grad_norm = strategy.step(lr, loss_scale)
         skipped = not math.isfinite(grad_norm)
         self._check_skips(skipped)
         self.step += 1
@@ -173,6 +182,7 @@ class Trainer:
             memory_peak={k: peaks[:, i].tolist() for i, k in enumerate(PEAK_KINDS)},
             sync={**strategy.last_sync, **bracketed},
             skipped=skipped,
+            loss_scale=loss_scale if self.loss_scaler else None,
         )
 
     def _boundary_flags(self) -> list[float]:
@@ -182,7 +192,15 @@ class Trainer:
         return [float(signum), float(written)]
 
     def _check_skips(self, skipped: bool) -> None:
-        """Count non-finite steps; every rank decides alike (the norm is global), so all abort together."""
+        """Count non-finite steps; every rank decides alike (the norm is global), so all abort together.
+        In fp16 an overflow at a loss scale above 1 is the scaler's to handle (halve, retry), not the guard's."""
+        scaler = self.loss_scaler
+        if scaler is not None:
+            overflow = skipped and scaler.overflow_is_scalers()
+            scaler.update(overflowed=skipped)
+            if overflow:
+                self.overflow_steps += 1
+                return
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
         self.skipped_steps += skipped
         if self.skipped_in_a_row > self.cfg.train.max_skipped_steps:
@@ -193,7 +211,8 @@ class Trainer:
     def train_state(self) -> dict:
         return {"step": self.step, "optimizer_steps": self.strategy.optimizer.steps_taken,
                 "tokens_seen": self.tokens_seen, "loader": self.loader.state_dict(),
-                "recent_losses": self.spikes.state()}
+                "recent_losses": self.spikes.state(),
+                "loss_scaler": self.loss_scaler.state() if self.loss_scaler else None}
 
     def save_checkpoint(self, root: str | Path) -> Path:
         """Collective: save now, return the step directory once it is complete."""
@@ -211,4 +230,6 @@ class Trainer:
         self.loader.load_state_dict(state["loader"])
         t = self.cfg.train
         self.spikes = SpikeGuard(t.spike_factor, t.spike_window, state.get("recent_losses"))
+        if self.loss_scaler and state.get("loss_scaler"):
+            self.loss_scaler.load_state(state["loss_scaler"])
         self.faults.armed = False  # deliberate faults never fire in a run that loaded a checkpoint

@@ -38,15 +38,31 @@ from .flat import FlatStrategy, Segment, sync_summary
 
 
 class ReplicatedStrategy(FlatStrategy):
-    """Full optimizer state on every rank. Subclasses implement `_sync()`, which must
-    leave the rank-averaged gradient in flat.grad."""
+    """Full optimizer state on every rank. Subclasses implement `_sync()`, which must leave the
+    rank-averaged gradient in `_reduced()`: flat.grad itself, or its copy in a wider reduce
+    dtype (mixed precision with --reduce-dtype fp32)."""
 
     def __init__(self, model: nn.Module, comm: Comm, cfg: TrainConfig):
         super().__init__(model, comm, cfg)
         self._synced = False
+        self._wide: torch.Tensor | None = None  # this step's gradient in the reduce dtype, when that differs
 
     def _sync(self) -> None:
         raise NotImplementedError
+
+    def _to_reduce(self, start: int, stop: int) -> torch.Tensor:
+        """The gradient range [start, stop) to sum across ranks: a view of flat.grad, or its copy
+        into a zeroed reduce-dtype buffer the size of the model, held until the update."""
+        grad = self.flat.grad
+        if self.reduce_dtype == grad.dtype:
+            return grad[start:stop]
+        if self._wide is None:
+            self._wide = torch.zeros(grad.numel(), dtype=self.reduce_dtype, device=grad.device)
+            self.ledger.hold("grads", self._wide)
+        return self._wide[start:stop].copy_(grad[start:stop])
+
+    def _reduced(self) -> torch.Tensor:
+        return self.flat.grad if self._wide is None else self._wide
 
     def finish_grad_sync(self) -> None:
         if not self._synced:
@@ -54,16 +70,19 @@ class ReplicatedStrategy(FlatStrategy):
             self._synced = True
 
     @torch.no_grad()
-    def step(self, lr: float) -> float:
+    def step(self, lr: float, loss_scale: float = 1.0) -> float:
         self.flat.check_grads_in_place()
         self.finish_grad_sync()
         self._synced = False
-        grad = self.flat.grad
-        norm, scale = self._clip_scale(sum_of_squares(grad))
-        if not math.isfinite(norm):  # the averaged gradient is identical on every rank, so is this
-            return norm  # skip: parameters and optimizer state unchanged
-        self.optimizer.step(grad, lr, scale)
-        self.flat.data.copy_(self.optimizer.master)
+        grad = self._reduced()
+        norm, scale = self._clip_scale(sum_of_squares(grad), loss_scale)
+        if math.isfinite(norm):  # the averaged gradient is identical on every rank, so is this
+            self.optimizer.step(grad, lr, scale)
+            self.flat.data.copy_(self.optimizer.master)  # rounds to the parameters' dtype in mixed precision
+        # else skip: parameters and optimizer state unchanged
+        if self._wide is not None:
+            self.ledger.drop("grads", self._wide)
+            self._wide = None
         return norm
 
 
@@ -73,10 +92,9 @@ class NaiveDataParallel(ReplicatedStrategy):
     @torch.no_grad()
     def _sync(self) -> None:
         backward_end = time.perf_counter()
-        grad = self.flat.grad
-        intervals = [self.comm.all_reduce_sum_async(grad[s.offset:s.offset + s.numel]).wait()
+        intervals = [self.comm.all_reduce_sum_async(self._to_reduce(s.offset, s.offset + s.numel)).wait()
                      for s in self.flat.segments]
-        grad.div_(self.comm.world_size)
+        self._reduced().div_(self.comm.world_size)
         self.last_sync = {"buckets": len(self.flat.segments), **sync_summary(intervals, backward_end)}
 
 
@@ -131,7 +149,7 @@ class BucketedDataParallel(ReplicatedStrategy):
         while len(self._pending) < len(self.buckets) and \
                 len(self._arrived[len(self._pending)]) == len(self.buckets[len(self._pending)].names):
             b = self.buckets[len(self._pending)]
-            self._pending.append(self.comm.all_reduce_sum_async(self.flat.grad[b.start:b.stop]))
+            self._pending.append(self.comm.all_reduce_sum_async(self._to_reduce(b.start, b.stop)))
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -155,7 +173,7 @@ class BucketedDataParallel(ReplicatedStrategy):
                                "parameter to take part in the loss (remove unused ones from the model)")
         intervals = [pending.wait() for pending in self._pending]
         self._reset()
-        self.flat.grad.div_(self.comm.world_size)
+        self._reduced().div_(self.comm.world_size)
         self.last_sync = {"buckets": len(self.buckets), **sync_summary(intervals, backward_end)}
 
 
@@ -180,9 +198,11 @@ class TorchDataParallel(ReplicatedStrategy):
     # No return annotation: DDP checks it by identity, and this module's annotations are strings.
     def _all_reduce_mean(self, _state, bucket):
         buffer = bucket.buffer()
-        pending = self.comm.all_reduce_sum_async(buffer)
+        # DDP's buckets hold the parameters' dtype; a wider reduce dtype sums a copy and rounds back.
+        wide = buffer if self.reduce_dtype == buffer.dtype else buffer.to(self.reduce_dtype)
+        pending = self.comm.all_reduce_sum_async(wide)
         self._launched.append(pending)
-        return pending.then(lambda: buffer.div_(self.comm.world_size))
+        return pending.then(lambda: buffer.copy_(wide.div_(self.comm.world_size)))
 
     def no_sync(self):
         return self.module.no_sync()

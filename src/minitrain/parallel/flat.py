@@ -30,6 +30,7 @@ import torch.nn as nn
 from ..comm import Comm
 from ..config import TrainConfig
 from ..optim import FlatAdamW, clip_coefficient, sum_of_squares
+from ..precision import master_dtype, reduce_dtype
 
 
 @dataclass(frozen=True)
@@ -257,7 +258,7 @@ class FlatStrategy:
 
     name = "flat"
     stage = 0
-    master_is_params = False  # the optimizer's master vector is the parameters this rank holds (ZeRO-3)
+    master_is_params = False  # the optimizer's master vector is the parameters this rank holds (ZeRO-3, full precision)
 
     def __init__(self, model: nn.Module, comm: Comm, cfg: TrainConfig,
                  units: list[tuple[str, list[str]]] | None = None, keep_grad: bool = True):
@@ -270,7 +271,10 @@ class FlatStrategy:
         comm.broadcast(self.flat.data, src=0)
         self.shard_ranges = self.ranges_of(comm.rank)
         decay = self.flat.local_ranges(self.flat.decay_ranges(), self.shard_ranges)
-        self.optimizer = FlatAdamW(take(self.flat.data, self.shard_ranges), decay, cfg)
+        # The master is in --dtype even when the parameters are 16-bit (mixed precision: precision.py).
+        master = take(self.flat.data, self.shard_ranges).to(master_dtype(cfg))
+        self.optimizer = FlatAdamW(master, decay, cfg)
+        self.reduce_dtype = reduce_dtype(cfg)  # gradients are summed across ranks in this dtype
 
     def ranges_of(self, rank: int) -> Ranges:
         """Physical ranges whose optimizer state `rank` holds: everything, or its chunk of each unit."""
@@ -289,14 +293,18 @@ class FlatStrategy:
     def finish_grad_sync(self) -> None:
         """Complete this step's gradient sync (the trainer may call it early, to time it)."""
 
-    def step(self, lr: float) -> float:
+    def step(self, lr: float, loss_scale: float = 1.0) -> float:
         """Sync gradients, clip, update parameters on every rank; return the global grad norm.
-        A non-finite norm (NaN/Inf in any rank's gradients) skips the update on every rank."""
+        The gradients are of loss * loss_scale (fp16 loss scaling); the norm returned and the
+        update are of the unscaled loss. A non-finite norm (NaN/Inf in any rank's gradients, or an
+        fp16 overflow) skips the update on every rank."""
         raise NotImplementedError
 
-    def _clip_scale(self, sum_sq: torch.Tensor) -> tuple[float, float]:
-        norm = float(sum_sq.sqrt())
-        return norm, clip_coefficient(norm, self.cfg.grad_clip)
+    def _clip_scale(self, sum_sq: torch.Tensor, loss_scale: float) -> tuple[float, float]:
+        """(global norm of the unscaled gradient, the factor the optimizer multiplies the scaled
+        gradient by: clipping and unscaling in one)."""
+        norm = float(sum_sq.sqrt()) / loss_scale
+        return norm, clip_coefficient(norm, self.cfg.grad_clip) / loss_scale
 
     # --- what this rank holds --------------------------------------------------------
     def held_params(self) -> torch.Tensor:
@@ -334,15 +342,25 @@ class FlatStrategy:
     def _memory_terms(self) -> dict[str, tuple[int, bool]]:
         return memory_terms(self.stage, self.master_is_params)
 
+    def element_sizes(self) -> dict[str, int]:
+        """Bytes per element of each kind: the parameters' dtype, the gradient tensor kept between
+        steps (the reduce dtype at ZeRO-2/3), the optimizer's master dtype."""
+        grads = self.held_grads()
+        return {"params": self.flat.element_size,
+                "grads": self.flat.element_size if grads is None else grads.element_size(),
+                "optimizer": self.optimizer.master.element_size()}
+
     def expected_memory_bytes(self) -> dict[str, int]:
         """Bytes at rest by the memory math: P = padded params, N = ranks, E = bytes per element."""
-        elem, P, N = self.flat.element_size, self.flat.padded_numel, self.comm.world_size
-        return {kind: count * elem * (P // N if sharded else P)
+        elem, P, N = self.element_sizes(), self.flat.padded_numel, self.comm.world_size
+        return {kind: count * elem[kind] * (P // N if sharded else P)
                 for kind, (count, sharded) in self._memory_terms().items()}
 
     def memory_formula(self) -> dict[str, str]:
-        """expected_memory_bytes() as text, e.g. {"optimizer": "3*E*P/N", ...}."""
-        return {kind: ("" if count == 1 else f"{count}*") + "E*P" + ("/N" if sharded else "")
+        """expected_memory_bytes() as text in bytes per parameter, e.g. {"optimizer": "12*P/N", ...}
+        (float32: 3 tensors of 4 bytes)."""
+        elem = self.element_sizes()
+        return {kind: f"{count * elem[kind]}*P" + ("/N" if sharded else "")
                 for kind, (count, sharded) in self._memory_terms().items()}
 
     def state_snapshot(self) -> dict[str, torch.Tensor]:

@@ -9,6 +9,12 @@
 - "fsdp2": torch.distributed.fsdp.fully_shard on every block and then the root
   (parameters, gradients and optimizer state sharded: ZeRO-3), as torchtitan applies it.
 
+In bf16/fp16 only the FSDP2 peers run (DDP keeps parameters in one dtype): their
+MixedPrecisionPolicy casts the float32 parameters to the compute dtype when it gathers them
+and reduces gradients in the reduce dtype, with forward under the same autocast as ours. So
+the recipe matches ZeRO-3's float32 master rounded into a 16-bit shard. (No fp16 loss scaling
+on the peer side: compare fp16 only where nothing overflows.)
+
 Both use torch.optim.AdamW with the same decay / no-decay split, the same LR
 schedule, global-norm clipping (clip_grad_norm_) and the same ShardedLoader,
 so on identical initial weights the loss curves must agree with ours to
@@ -24,6 +30,7 @@ from ..config import RunConfig
 from ..data import ShardedLoader, load_corpus
 from ..model import MiniGPT
 from ..optim import lr_at
+from ..precision import autocast, compute_dtype, reduce_dtype
 from ..topology import Topology
 
 PEERS = ("ddp", "zero-redundancy", "fsdp2-zero2", "fsdp2")
@@ -45,6 +52,9 @@ class PeerTrainer:
             raise RuntimeError("the PyTorch peers need a process group: launch ranks (even one) with the launcher")
         self.cfg, self.topo, self.peer = cfg, topo, peer
         t = cfg.train
+        if t.precision != "fp32" and not peer.startswith("fsdp2"):
+            raise ValueError(f"peer {peer!r} trains in one dtype; with --precision {t.precision} use fsdp2 or "
+                             "fsdp2-zero2")
         torch.manual_seed(t.seed)  # every rank builds the same initial weights, as our Trainer does
         self.model = MiniGPT(cfg.model).to(device=topo.device, dtype=getattr(torch, t.dtype))
         adam = {"lr": t.lr, "betas": (t.beta1, t.beta2), "eps": t.eps}
@@ -64,13 +74,15 @@ class PeerTrainer:
                 self.optimizer.add_param_group(groups[1])
         else:
             from torch.distributed.device_mesh import DeviceMesh
-            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
             mesh = DeviceMesh.from_group(topo.dp.group, topo.device.type)
-            reshard = peer == "fsdp2"
+            shard = {"mesh": mesh, "reshard_after_forward": peer == "fsdp2"}
+            if t.precision != "fp32":
+                shard["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype(t), reduce_dtype=reduce_dtype(t))
             for block in self.model.blocks.values():
-                fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
-            self.module = fully_shard(self.model, mesh=mesh, reshard_after_forward=reshard)
+                fully_shard(block, **shard)
+            self.module = fully_shard(self.model, **shard)
             # After fully_shard: it replaces every parameter with a sharded DTensor parameter.
             self.optimizer = torch.optim.AdamW(_param_groups(self.model, t.weight_decay), **adam)
         self.loader = ShardedLoader(load_corpus(cfg), cfg.model.seq_len, t.batch_size, topo.rank, topo.world_size,
@@ -84,7 +96,8 @@ class PeerTrainer:
         loss_sum = torch.zeros((), dtype=torch.float64)
         for micro in range(t.grad_accum):
             x, y = self.loader.next_batch()
-            loss = self.module(x.to(device), y.to(device))
+            with autocast(t, device):
+                loss = self.module(x.to(device), y.to(device))
             (loss / t.grad_accum).backward()
             loss_sum += loss.detach().double().cpu()
         if t.grad_clip > 0:

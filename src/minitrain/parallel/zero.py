@@ -47,20 +47,27 @@ class ShardedStrategy(FlatStrategy):
         raise NotImplementedError
 
     def _publish(self) -> None:
-        """Make the updated master shard the parameters every rank computes with."""
-        views = local_views(self.optimizer.master, self.shard_ranges)
+        """Make the updated master shard the parameters every rank computes with (in mixed
+        precision, gathering the master rounded to the parameters' dtype: half the bytes)."""
+        master = self.optimizer.master
+        source = master if master.dtype == self.flat.dtype else master.to(self.flat.dtype)
+        if source is not master:
+            self.ledger.hold("params", source)
+        views = local_views(source, self.shard_ranges)
         pending = [self.comm.all_gather_async(self.flat.data[u.start:u.stop], view)
                    for u, view in zip(self.flat.units, views)]
         for p in pending:
             p.wait()
+        if source is not master:
+            self.ledger.drop("params", source)
 
     @torch.no_grad()
-    def step(self, lr: float) -> float:
+    def step(self, lr: float, loss_scale: float = 1.0) -> float:
         self.finish_grad_sync()
         grad = self._gradient_shard().div_(self.comm.world_size)
         sum_sq = sum_of_squares(grad).reshape(1)
         self.comm.all_reduce_sum(sum_sq)
-        norm, scale = self._clip_scale(sum_sq)
+        norm, scale = self._clip_scale(sum_sq, loss_scale)
         if not math.isfinite(norm):  # NaN/Inf on some rank: every rank sees it in the all-reduced norm
             return norm  # skip: parameters and optimizer state unchanged
         self.optimizer.step(grad, lr, scale)
@@ -81,10 +88,17 @@ class Zero1(ShardedStrategy):
         if self._grad_shard is None:
             self.flat.check_grads_in_place()
             # Transient: released by step(), so not part of at-rest memory.
-            shard = torch.empty_like(self.optimizer.master)
+            shard = self.optimizer.master.new_empty(self.optimizer.master.numel(), dtype=self.reduce_dtype)
             self.ledger.hold("grads", shard)
             for u, view in zip(self.flat.units, local_views(shard, self.shard_ranges)):
-                self.comm.reduce_scatter_sum(view, self.flat.grad[u.start:u.stop])
+                full = self.flat.grad[u.start:u.stop]
+                if full.dtype == self.reduce_dtype:
+                    self.comm.reduce_scatter_sum(view, full)
+                    continue
+                wide = full.to(self.reduce_dtype)  # mixed precision, reducing in float32
+                self.ledger.hold("grads", wide)
+                self.comm.reduce_scatter_sum(view, wide)
+                self.ledger.drop("grads", wide)
             self._grad_shard = shard
 
     def _gradient_shard(self) -> torch.Tensor:
@@ -101,7 +115,7 @@ class Zero2(ShardedStrategy):
         plans = module_units(model)
         super().__init__(model, comm, cfg, units=unit_layout(plans), keep_grad=False)
         self.plans = plans
-        self.grad_shard = torch.zeros_like(self.optimizer.master)
+        self.grad_shard = self.optimizer.master.new_zeros(self.optimizer.master.numel(), dtype=self.reduce_dtype)
         self._shard_views = local_views(self.grad_shard, self.shard_ranges)  # one per unit
         for i, unit in enumerate(self.flat.units):
             for seg in unit.segments:
@@ -135,7 +149,8 @@ class Zero2(ShardedStrategy):
             self._retire_oldest()
         buffer = self._buffers.get(i)
         if buffer is None:
-            buffer = self._buffers[i] = torch.zeros(unit.stop - unit.start, dtype=p.dtype, device=p.device)
+            # In the reduce dtype: copying the gradient in below widens it if mixed precision reduces in float32.
+            buffer = self._buffers[i] = torch.zeros(unit.stop - unit.start, dtype=self.reduce_dtype, device=p.device)
             self.ledger.hold("grads", buffer)
         self.ledger.hold("grads", p.grad)  # autograd's tensor and its copy coexist for a moment
         buffer[seg.offset - unit.start:seg.offset - unit.start + seg.numel].copy_(p.grad.reshape(-1))

@@ -22,8 +22,8 @@ backward. Freeing the storage releases it; re-gathering into the same storage
 before the unit's backward gives the saved views their values back. Writes go
 through the buffer tensor, whose version counter is not the parameters', so
 autograd does not mistake the re-gather for an in-place change. The optimizer
-updates the parameter shard in place (it is the master); nothing is gathered
-until the next forward.
+updates the parameter shard in place (it is the master; in mixed precision the
+16-bit shard is a rounded copy of it); nothing is gathered until the next forward.
 """
 from __future__ import annotations
 
@@ -40,15 +40,15 @@ from .zero import Zero2
 class Zero3(Zero2):
     name = "zero3"
     stage = 3
-    master_is_params = True
 
     def __init__(self, model: nn.Module, comm: Comm, cfg: TrainConfig, prefetch: bool = True):
         super().__init__(model, comm, cfg)
         self.prefetch = prefetch
-        # The parameter shard *is* the optimizer's master: both would hold the same full-precision
-        # numbers, and nothing else needs them between steps (FSDP keeps one copy too). A parameter
-        # copy in lower precision would have to be separate.
-        self.param_shard = self.optimizer.master
+        # In full precision the parameter shard *is* the optimizer's master: both would hold the
+        # same numbers, and nothing else needs them between steps (FSDP keeps one copy too). In
+        # mixed precision the shard is 16-bit, a rounded copy of the float32 master.
+        self.master_is_params = self.optimizer.master.dtype == self.flat.dtype
+        self.param_shard = self.optimizer.master if self.master_is_params else take(self.flat.data, self.shard_ranges)
         self._param_views = local_views(self.param_shard, self.shard_ranges)
         self._buffers_whole = [self.param_shard.new_empty(u.stop - u.start) for u in self.flat.units]
         self._gathered: set[int] = set()
@@ -168,4 +168,7 @@ class Zero3(Zero2):
         self.param_shard.copy_(take(physical, self.shard_ranges))
 
     def _publish(self) -> None:
-        """Nothing to do: the optimizer updated the parameter shard in place."""
+        """Full precision: nothing to do, the optimizer updated the parameter shard in place.
+        Mixed: round the master into the 16-bit shard (gathered unit by unit at the next forward)."""
+        if not self.master_is_params:
+            self.param_shard.copy_(self.optimizer.master)

@@ -46,23 +46,25 @@ def saved_activation_bytes(model: nn.Module) -> Iterator[dict[str, int]]:
         yield counter
 
 
-def tensor_peak_bytes(fn) -> int:
-    """Run fn() and return the most bytes of tensors alive at once on the CPU meanwhile, counting
-    those that existed before (parameters, optimizer state), as PyTorch's memory profiler tracks
-    them. It is the CPU's counterpart of cuda max_memory_allocated (without allocator slack);
-    the profiler's memory timeline is deprecated for CUDA, where max_memory_allocated serves."""
-    import tempfile
-    import warnings
-
+def allocated_peak_bytes(fn) -> int:
+    """Run fn() and return the most bytes it had allocated on the CPU at any moment, net of what
+    it freed: PyTorch's profiler records every allocation and free of the CPU allocator with its
+    size, and the running sum of those records is the bytes allocated since fn started. Add the
+    bytes alive before (e.g. the model state at rest) for the peak of live tensor bytes: the
+    CPU's counterpart of cuda max_memory_allocated, without allocator slack. (The raw records,
+    not the profiler's memory timeline: that analysis is deprecated and intermittently fails an
+    internal assertion in multi-rank processes.)"""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        prof.export_memory_timeline(f"{tmp}/timeline.json", device="cpu")
-        _times, sizes = json.loads(Path(f"{tmp}/timeline.json").read_text())
-    return max(sum(row) for row in sizes)
+    records = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                     key=lambda e: e.start_ns())
+    held = peak = 0
+    for record in records:
+        held += record.nbytes()  # negative for a free
+        peak = max(peak, held)
+    return peak
 
 
 def device_peak_source(device: torch.device) -> str:

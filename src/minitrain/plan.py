@@ -12,7 +12,8 @@ Memory per rank, by kind:
 - activations: what autograd keeps for backward, per micro-batch and layer, counted from
   MiniGPT's operations (b micro-batch, s sequence, h width, a heads, f MLP width, E bytes):
   E(8bsh + 2bsf + a b s^2 + 4bs) + s^2 (the causal mask); plus, outside the blocks,
-  E(2bsh + 2bs + bsV) and the token ids. Selective recomputation drops the a b s^2 term and the
+  E(2bsh + 2bs) + E'bsV (E' = 4 in mixed precision: the loss's log-probabilities are float32
+  under autocast) and the token ids. Selective recomputation drops the a b s^2 term and the
   mask; block recomputation keeps one bsh input per layer plus one layer's full set (replayed in
   backward). A pipeline stage keeps its layers' activations for every micro-batch in flight:
   min(pp, micro-batches) under 1F1B, all of them under GPipe.
@@ -235,7 +236,9 @@ def activation_bytes(inp: PlanInput) -> int:
     layers = math.ceil(cfg.n_layer / inp.pp)
     in_flight = min(inp.pp, inp.microbatches) if inp.schedule == "1f1b" else inp.microbatches
     per_microbatch = layers * layer_activation_bytes(cfg, b, elem, inp.activation_checkpointing) // inp.tp
-    ends = elem * (2 * b * s * h + 2 * b * s + b * s * V // inp.tp) + 8 * b * (s + 1) + 8 * s
+    # The loss keeps its log-probabilities (b s V) in float32 under autocast, in the compute dtype otherwise.
+    logprobs = (4 if inp.precision != "fp32" else elem) * b * s * V // inp.tp
+    ends = elem * (2 * b * s * h + 2 * b * s) + logprobs + 8 * b * (s + 1) + 8 * s
     replay = layer_activation_bytes(cfg, b, elem, "none") // inp.tp if inp.activation_checkpointing == "block" else 0
     return in_flight * per_microbatch + ends + replay
 

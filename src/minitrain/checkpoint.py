@@ -281,7 +281,7 @@ def _manifest(step, topo, strategy, train_state, run_config, keys, rows) -> dict
         "format": FORMAT,
         "step": step,
         "world_size": topo.world_size,
-        "layout": {"dp": topo.world_size, "tp": 1, "pp": 1},
+        "layout": {"dp": topo.dp.world_size, "tp": topo.tp.world_size, "pp": topo.pp.world_size},
         "strategy": strategy.name,
         "zero": run_config["train"]["zero"],
         "model": run_config["model"],

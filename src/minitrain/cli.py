@@ -29,7 +29,7 @@ ALIASES = {
     "train.prefetch": "--prefetch", "train.memory_profile": "--memory-profile",
     "ckpt.async_save": "--async-save", "train.spike_factor": "--spike-factor",
     "train.activation_checkpointing": "--activation-checkpointing",
-    "train.precision": "--precision", "train.reduce_dtype": "--reduce-dtype",
+    "train.precision": "--precision", "train.reduce_dtype": "--reduce-dtype", "dist.tp": "--tp", "dist.pp": "--pp",
 }
 
 TRAIN_EPILOG = """\

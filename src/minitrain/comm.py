@@ -111,12 +111,19 @@ class Comm:
     # --- collectives -----------------------------------------------------------------
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         if self.world_size > 1:
-            self._run("broadcast", _nbytes(tensor), lambda: dist.broadcast(tensor, src, group=self.group))
+            # group_src: `src` is a rank of this group, which is not the global rank in a sub-group.
+            self._run("broadcast", _nbytes(tensor), lambda: dist.broadcast(tensor, group=self.group, group_src=src))
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         """In place: tensor <- sum over ranks."""
         if self.world_size > 1:
             self._run("all_reduce", _nbytes(tensor), lambda: dist.all_reduce(tensor, group=self.group))
+
+    def all_reduce_max(self, tensor: torch.Tensor) -> None:
+        """In place: tensor <- elementwise max over ranks."""
+        if self.world_size > 1:
+            self._run("all_reduce", _nbytes(tensor),
+                      lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group))
 
     def _launch(self, op: str, nbytes: int, start) -> PendingCollective:
         """Start an async collective (start() returns its Work); returns at once."""
@@ -182,10 +189,10 @@ class Comm:
         return out.view(self.world_size, -1).cpu()
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
-        self._run("send", _nbytes(tensor), lambda: dist.send(tensor, dst, group=self.group))
+        self._run("send", _nbytes(tensor), lambda: dist.send(tensor, group=self.group, group_dst=dst))
 
     def recv(self, tensor: torch.Tensor, src: int) -> None:
-        self._run("recv", _nbytes(tensor), lambda: dist.recv(tensor, src, group=self.group))
+        self._run("recv", _nbytes(tensor), lambda: dist.recv(tensor, group=self.group, group_src=src))
 
     def barrier(self) -> None:
         if self.world_size > 1:

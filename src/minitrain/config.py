@@ -119,6 +119,9 @@ class DistConfig:
     backend: str = opt("auto", "auto | gloo | nccl; auto picks nccl when CUDA is available, else gloo")
     timeout_s: float = opt(300.0, "process-group timeout: a collective stuck this long fails instead of hanging")
     threads_per_rank: int = opt(1, "torch CPU threads per rank (1 avoids oversubscribing cores)")
+    tp: int = opt(1, "tensor-parallel degree: each layer split across this many adjacent ranks (Megatron-style); "
+                  "must divide the heads, the MLP width and the vocabulary; data parallel = world / (tp x pp)")
+    pp: int = opt(1, "pipeline-parallel degree (not implemented yet: only 1 is accepted)")
 
 
 @dataclass
@@ -201,6 +204,7 @@ class RunConfig:
         if not d.timeout_s > 0:
             raise ConfigError(f"dist.timeout_s must be > 0, got {d.timeout_s}")
         _require_positive("dist.threads_per_rank", d.threads_per_rank)
+        _check_layout(self)
         for name in ("every_steps", "every_minutes", "keep_last"):
             if getattr(self.ckpt, name) < 0:
                 raise ConfigError(f"ckpt.{name} must be >= 0, got {getattr(self.ckpt, name)}")
@@ -228,6 +232,30 @@ def _check_gpus(d: DistConfig) -> None:
     if gpus < local_ranks:
         raise ConfigError(f"--backend nccl needs a CUDA device per rank: {local_ranks} local ranks, "
                           f"{gpus} GPU(s) visible; use --backend gloo or fewer ranks")
+
+
+def _check_layout(cfg: RunConfig) -> None:
+    """Every degree of the dp x tp x pp layout, with a message naming the ones that clash."""
+    d, m = cfg.dist, cfg.model
+    _require_positive("dist.tp", d.tp)
+    _require_positive("dist.pp", d.pp)
+    if d.nproc % (d.tp * d.pp):
+        raise ConfigError(f"world size {d.nproc} is not divisible by --tp {d.tp} x --pp {d.pp}; the data-parallel "
+                          "degree is world / (tp x pp), so pick degrees whose product divides the number of ranks")
+    if d.tp > 1:
+        for name, value in (("model.n_head", m.n_head), ("the MLP width (model.d_ff, 0 = 4 x d_model)", m.ffn_dim),
+                            ("model.vocab_size", m.vocab_size)):
+            if value % d.tp:
+                raise ConfigError(f"--tp {d.tp} does not divide {name} = {value}; tensor parallelism splits it "
+                                  "evenly across ranks")
+        ckpt = cfg.ckpt
+        if ckpt.every_steps or ckpt.every_minutes or ckpt.resume:
+            raise ConfigError("checkpoints are not supported with --tp > 1 yet (their manifest has no tensor-parallel "
+                              "layout); drop --ckpt-every-steps / --ckpt-every-minutes / --resume, or use --tp 1")
+    if d.pp > 1:
+        if m.n_layer < d.pp:
+            raise ConfigError(f"--pp {d.pp} needs at least one block per stage; the model has {m.n_layer}")
+        raise ConfigError(f"--pp {d.pp}: pipeline parallelism is not implemented yet; use --pp 1")
 
 
 def _check_fault(f: FaultConfig, nproc: int) -> None:

@@ -96,7 +96,7 @@ def device_peak_bytes(device: torch.device) -> int:
 
 def profile(strategy: FlatStrategy, records: list, device: torch.device) -> dict:
     """The memory report of a run from its step records (per-rank lists gathered every step)."""
-    n = strategy.comm.world_size
+    n = len(records[-1].memory["params"])  # every rank (data-parallel replicas x tensor-parallel slices)
     expected = strategy.expected_memory_bytes()
     ranks = []
     for r in range(n):
@@ -107,7 +107,7 @@ def profile(strategy: FlatStrategy, records: list, device: torch.device) -> dict
                       "device_peak_bytes": max(rec.memory_peak["device"][r] for rec in records)})
     flat = strategy.flat
     return {
-        "stage": strategy.stage, "strategy": strategy.name, "world_size": n,
+        "stage": strategy.stage, "strategy": strategy.name, "world_size": n, "dp": strategy.comm.world_size,
         "dtype": str(flat.dtype).removeprefix("torch."), "element_sizes": strategy.element_sizes(),
         "master_dtype": str(strategy.optimizer.master.dtype).removeprefix("torch."),
         "master_is_params": strategy.master_is_params,
@@ -119,7 +119,7 @@ def profile(strategy: FlatStrategy, records: list, device: torch.device) -> dict
 
 
 def render(report: dict) -> str:
-    n, P = report["world_size"], report["padded_params"]
+    P = report["padded_params"]
     rows = []
     for rank in report["ranks"]:
         for k in MEMORY_KINDS:
@@ -129,7 +129,7 @@ def render(report: dict) -> str:
         rows.append([rank["rank"], "total", sum(rank["at_rest"].values()), "", "",
                      f"{rank['peak_in_step']['total']}  (device {human_bytes(rank['device_peak_bytes'])})"])
     E = report["element_sizes"]
-    head = (f"Memory per rank, bytes: ZeRO-{report['stage']}, N = {n}, P = {P} padded params ({report['params']} + "
+    head = (f"Memory per rank, bytes: ZeRO-{report['stage']}, N = {report['dp']} data-parallel ranks, P = {P} padded params ({report['params']} + "
             f"{report['padding']} padding over {len(report['units'])} units); bytes per element: params "
             f"{E['params']} ({report['dtype']}), grads {E['grads']}, optimizer {E['optimizer']} "
             f"({report['master_dtype']})")

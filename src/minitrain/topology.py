@@ -1,19 +1,30 @@
 """Topology: who this rank is, how many there are, and the groups it talks in.
 
-Built once per process and passed explicitly (no module globals). Today every
-rank is a data-parallel replica, so the data-parallel group is the world;
-tensor and pipeline degrees will split the world here, in one validated place.
+Built once per process and passed explicitly (no module globals). The world of
+dp x tp x pp ranks is laid out with tensor parallel innermost, then data
+parallel, then pipeline outermost:
+
+    rank = (pp_rank * dp + dp_rank) * tp + tp_rank
+
+Tensor parallelism all-reduces activations twice per layer in forward and again
+in backward, the most frequent and latency-bound traffic, so its ranks are
+adjacent (the GPUs of one node, on NVLink). Data parallelism moves the gradients
+once per step and overlaps with backward, so it tolerates a slower link.
+Pipeline stages exchange only one activation per micro-batch point to point, the
+least traffic, so they span the farthest ranks (across nodes). Megatron-LM and
+torchtitan order their meshes the same way.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from .comm import Comm
+from .config import ConfigError
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -45,6 +56,21 @@ def _rendezvous_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
     return dist.PrefixStore(f"minitrain/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
+def layout_groups(world: int, tp: int, pp: int) -> dict[str, list[list[int]]]:
+    """The global ranks of every tensor-, data- and pipeline-parallel group (see the module docstring)."""
+    if tp < 1 or pp < 1 or world % (tp * pp):
+        raise ConfigError(f"world size {world} is not divisible by tp {tp} x pp {pp}; pick degrees whose product "
+                          "divides the number of ranks")
+    dp = world // (tp * pp)
+
+    def rank(p: int, d: int, t: int) -> int:
+        return (p * dp + d) * tp + t
+
+    return {"tp": [[rank(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dp)],
+            "dp": [[rank(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)],
+            "pp": [[rank(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)]}
+
+
 @dataclass
 class Topology:
     rank: int
@@ -52,11 +78,35 @@ class Topology:
     local_rank: int
     backend: str
     device: torch.device
-    dp: Comm  # data-parallel group (the whole world for now)
+    dp: Comm  # data-parallel group: replicas of the same model shard, each fed its own data
+    tp: Comm = field(default_factory=Comm)  # tensor-parallel group: one layer split across ranks, same data
+    pp: Comm = field(default_factory=Comm)  # pipeline group: one rank per stage
+    world: Comm | None = None  # every rank, once the world is split (until then dp is the world)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def everyone(self) -> Comm:
+        """All ranks as one group: what the ranks must agree on together (per-step statistics,
+        stop signals) goes through it."""
+        return self.world or self.dp
+
+    def with_layout(self, tp: int, pp: int) -> "Topology":
+        """Split the world into tp x dp x pp groups (collective: every rank creates every group,
+        in the same order). With tp = pp = 1 the data-parallel group stays the world."""
+        if tp == pp == 1:
+            return self
+        groups = layout_groups(self.world_size, tp, pp)
+        comms = {}
+        for kind in ("tp", "dp", "pp"):
+            mine = next(g for g in groups[kind] if self.rank in g)
+            # A real group even of one rank: PyTorch's DDP (--dp torch) needs one to hand to.
+            group, _ = dist.new_subgroups_by_enumeration(groups[kind])
+            comms[kind] = Comm(mine.index(self.rank), len(mine), group, self.device)
+        return Topology(self.rank, self.world_size, self.local_rank, self.backend, self.device, **comms,
+                        world=self.everyone)
 
     @classmethod
     def single(cls) -> "Topology":

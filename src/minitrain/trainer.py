@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from . import checkpoint
-from .comm import CollectiveError
+from .comm import CollectiveError, OpStats
 from .config import RunConfig
 from .data import ShardedLoader, load_corpus
 from .faults import Faults
@@ -29,6 +29,7 @@ from .model import MiniGPT
 from .optim import lr_at
 from .parallel import make_strategy
 from .parallel.flat import MEMORY_KINDS
+from .parallel.tensor import apply_tensor_parallel
 from .precision import autocast, compute_dtype, make_loss_scaler
 from .recompute import apply_activation_checkpointing
 from .resilience import SpikeGuard, StopRequest
@@ -81,18 +82,21 @@ class Trainer:
         # strategy's optimizer keeps the master copy in --dtype).
         self.model = MiniGPT(cfg.model).to(device=topo.device, dtype=getattr(torch, cfg.train.dtype))
         self.model.to(dtype=compute_dtype(cfg.train))
+        # Tensor parallel first: the data-parallel strategy then flattens this rank's slices.
+        apply_tensor_parallel(self.model, topo.tp)
         self.loss_scaler = make_loss_scaler(cfg.train)
         # Before the strategy: it hooks module calls, which the recompute wrapper leaves in place.
         apply_activation_checkpointing(self.model, cfg.train.activation_checkpointing)
-        self.strategy = make_strategy(self.model, topo.dp, cfg)
+        self.strategy = make_strategy(self.model, topo.dp, cfg, topo.tp)
+        # Data is split over data-parallel replicas only: a tensor-parallel group shares its batch.
         self.loader = ShardedLoader(load_corpus(cfg), cfg.model.seq_len, cfg.train.batch_size,
-                                    topo.rank, topo.world_size, cfg.train.seed)
+                                    topo.dp.rank, topo.dp.world_size, cfg.train.seed)
         self.step = 0  # training steps completed (a skipped step counts: its data was consumed)
         self.skipped_steps = self.skipped_in_a_row = 0
         self.overflow_steps = 0  # fp16 steps skipped because the scaled gradients overflowed
         self.tokens_seen = 0
         t = cfg.train
-        self.tokens_per_step = t.batch_size * t.grad_accum * topo.world_size * cfg.model.seq_len
+        self.tokens_per_step = t.batch_size * t.grad_accum * topo.dp.world_size * cfg.model.seq_len
         self.spikes = SpikeGuard(t.spike_factor, t.spike_window)
         self.faults = Faults(cfg.fault, topo.rank, resumed=False)
         # Exchanged at every step boundary (set by the run loop; None when not in use):
@@ -114,7 +118,7 @@ class Trainer:
         cfg, comm, strategy = self.cfg.train, self.topo.dp, self.strategy
         measure_sync = self.cfg.ddp.measure_sync
         self.faults.at_step_start(self.step + 1)
-        before = comm.totals()
+        before = self._comm_totals()
         if measure_sync:
             comm.barrier()  # every rank starts the step together
         start = time.perf_counter()
@@ -156,14 +160,14 @@ class Trainer:
         row = torch.tensor([float(loss_sum) / cfg.grad_accum, strategy.param_norm()]
                            + [float(held[k]) for k in MEMORY_KINDS] + [float(peak[k]) for k in PEAK_KINDS]
                            + self._boundary_flags(), dtype=torch.float64)
-        rows = comm.gather_rows(row)  # (world, 2 + 3 + 5 + 2), identical on every rank
+        rows = self.topo.everyone.gather_rows(row)  # (world, 2 + 3 + 5 + 2), identical on every rank
         memory_cols = rows[:, 2:2 + len(MEMORY_KINDS) + len(PEAK_KINDS)].long()
         at_rest, peaks = memory_cols[:, :len(MEMORY_KINDS)], memory_cols[:, len(MEMORY_KINDS):]
         self.agreed_stop = int(rows[:, -2].max())
         self.stop_ranks = rows[:, -2].nonzero().flatten().tolist()
         self.pending_save_written = bool((rows[:, -1] == 1).all())
         elapsed = time.perf_counter() - start
-        after = comm.totals()
+        after = self._comm_totals()
         return StepRecord(
             step=self.step,
             loss=float(rows[:, 0].mean()),
@@ -184,6 +188,11 @@ class Trainer:
             skipped=skipped,
             loss_scale=loss_scale if self.loss_scaler else None,
         )
+
+    def _comm_totals(self) -> OpStats:
+        """Collectives so far in the data- and tensor-parallel groups together."""
+        dp, tp = self.topo.dp.totals(), self.topo.tp.totals()
+        return OpStats(dp.calls + tp.calls, dp.bytes + tp.bytes, dp.seconds + tp.seconds)
 
     def _boundary_flags(self) -> list[float]:
         """[signal received (its number, or 0), background save: 1 written, 0 still writing or none]."""

@@ -11,7 +11,15 @@ from .zero import Zero1, Zero2
 from .zero3 import Zero3
 
 
-def make_strategy(model: nn.Module, comm: Comm, cfg: RunConfig) -> FlatStrategy:
+def make_strategy(model: nn.Module, comm: Comm, cfg: RunConfig, tp: Comm | None = None) -> FlatStrategy:
+    """The data-parallel strategy over `comm` for `model` (which may already be split across `tp`)."""
+    strategy = _data_parallel(model, comm, cfg)
+    if tp is not None:
+        strategy.use_tensor_parallel(tp)
+    return strategy
+
+
+def _data_parallel(model: nn.Module, comm: Comm, cfg: RunConfig) -> FlatStrategy:
     stage = cfg.train.zero
     if stage == 3:
         return Zero3(model, comm, cfg.train, prefetch=cfg.train.prefetch)

@@ -33,7 +33,6 @@ import torch.nn as nn
 
 from ..comm import Comm, PendingCollective
 from ..config import TrainConfig
-from ..optim import sum_of_squares
 from .flat import FlatStrategy, Segment, sync_summary
 
 
@@ -75,7 +74,7 @@ class ReplicatedStrategy(FlatStrategy):
         self.finish_grad_sync()
         self._synced = False
         grad = self._reduced()
-        norm, scale = self._clip_scale(sum_of_squares(grad), loss_scale)
+        norm, scale = self._clip_scale(self._total_sum_sq(self._sum_sq_parts(grad, self.shard_ranges)), loss_scale)
         if math.isfinite(norm):  # the averaged gradient is identical on every rank, so is this
             self.optimizer.step(grad, lr, scale)
             self.flat.data.copy_(self.optimizer.master)  # rounds to the parameters' dtype in mixed precision

@@ -275,6 +275,37 @@ class FlatStrategy:
         master = take(self.flat.data, self.shard_ranges).to(master_dtype(cfg))
         self.optimizer = FlatAdamW(master, decay, cfg)
         self.reduce_dtype = reduce_dtype(cfg)  # gradients are summed across ranks in this dtype
+        self.tp = Comm()  # the tensor-parallel group, when the model is split (use_tensor_parallel)
+        self._tp_sharded: Ranges = []  # physical ranges of parameters split across it
+
+    def use_tensor_parallel(self, tp: Comm) -> None:
+        """The model's parameters marked `tensor_parallel` are slices split across `tp`: norms sum
+        their squares over the group and count the replicated parameters once."""
+        self.tp = tp
+        self._tp_sharded = [(s.offset, s.offset + s.numel) for s in self.flat.segments
+                            if getattr(self.flat.param(s), "tensor_parallel", False)]
+
+    def _sum_sq_parts(self, local: torch.Tensor, ranges: Ranges) -> torch.Tensor:
+        """[squares of this rank's tensor-parallel slices, squares of everything else] of a local vector
+        taken from `ranges`, in float64 (no tensor parallelism: [0, everything])."""
+        if self.tp.world_size == 1:
+            return torch.stack([torch.zeros((), dtype=torch.float64, device=local.device), sum_of_squares(local)])
+        sharded = self.flat.local_ranges(self._tp_sharded, ranges)
+        in_slices = sum((sum_of_squares(local[a:b]) for a, b in sharded),
+                        torch.zeros((), dtype=torch.float64, device=local.device))
+        rest, at = torch.zeros((), dtype=torch.float64, device=local.device), 0
+        for a, b in [*sharded, (local.numel(), local.numel())]:
+            rest = rest + sum_of_squares(local[at:a])
+            at = b
+        return torch.stack([in_slices, rest])
+
+    def _total_sum_sq(self, parts: torch.Tensor) -> torch.Tensor:
+        """The model's sum of squares from _sum_sq_parts (already summed over the data-parallel shards)."""
+        if self.tp.world_size > 1:
+            in_slices = parts[:1].clone()
+            self.tp.all_reduce_sum(in_slices)
+            return in_slices[0] + parts[1]
+        return parts[1]
 
     def ranges_of(self, rank: int) -> Ranges:
         """Physical ranges whose optimizer state `rank` holds: everything, or its chunk of each unit."""
@@ -320,7 +351,7 @@ class FlatStrategy:
         return self.flat.to_logical(self.flat.data)
 
     def param_norm(self) -> float:
-        return float(sum_of_squares(self.flat.data).sqrt())
+        return float(self._total_sum_sq(self._sum_sq_parts(self.flat.data, [(0, self.flat.padded_numel)])).sqrt())
 
     # --- memory ------------------------------------------------------------------------
     def memory_bytes(self) -> dict[str, int]:

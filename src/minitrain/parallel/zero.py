@@ -32,7 +32,6 @@ import torch.nn as nn
 
 from ..comm import Comm, PendingCollective
 from ..config import TrainConfig
-from ..optim import sum_of_squares
 from .flat import FlatStrategy, Segment, local_views, sync_summary
 from .units import module_units, unit_layout
 
@@ -65,9 +64,9 @@ class ShardedStrategy(FlatStrategy):
     def step(self, lr: float, loss_scale: float = 1.0) -> float:
         self.finish_grad_sync()
         grad = self._gradient_shard().div_(self.comm.world_size)
-        sum_sq = sum_of_squares(grad).reshape(1)
-        self.comm.all_reduce_sum(sum_sq)
-        norm, scale = self._clip_scale(sum_sq, loss_scale)
+        parts = self._sum_sq_parts(grad, self.shard_ranges)
+        self.comm.all_reduce_sum(parts)  # over the data-parallel shards
+        norm, scale = self._clip_scale(self._total_sum_sq(parts), loss_scale)
         if not math.isfinite(norm):  # NaN/Inf on some rank: every rank sees it in the all-reduced norm
             return norm  # skip: parameters and optimizer state unchanged
         self.optimizer.step(grad, lr, scale)

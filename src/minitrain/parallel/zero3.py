@@ -32,7 +32,6 @@ import torch.nn as nn
 
 from ..comm import Comm, PendingCollective
 from ..config import TrainConfig
-from ..optim import sum_of_squares
 from .flat import local_views, take
 from .zero import Zero2
 
@@ -160,9 +159,9 @@ class Zero3(Zero2):
 
     def param_norm(self) -> float:
         """Collective: the shards' sums of squares, all-reduced."""
-        sum_sq = sum_of_squares(self.param_shard).reshape(1)
-        self.comm.all_reduce_sum(sum_sq)
-        return float(sum_sq.sqrt())
+        parts = self._sum_sq_parts(self.param_shard, self.shard_ranges)
+        self.comm.all_reduce_sum(parts)
+        return float(self._total_sum_sq(parts).sqrt())
 
     def _load_params(self, physical: torch.Tensor) -> None:
         self.param_shard.copy_(take(physical, self.shard_ranges))

@@ -1,0 +1,189 @@
+"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019): every layer's matrices split across the
+tensor-parallel group, applied from outside to an unmodified MiniGPT.
+
+Two conjugate operators carry all the communication (the paper's Figure 3):
+  f  identity in forward, all-reduce in backward. Where a replicated activation enters a
+     column-parallel layer: each rank's input gradient covers only its columns' paths, so
+     the full input gradient is their sum.
+  g  all-reduce in forward, identity in backward. Where row-parallel partial outputs meet:
+     each rank has multiplied only its slice of the inner dimension.
+A block is then f -> column-parallel -> (local work) -> row-parallel -> g, twice (attention and
+MLP): two all-reduces in forward, two in backward, and nothing in between.
+
+- Attention is split by heads: qkv is column-parallel (each rank keeps the q, k and v rows of its
+  heads), the output projection row-parallel (the columns of those heads).
+- The MLP: up column-parallel, down row-parallel (GELU is elementwise, so it needs no exchange).
+- The vocabulary: the token embedding keeps rows [lo, hi) of the vocabulary on each rank (ids
+  outside give zeros, and g sums the ranks' lookups); the LM head is column-parallel over the
+  same rows, so each rank computes only its slice of the logits; the cross-entropy works on the
+  slices (a max, a sum of exponentials and the target's logit, each all-reduced): the full
+  logits never exist on one rank. Tied weights stay tied: the head uses the embedding's shard.
+- LayerNorms, the position embedding and row-parallel biases are replicated; their gradients
+  come out identical on every rank, because every path into them passes f or g.
+
+Sharded parameters are marked `tensor_parallel = True`: a global gradient norm sums their
+squares across the group and counts the replicated ones once (FlatStrategy).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..comm import Comm
+
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    """f: identity in forward, all-reduce of the gradient in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        ctx.comm.all_reduce_sum(grad)
+        return grad, None
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    """g: all-reduce in forward, identity in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:
+        out = x.contiguous().clone()
+        comm.all_reduce_sum(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def copy_to_tensor_parallel(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    return _CopyToTensorParallel.apply(x, comm)
+
+
+def reduce_from_tensor_parallel(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    return _ReduceFromTensorParallel.apply(x, comm)
+
+
+def _sharded(t: torch.Tensor) -> nn.Parameter:
+    p = nn.Parameter(t.detach().clone())
+    p.tensor_parallel = True
+    return p
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_r = f(x) A_r^T + b_r: this rank's output features `rows` of a full nn.Linear. The output
+    stays split (the next layer is row-parallel, or the vocabulary-parallel loss)."""
+
+    def __init__(self, full: nn.Linear, rows: torch.Tensor, comm: Comm):
+        super().__init__()
+        self.comm = comm
+        self.weight = _sharded(full.weight[rows])
+        self.bias = None if full.bias is None else _sharded(full.bias[rows])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(copy_to_tensor_parallel(x, self.comm), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = g(x_r B_r^T) + b: this rank's input features `cols` of a full nn.Linear, applied to the
+    matching slice of a split input; the bias is replicated and added once, after the sum."""
+
+    def __init__(self, full: nn.Linear, cols: torch.Tensor, comm: Comm):
+        super().__init__()
+        self.comm = comm
+        self.weight = _sharded(full.weight[:, cols])
+        self.bias = None if full.bias is None else nn.Parameter(full.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = reduce_from_tensor_parallel(F.linear(x, self.weight), self.comm)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [lo, hi) of the embedding table; ids outside the range look up zeros, and g sums the ranks."""
+
+    def __init__(self, full: nn.Embedding, lo: int, hi: int, comm: Comm):
+        super().__init__()
+        self.comm, self.lo, self.hi = comm, lo, hi
+        self.weight = _sharded(full.weight[lo:hi])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.lo) | (ids >= self.hi)
+        local = (ids - self.lo).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_parallel(out, self.comm)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy from logits split over the vocabulary: loss_i = log sum_v exp(z_iv) - z_i,t.
+    Each rank holds columns [lo, lo + V/T); three all-reduces assemble the global max, the sum of
+    exponentials and the target's logit. Backward is local: softmax minus one-hot, on the slice."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, lo: int, comm: Comm) -> torch.Tensor:
+        # Under autocast the head's logits are 16-bit; the loss works in float32 (as F.cross_entropy does).
+        z = logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits
+        top = z.max(dim=-1).values
+        comm.all_reduce_max(top)
+        shifted = z - top.unsqueeze(-1)
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        comm.all_reduce_sum(sum_exp)
+        mine = (targets >= lo) & (targets < lo + z.size(-1))
+        local = (targets - lo).masked_fill(~mine, 0)
+        target_logit = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1) * mine
+        comm.all_reduce_sum(target_logit)
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local, mine)
+        ctx.logits_dtype = logits.dtype
+        return (sum_exp.log() - target_logit).mean()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        softmax, local, mine = ctx.saved_tensors
+        grad_logits = softmax.clone()
+        rows = torch.arange(grad_logits.size(0), device=grad_logits.device)
+        grad_logits[rows, local] -= mine.to(grad_logits.dtype)
+        grad_logits.mul_(grad / grad_logits.size(0))
+        return grad_logits.to(ctx.logits_dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, lo: int, comm: Comm) -> torch.Tensor:
+    return _VocabParallelCrossEntropy.apply(logits, targets, lo, comm)
+
+
+def _split(n: int, comm: Comm) -> tuple[int, int]:
+    size = n // comm.world_size
+    return comm.rank * size, (comm.rank + 1) * size
+
+
+def apply_tensor_parallel(model: nn.Module, comm: Comm) -> nn.Module:
+    """Split `model` (a MiniGPT with identical weights on every rank) across the group, in place:
+    this rank keeps its heads, its slice of the MLP and of the vocabulary. Degrees must divide
+    the heads, the MLP width and the vocabulary (config validation says so first)."""
+    if comm.world_size == 1:
+        return model
+    cfg = model.cfg
+    for block in model.blocks.values():
+        attn, mlp = block.attn, block.mlp
+        lo, hi = _split(cfg.d_model, comm)  # this rank's heads, as columns of the (heads x head_dim) width
+        head_cols = torch.arange(lo, hi)
+        qkv_rows = torch.cat([head_cols + part * cfg.d_model for part in range(3)])  # its q, k and v rows
+        attn.qkv = ColumnParallelLinear(attn.qkv, qkv_rows, comm)
+        attn.proj = RowParallelLinear(attn.proj, head_cols, comm)
+        ff = torch.arange(*_split(cfg.ffn_dim, comm))
+        mlp.up = ColumnParallelLinear(mlp.up, ff, comm)
+        mlp.down = RowParallelLinear(mlp.down, ff, comm)
+    lo, hi = _split(cfg.vocab_size, comm)
+    tied = model.head.weight is model.tok_emb.weight
+    model.tok_emb = VocabParallelEmbedding(model.tok_emb, lo, hi, comm)
+    model.head = ColumnParallelLinear(model.head, torch.arange(lo, hi), comm)
+    if tied:
+        model.head.weight = model.tok_emb.weight
+    model.loss = lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, lo, comm)
+    return model

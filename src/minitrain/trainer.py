@@ -27,11 +27,9 @@ from .faults import Faults
 from .memory import device_peak_bytes, reset_device_peak
 from .model import MiniGPT
 from .optim import lr_at
-from .parallel import make_strategy
+from .parallel import parallelize
 from .parallel.flat import MEMORY_KINDS
-from .parallel.tensor import apply_tensor_parallel
 from .precision import autocast, compute_dtype, make_loss_scaler
-from .recompute import apply_activation_checkpointing
 from .resilience import SpikeGuard, StopRequest
 from .topology import Topology
 
@@ -82,12 +80,8 @@ class Trainer:
         # strategy's optimizer keeps the master copy in --dtype).
         self.model = MiniGPT(cfg.model).to(device=topo.device, dtype=getattr(torch, cfg.train.dtype))
         self.model.to(dtype=compute_dtype(cfg.train))
-        # Tensor parallel first: the data-parallel strategy then flattens this rank's slices.
-        apply_tensor_parallel(self.model, topo.tp)
         self.loss_scaler = make_loss_scaler(cfg.train)
-        # Before the strategy: it hooks module calls, which the recompute wrapper leaves in place.
-        apply_activation_checkpointing(self.model, cfg.train.activation_checkpointing)
-        self.strategy = make_strategy(self.model, topo.dp, cfg, topo.tp)
+        self.strategy = parallelize(self.model, topo, cfg)
         # Data is split over data-parallel replicas only: a tensor-parallel group shares its batch.
         self.loader = ShardedLoader(load_corpus(cfg), cfg.model.seq_len, cfg.train.batch_size,
                                     topo.dp.rank, topo.dp.world_size, cfg.train.seed)

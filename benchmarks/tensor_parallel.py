@@ -1,0 +1,125 @@
+"""Our tensor parallelism against PyTorch's DTensor `parallelize_module` on the same model.
+
+Both split MiniGPT (`small` preset: 4 blocks, d_model 256, 8 heads, seq 128, vocab 256) across
+`--tp` ranks from the same initial weights: attention qkv and MLP up column-parallel, attention
+output and MLP down row-parallel, the token embedding and the LM head split over the vocabulary,
+and a vocabulary-parallel loss (ours; DTensor's `loss_parallel`). DTensor's ColwiseParallel keeps
+contiguous rows of qkv, so its qkv weight is permuted first so that those rows are each rank's
+q, k and v of its heads (the same computation as ours). Timed: forward + backward of one batch
+(the optimizer is left out: ours and torch's AdamW differ, and neither is tensor-parallel work),
+median over steps after warmup; the first loss of both is printed as a check that they compute
+the same thing. Ratio = ours / DTensor within each repeat; repeats alternate which goes first.
+
+    .venv/bin/python benchmarks/tensor_parallel.py [--tp 2] [--steps 8] [--repeats 3] [--out runs/bench-tp]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from ranges import fmt_range, median_range  # benchmarks/ranges.py
+
+from minitrain.config import build_config
+from minitrain.data import ShardedLoader, load_corpus
+from minitrain.launch import launch
+from minitrain.metrics import format_table
+from minitrain.model import MiniGPT
+from minitrain.parallel.tensor import apply_tensor_parallel
+
+MODEL = {"model.preset": "small", "train.batch_size": 8, "data.synthetic_tokens": 1 << 18, "train.log_every": 0}
+WARMUP = 2
+IMPLEMENTATIONS = ("minitrain", "dtensor")
+
+
+def _dtensor(model: MiniGPT, tp) -> MiniGPT:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    cfg, n = model.cfg, tp.world_size
+    width = cfg.d_model // n
+    # Rows of qkv in the order [q, k, v of rank 0's heads, q, k, v of rank 1's heads, ...].
+    order = torch.cat([torch.arange(r * width, (r + 1) * width) + part * cfg.d_model
+                       for r in range(n) for part in range(3)])
+    plan = {"tok_emb": RowwiseParallel(input_layouts=Replicate()),
+            "head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    with torch.no_grad():
+        for name, block in model.blocks.items():
+            block.attn.qkv.weight.copy_(block.attn.qkv.weight[order])
+            block.attn.qkv.bias.copy_(block.attn.qkv.bias[order])
+            plan |= {f"blocks.{name}.attn.qkv": ColwiseParallel(), f"blocks.{name}.attn.proj": RowwiseParallel(),
+                     f"blocks.{name}.mlp.up": ColwiseParallel(), f"blocks.{name}.mlp.down": RowwiseParallel()}
+    mesh = DeviceMesh.from_group(tp.group, "cpu")
+    return parallelize_module(model, mesh, plan)
+
+
+def worker(topo, tp_size: int, impl: str, steps: int) -> dict:
+    topo = topo.with_layout(tp_size, 1)
+    cfg = build_config(cli_values={**MODEL, "dist.nproc": topo.world_size, "dist.tp": tp_size}).validate()
+    torch.manual_seed(cfg.train.seed)
+    model = MiniGPT(cfg.model)
+    if impl == "minitrain":
+        apply_tensor_parallel(model, topo.tp)
+        context = torch.enable_grad
+    else:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        model = _dtensor(model, topo.tp)
+        context = loss_parallel
+    loader = ShardedLoader(load_corpus(cfg), cfg.model.seq_len, cfg.train.batch_size, 0, 1, cfg.train.seed)
+    times, first_loss = [], None
+    for _ in range(WARMUP + steps):
+        x, y = loader.next_batch()
+        model.zero_grad(set_to_none=True)
+        topo.tp.barrier()
+        start = time.perf_counter()
+        with context():
+            loss = model(x, y)
+            loss.backward()
+        topo.tp.barrier()
+        times.append(time.perf_counter() - start)
+        if first_loss is None:
+            loss = loss.detach()
+            first_loss = float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
+    return {"step_s": statistics.median(times[WARMUP:]), "first_loss": first_loss}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default="runs/bench-tp")
+    args = parser.parse_args(argv)
+    runs = []
+    for r in range(args.repeats):
+        order = IMPLEMENTATIONS if r % 2 == 0 else IMPLEMENTATIONS[::-1]
+        runs.append({impl: launch(worker, args.tp, args.tp, impl, args.steps, backend="gloo", timeout_s=1800)[0]
+                     for impl in order})
+        print(f"repeat {r + 1}: " + ", ".join(f"{i} {1000 * runs[-1][i]['step_s']:.0f} ms (first loss "
+                                               f"{runs[-1][i]['first_loss']:.6f})" for i in IMPLEMENTATIONS),
+              file=sys.stderr, flush=True)
+    report = {impl: {"step_ms": median_range([1000 * run[impl]["step_s"] for run in runs]),
+                     "first_loss": runs[0][impl]["first_loss"]} for impl in IMPLEMENTATIONS}
+    ratio = median_range([run["minitrain"]["step_s"] / run["dtensor"]["step_s"] for run in runs])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tensor_parallel.json").write_text(json.dumps(
+        {"model": MODEL, "tp": args.tp, "steps": args.steps, "warmup": WARMUP, "repeats": args.repeats,
+         "format": "each figure is [median, min, max] over repeats", "results": report,
+         "minitrain_over_dtensor": ratio}, indent=1))
+    rows = [[impl, fmt_range(report[impl]["step_ms"], "{:.0f}"), f"{report[impl]['first_loss']:.6f}"]
+            for impl in IMPLEMENTATIONS]
+    print(format_table(["tensor parallel", "forward+backward ms", "first loss"], rows, "<>>"))
+    print(f"minitrain / dtensor step time: {fmt_range(ratio, '{:.2f}')}")
+    print(f"wrote {out / 'tensor_parallel.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -170,8 +170,16 @@ class ShardWrite:
         return self.row is not None or self.error is not None
 
 
+def supports_layout(topo: Topology) -> bool:
+    """Shards are logical pieces of the whole flat model, which a rank holding a tensor- or
+    pipeline-parallel slice does not have: only data-parallel layouts can be saved."""
+    return topo.tp.world_size == 1 and topo.pp.world_size == 1
+
+
 def begin(root: str | os.PathLike, step: int, topo: Topology) -> None:
     """Collective: rank 0 sweeps crashed saves' leftovers and makes this save's temporary directory."""
+    if not supports_layout(topo):  # config validation refuses it first; this guards library use
+        raise CheckpointError("checkpoints of tensor- or pipeline-parallel runs are not supported yet")
     root = Path(root)
     tmp = root / f".tmp-{step_dir_name(step)}"
     if topo.is_main:

@@ -69,12 +69,14 @@ class TrainingRun:
                 if self._rolled_back(record):
                     continue
                 stopping = bool(t.agreed_stop)
-                if self.cadence.due(t.step) or stopping:
+                saving = checkpoint.supports_layout(self.topo)
+                if self.cadence.due(t.step) or (stopping and saving):
                     self._save(background=self.cfg.ckpt.async_save and not stopping)
                 if stopping:
                     self.stopped_by = t.stop_request.name(t.agreed_stop)
-                    self.say(f"{self.stopped_by} received by rank {t.stop_ranks}: stopped after step {t.step}, checkpoint "
-                             f"{self.saved[-1]}; continue with --resume auto")
+                    saved = (f"checkpoint {self.saved[-1]}; continue with --resume auto" if saving else
+                             "no checkpoint (not supported with --tp > 1 yet)")
+                    self.say(f"{self.stopped_by} received by rank {t.stop_ranks}: stopped after step {t.step}, {saved}")
                     break
             self._commit_pending()  # the run is done only when its last checkpoint is durable
         finally:

@@ -25,7 +25,8 @@ compute (no overlap assumed: an upper bound).
 
 Tensor and pipeline parallel degrees divide the parameters evenly (P / (tp pp), an approximation:
 LayerNorms are replicated under TP, and the first and last stages also hold the embedding and
-head); minitrain does not run them yet.
+head). Not checked against measurement: minitrain runs tensor parallelism, whose replicated
+parameters this does not count, and has no pipeline stages yet.
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ from pathlib import Path
 import torch
 
 from .config import ConfigError, ModelConfig
+from .optim import FlatAdamW
 from .parallel.flat import memory_terms, padded_numel
 
 GB = 1e9
@@ -204,8 +206,6 @@ def update_transients(inp: PlanInput) -> tuple[int, int]:
     Backward: ZeRO-0 in mixed precision reducing in fp32 sums a float32 copy of the whole gradient
     (started by the first bucket). Update: ZeRO-1's gradient shard (reduced after backward), and
     the optimizer's chunk-sized temporaries (denominator; in mixed precision the upcast gradient)."""
-    from .optim import FlatAdamW
-
     mixed, P = inp.precision != "fp32", layout_params(inp)
     wide = 4 * P if inp.zero == 0 and mixed and reduce_bytes(inp) == 4 else 0
     shard = P if inp.zero == 0 else P / inp.dp

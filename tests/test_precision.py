@@ -97,6 +97,7 @@ def _overflow_then_recover(topo):
     for _ in range(4):
         records.append(trainer.train_step())
     return {"scales": [r.loss_scale for r in records], "skipped": [r.skipped for r in records],
+            "overflow": [r.overflow for r in records],
             "unchanged": unchanged, "overflows": trainer.overflow_steps, "nan_skips": trainer.skipped_steps,
             "scale_now": trainer.loss_scaler.scale}
 
@@ -108,6 +109,7 @@ def test_fp16_overflow_is_skipped_and_the_scale_halves_then_grows():
         assert overflows >= 2 and rank["unchanged"]  # several overflows, far more than max_skipped_steps allows
         assert scales[:overflows + 1] == [2.0**40 / 2**i for i in range(overflows + 1)]  # halved each time
         assert rank["overflows"] == sum(skipped) and rank["nan_skips"] == 0  # the NaN guard is not involved
+        assert rank["overflow"] == skipped  # each skip is recorded as an overflow
         # From there on: halve at each overflow, double after 2 clean steps in a row (window 2).
         replay = LossScaler(scales[overflows], window=2)
         for scale, overflowed in zip(scales[overflows:], skipped[overflows:]):

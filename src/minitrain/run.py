@@ -208,7 +208,7 @@ class SaveCadence:
 def progress_line(r: StepRecord, total: int) -> str:
     width = len(str(total))
     scale = "" if r.loss_scale is None else f"  scale {r.loss_scale:g}"
-    if r.skipped and r.loss_scale is not None and r.loss_scale > 1:
+    if r.overflow:
         skipped = "  SKIPPED (fp16 overflow: loss scale halved, parameters unchanged)"
     else:
         skipped = "  SKIPPED (NaN/Inf gradients, parameters unchanged)" if r.skipped else ""

@@ -70,6 +70,7 @@ class StepRecord:
     sync: dict  # this rank's gradient sync: buckets, all-reduce calls and times, overlap (see sync_summary)
     skipped: bool = False  # non-finite gradients (or an fp16 overflow): no update this step
     loss_scale: float | None = None  # fp16: the loss scale this step's backward used
+    overflow: bool = False  # fp16: skipped because the scaled gradients overflowed (the scale halved)
 
 
 class Trainer:
@@ -145,7 +146,7 @@ class Trainer:
         lr = lr_at(self.step, cfg) * self.faults.lr_factor(self.step + 1)
         grad_norm = strategy.step(lr, loss_scale)
         skipped = not math.isfinite(grad_norm)
-        self._check_skips(skipped)
+        overflow = self._check_skips(skipped)
         self.step += 1
         self.tokens_seen += self.tokens_per_step
 
@@ -181,6 +182,7 @@ class Trainer:
             sync={**strategy.last_sync, **bracketed},
             skipped=skipped,
             loss_scale=loss_scale if self.loss_scaler else None,
+            overflow=overflow,
         )
 
     def _comm_totals(self) -> OpStats:
@@ -194,22 +196,24 @@ class Trainer:
         written = self.pending_save is not None and self.pending_save.written
         return [float(signum), float(written)]
 
-    def _check_skips(self, skipped: bool) -> None:
+    def _check_skips(self, skipped: bool) -> bool:
         """Count non-finite steps; every rank decides alike (the norm is global), so all abort together.
-        In fp16 an overflow at a loss scale above 1 is the scaler's to handle (halve, retry), not the guard's."""
+        In fp16 an overflow at a loss scale above 1 is the scaler's to handle (halve, retry), not the guard's.
+        Returns whether the step was such an overflow."""
         scaler = self.loss_scaler
         if scaler is not None:
             overflow = skipped and scaler.overflow_is_scalers()
             scaler.update(overflowed=skipped)
             if overflow:
                 self.overflow_steps += 1
-                return
+                return True
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
         self.skipped_steps += skipped
         if self.skipped_in_a_row > self.cfg.train.max_skipped_steps:
             raise NonFiniteError(f"step {self.step + 1}: gradients were NaN/Inf {self.skipped_in_a_row} steps in a "
                                  f"row (more than --train.max_skipped_steps {self.cfg.train.max_skipped_steps}); "
                                  "lower --lr, check the data, or resume from an earlier checkpoint")
+        return False
 
     def train_state(self) -> dict:
         return {"step": self.step, "optimizer_steps": self.strategy.optimizer.steps_taken,

@@ -14,6 +14,7 @@ from pathlib import Path
 from . import __version__, checkpoint
 from .bench.comm import OPS as COMM_OPS
 from .config import ConfigError, RunConfig, build_config, field_specs, load_toml, parse_bool
+from .parallel.schedules import SCHEDULES, render_timeline
 from .launch import LaunchTimeoutError, RankFailedError, launch, run_under_torchrun
 from .topology import under_torchrun
 
@@ -30,6 +31,7 @@ ALIASES = {
     "ckpt.async_save": "--async-save", "train.spike_factor": "--spike-factor",
     "train.activation_checkpointing": "--activation-checkpointing",
     "train.precision": "--precision", "train.reduce_dtype": "--reduce-dtype", "dist.tp": "--tp", "dist.pp": "--pp",
+    "dist.microbatches": "--microbatches", "dist.schedule": "--schedule",
 }
 
 TRAIN_EPILOG = """\
@@ -152,6 +154,20 @@ def build_parser() -> Parser:
                          help="cpu-here: `minitrain bench comm` output to fit alpha and beta from")
     planner.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
+    pipe = sub.add_parser("pp-schedule", help="a pipeline schedule's timeline, bubble and in-flight micro-batches",
+                          description="Print what each pipeline stage does at each tick of an ideal clock (a "
+                          "forward takes one tick, communication is free): F3 = forward of micro-batch 3, "
+                          "B3 its backward, . idle. Then each stage's bubble against (P-1)/(M+P-1) and the most "
+                          "micro-batches whose activations it holds at once. The executor runs the same lists.",
+                          epilog="Examples:\n  minitrain pp-schedule --pp 4 --microbatches 8 --schedule 1f1b\n"
+                          "  minitrain pp-schedule --pp 4 --microbatches 8 --schedule gpipe --backward-cost 2",
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    pipe.add_argument("--pp", type=int, default=4, metavar="P", help="pipeline stages (default 4)")
+    pipe.add_argument("--microbatches", type=int, default=8, metavar="M", help="micro-batches per step (default 8)")
+    pipe.add_argument("--schedule", choices=tuple(SCHEDULES), default="1f1b", help="default 1f1b")
+    pipe.add_argument("--backward-cost", type=int, default=1, metavar="TICKS",
+                      help="ticks a backward takes, a forward taking 1 (default 1; about 2 in practice)")
+
     train = sub.add_parser("train", help="train with the settings you give",
                            description="Train MiniGPT with data parallel or ZeRO-1/2/3, locally (--nproc N) or "
                            "under torchrun.", epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -178,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_ckpt(args)
         if args.command == "plan":
             return cmd_plan(args)
+        if args.command == "pp-schedule":
+            return cmd_pp_schedule(args)
         return cmd_train(args)
     except (ConfigError, checkpoint.CheckpointError) as e:
         print(f"minitrain {args.command}: error: {e}", file=sys.stderr)
@@ -283,6 +301,14 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def cmd_pp_schedule(args) -> int:
+    for flag, value in (("--pp", args.pp), ("--microbatches", args.microbatches), ("--backward-cost", args.backward_cost)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be at least 1, got {value}")
+    print(render_timeline(args.schedule, SCHEDULES[args.schedule](args.pp, args.microbatches), 1, args.backward_cost))
+    return 0
+
+
 def resolve_config(args) -> RunConfig:
     specs = {key for key, *_ in field_specs()}
     file_values = load_toml(args.config) if args.config else {}
@@ -317,6 +343,11 @@ def cmd_train(args) -> int:
         parts = [f"{name} mean {d['mean']:.3g} / p50 {d['p50']:.3g} / p95 {d['p95']:.3g}"
                  for name, d in result["sync"].items()]
         print("gradient sync after warmup: " + "; ".join(parts))
+    if result["pipeline"]:
+        p = result["pipeline"]
+        print(f"pipeline bubble per stage (median, measured): {' '.join(f'{b:.0%}' for b in p['bubble'])}; "
+              f"(P-1)/(M+P-1) = {p['expected_bubble']:.0%}; peak in-flight micro-batches per stage: "
+              f"{' '.join(map(str, p['peak_in_flight']))}")
     ckpts = f"; last checkpoint {result['checkpoints'][-1]}" if result["checkpoints"] else ""
     final = "n/a" if result["final_loss"] is None else f"{result['final_loss']:.4f}"
     stopped = f" (stopped by {result['stopped_by']})" if result["stopped_by"] else ""

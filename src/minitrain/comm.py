@@ -5,7 +5,7 @@ wall seconds per op; step metrics take deltas of these counters. A Comm of
 world size 1 needs no process group: each op is the identity (a copy where an
 output buffer is given) and nothing is counted, since nothing moves.
 
-Payload bytes per call: all_reduce, broadcast, send, recv: the tensor;
+Payload bytes per call: all_reduce, broadcast, send, recv (and each of an exchange's): the tensor;
 reduce_scatter: the full input; all_gather: the full output.
 
 Async collectives (`*_async`) book their
@@ -193,6 +193,27 @@ class Comm:
 
     def recv(self, tensor: torch.Tensor, src: int) -> None:
         self._run("recv", _nbytes(tensor), lambda: dist.recv(tensor, group=self.group, group_src=src))
+
+    def exchange(self, sends: list[tuple[torch.Tensor, int]],
+                 recvs: list[tuple[torch.Tensor, int]]) -> list[PendingCollective]:
+        """Point to point, as one batch: start sending each (tensor, group rank) and receiving into
+        each (buffer, group rank); return once every receive has arrived, with the sends still in
+        flight (wait on them before touching their tensors). Starting a send together with the next
+        receive, rather than send then receive, is what keeps two ranks that exchange both ways from
+        each blocking in its send: NCCL runs one pair's sends and receives on one stream."""
+        ops = ([dist.P2POp(dist.isend, t, group=self.group, group_peer=dst) for t, dst in sends]
+               + [dist.P2POp(dist.irecv, t, group=self.group, group_peer=src) for t, src in recvs])
+        if not ops:
+            return []
+        nbytes = sum(_nbytes(t) for t, _ in sends + recvs)
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except RuntimeError as e:
+            raise self.failure("send/recv", nbytes, e) from e
+        in_flight = [PendingCollective(self, "send", _nbytes(t), w) for (t, _), w in zip(sends, works)]
+        for (t, _), w in zip(recvs, works[len(sends):]):
+            PendingCollective(self, "recv", _nbytes(t), w).wait()
+        return in_flight
 
     def barrier(self) -> None:
         if self.world_size > 1:

@@ -121,7 +121,12 @@ class DistConfig:
     threads_per_rank: int = opt(1, "torch CPU threads per rank (1 avoids oversubscribing cores)")
     tp: int = opt(1, "tensor-parallel degree: each layer split across this many adjacent ranks (Megatron-style); "
                   "must divide the heads, the MLP width and the vocabulary; data parallel = world / (tp x pp)")
-    pp: int = opt(1, "pipeline-parallel degree (not implemented yet: only 1 is accepted)")
+    pp: int = opt(1, "pipeline-parallel degree: the blocks split into this many contiguous stages, one per rank "
+                  "of a pipeline group (embedding on the first, head and loss on the last)")
+    microbatches: int = opt(1, "micro-batches each batch is cut into (they must divide --batch-size): the pipeline "
+                            "keeps stages busy with different ones; the bubble is (pp-1)/(microbatches+pp-1)")
+    schedule: str = opt("1f1b", "pipeline schedule: 1f1b (warm-up, one forward / one backward, cool-down: at most "
+                        "pp micro-batches of activations held) | gpipe (all forwards, then all backwards: holds all)")
 
 
 @dataclass
@@ -248,14 +253,27 @@ def _check_layout(cfg: RunConfig) -> None:
             if value % d.tp:
                 raise ConfigError(f"--tp {d.tp} does not divide {name} = {value}; tensor parallelism splits it "
                                   "evenly across ranks")
-        ckpt = cfg.ckpt
-        if ckpt.every_steps or ckpt.every_minutes or ckpt.resume:
-            raise ConfigError("checkpoints are not supported with --tp > 1 yet (their manifest has no tensor-parallel "
-                              "layout); drop --ckpt-every-steps / --ckpt-every-minutes / --resume, or use --tp 1")
+    _require_positive("dist.microbatches", d.microbatches)
+    _require_choice("dist.schedule", d.schedule, ("1f1b", "gpipe"))
+    if cfg.train.batch_size % d.microbatches:
+        raise ConfigError(f"--microbatches {d.microbatches} does not divide --batch-size {cfg.train.batch_size}; "
+                          "each micro-batch is an equal slice of the batch")
     if d.pp > 1:
         if m.n_layer < d.pp:
-            raise ConfigError(f"--pp {d.pp} needs at least one block per stage; the model has {m.n_layer}")
-        raise ConfigError(f"--pp {d.pp}: pipeline parallelism is not implemented yet; use --pp 1")
+            raise ConfigError(f"--pp {d.pp} needs at least one block per stage; the model has {m.n_layer} "
+                              f"(model.n_layer)")
+        if m.tie_weights:
+            raise ConfigError(f"--pp {d.pp} with model.tie_weights: the embedding (first stage) and the head (last "
+                              "stage) cannot share a weight across stages yet; use --model.tie_weights false")
+        if cfg.ddp.mode == "torch":
+            raise ConfigError(f"--dp torch with --pp {d.pp}: PyTorch's DDP cannot hold several micro-batches' "
+                              "forwards before their backwards; use --dp bucketed")
+    if d.pp > 1 or d.tp > 1:
+        ckpt = cfg.ckpt
+        if ckpt.every_steps or ckpt.every_minutes or ckpt.resume:
+            raise ConfigError(f"checkpoints are not supported with --tp {d.tp} --pp {d.pp} yet (their pieces are "
+                              "slices of the model a manifest cannot map back); drop --ckpt-every-steps / "
+                              "--ckpt-every-minutes / --resume, or use --tp 1 --pp 1")
 
 
 def _check_fault(f: FaultConfig, nproc: int) -> None:

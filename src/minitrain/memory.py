@@ -94,15 +94,24 @@ def device_peak_bytes(device: torch.device) -> int:
     return 0
 
 
-def profile(strategy: FlatStrategy, records: list, device: torch.device) -> dict:
-    """The memory report of a run from its step records (per-rank lists gathered every step)."""
-    n = len(records[-1].memory["params"])  # every rank (data-parallel replicas x tensor-parallel slices)
+def per_rank_expectation(strategy: FlatStrategy) -> list[float]:
+    """This rank's [padded P, expected bytes at rest per kind]: under tensor or pipeline parallelism each rank
+    holds its own slice or stage, so P differs between ranks (gather it with Comm.gather_rows)."""
     expected = strategy.expected_memory_bytes()
+    return [float(strategy.flat.padded_numel)] + [float(expected[k]) for k in MEMORY_KINDS]
+
+
+def profile(strategy: FlatStrategy, records: list, device: torch.device, expectations: torch.Tensor) -> dict:
+    """The memory report of a run from its step records (per-rank lists gathered every step) and every
+    rank's per_rank_expectation (one row each)."""
+    n = len(records[-1].memory["params"])  # every rank (data-parallel replicas x tensor/pipeline slices)
     ranks = []
     for r in range(n):
         at_rest = {k: records[-1].memory[k][r] for k in MEMORY_KINDS}
+        expected = {k: int(expectations[r, 1 + i]) for i, k in enumerate(MEMORY_KINDS)}
         peak = {k: max(rec.memory_peak[k][r] for rec in records) for k in (*MEMORY_KINDS, "total")}
-        ranks.append({"rank": r, "at_rest": at_rest, "at_rest_equals_formula": at_rest == expected,
+        ranks.append({"rank": r, "padded_params": int(expectations[r, 0]), "at_rest": at_rest,
+                      "expected_at_rest": expected, "at_rest_equals_formula": at_rest == expected,
                       "peak_in_step": peak,
                       "device_peak_bytes": max(rec.memory_peak["device"][r] for rec in records)})
     flat = strategy.flat
@@ -111,9 +120,10 @@ def profile(strategy: FlatStrategy, records: list, device: torch.device) -> dict
         "dtype": str(flat.dtype).removeprefix("torch."), "element_sizes": strategy.element_sizes(),
         "master_dtype": str(strategy.optimizer.master.dtype).removeprefix("torch."),
         "master_is_params": strategy.master_is_params,
+        # Rank 0's model (with tensor or pipeline parallelism, each rank's P is in its row).
         "params": flat.numel, "padded_params": flat.padded_numel, "padding": flat.padding,
         "units": [{"name": u.name, "padded_numel": u.stop - u.start} for u in flat.units],
-        "formula": strategy.memory_formula(), "expected_at_rest": expected,
+        "formula": strategy.memory_formula(), "expected_at_rest": strategy.expected_memory_bytes(),
         "device_peak_source": device_peak_source(device), "ranks": ranks,
     }
 
@@ -123,14 +133,17 @@ def render(report: dict) -> str:
     rows = []
     for rank in report["ranks"]:
         for k in MEMORY_KINDS:
-            got, want = rank["at_rest"][k], report["expected_at_rest"][k]
+            got, want = rank["at_rest"][k], rank["expected_at_rest"][k]
             rows.append([rank["rank"], k, got, f"{report['formula'][k]} = {want}", "yes" if got == want else "NO",
                          rank["peak_in_step"][k]])
         rows.append([rank["rank"], "total", sum(rank["at_rest"].values()), "", "",
                      f"{rank['peak_in_step']['total']}  (device {human_bytes(rank['device_peak_bytes'])})"])
     E = report["element_sizes"]
-    head = (f"Memory per rank, bytes: ZeRO-{report['stage']}, N = {report['dp']} data-parallel ranks, P = {P} padded params ({report['params']} + "
-            f"{report['padding']} padding over {len(report['units'])} units); bytes per element: params "
+    sizes = sorted({rank["padded_params"] for rank in report["ranks"]})
+    model = (f"P = {P} padded params ({report['params']} + {report['padding']} padding over {len(report['units'])} "
+             "units)" if sizes == [P] else f"P = the padded params each rank holds ({', '.join(map(str, sizes))})")
+    head = (f"Memory per rank, bytes: ZeRO-{report['stage']}, N = {report['dp']} data-parallel ranks, {model}; "
+            f"bytes per element: params "
             f"{E['params']} ({report['dtype']}), grads {E['grads']}, optimizer {E['optimizer']} "
             f"({report['master_dtype']})")
     master = "; the optimizer's master is the parameter shard itself" if report["master_is_params"] else ""

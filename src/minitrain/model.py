@@ -99,14 +99,22 @@ class MiniGPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """idx, targets: (B, T) token ids. Returns logits (B, T, V), or the mean
         token cross-entropy when targets are given."""
-        B, T = idx.shape
-        if T > self.cfg.seq_len:
-            raise ValueError(f"sequence of {T} tokens exceeds seq_len {self.cfg.seq_len}")
-        pos = torch.arange(T, device=idx.device)
-        x = self.tok_emb(idx) + self.pos_emb(pos)  # (B, T, C)
+        x = self.embed(idx)
         for block in self.blocks.values():
             x = block(x)
-        logits = self.head(self.ln_f(x))  # (B, T, V)
+        return self.output(x, targets)
+
+    # The three parts of forward, each its own method so a pipeline stage can run the ones it holds.
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """(B, T) token ids -> (B, T, C) token + position embeddings."""
+        T = idx.size(1)
+        if T > self.cfg.seq_len:
+            raise ValueError(f"sequence of {T} tokens exceeds seq_len {self.cfg.seq_len}")
+        return self.tok_emb(idx) + self.pos_emb(torch.arange(T, device=idx.device))
+
+    def output(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, T, C) last hidden state -> logits (B, T, V), or the loss when targets are given."""
+        logits = self.head(self.ln_f(x))
         if targets is None:
             return logits
         return self.loss(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))

@@ -9,6 +9,7 @@ background-save progress), because each decision leads to collectives.
 """
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 from dataclasses import asdict
@@ -58,6 +59,8 @@ class TrainingRun:
         t, total = self.trainer, self.cfg.train.steps
         if self.start_path is not None:
             self.say(f"resumed from {self.start_path} at step {t.step}")
+        if t.pipeline is not None:
+            self.say(pipeline_line(t.pipeline.summary()))
         t.stop_request = self.stop_request
         try:
             while t.step < total:
@@ -75,7 +78,7 @@ class TrainingRun:
                 if stopping:
                     self.stopped_by = t.stop_request.name(t.agreed_stop)
                     saved = (f"checkpoint {self.saved[-1]}; continue with --resume auto" if saving else
-                             "no checkpoint (not supported with --tp > 1 yet)")
+                             "no checkpoint (not supported with --tp or --pp > 1 yet)")
                     self.say(f"{self.stopped_by} received by rank {t.stop_ranks}: stopped after step {t.step}, {saved}")
                     break
             self._commit_pending()  # the run is done only when its last checkpoint is durable
@@ -147,7 +150,7 @@ class TrainingRun:
 
     def _rollback_target(self, before: int) -> int | None:
         """Rank 0 picks the newest checkpoint at a step < `before` that verifies; every rank gets its step."""
-        choice = torch.tensor([-1.0], device=self.topo.dp.device)
+        choice = torch.tensor([-1.0], device=self.topo.everyone.device)
         if self.topo.is_main and self.ckpt_root.is_dir():
             for step_dir in checkpoint.complete_steps(self.ckpt_root):
                 step = checkpoint.step_of(step_dir)
@@ -159,14 +162,18 @@ class TrainingRun:
                         continue
                     choice.fill_(step)
                     break
-        self.topo.dp.broadcast(choice, src=0)
+        self.topo.everyone.broadcast(choice, src=0)  # every rank, in every group, rolls back alike
         step = int(choice.item())
         return None if step < 0 else step
 
     def _summary(self) -> dict:
         t, records, summary = self.trainer, self.records, {}
+        if self.cfg.train.memory_profile and records:
+            # Collective: each rank's own P and formula (tensor and pipeline parallel ranks hold different slices).
+            expectations = self.topo.everyone.gather_rows(torch.tensor(memory.per_rank_expectation(t.strategy),
+                                                                       dtype=torch.float64))
         if self.cfg.train.memory_profile and records and self.topo.is_main:
-            report = memory.profile(t.strategy, records, self.topo.device)
+            report = memory.profile(t.strategy, records, self.topo.device, expectations)
             memory.write(report, self.out / "memory.json")
             print(memory.render(report), flush=True)
             summary["memory"] = str(self.out / "memory.json")
@@ -178,7 +185,8 @@ class TrainingRun:
                 "params": t.strategy.flat.numel, "world_size": self.topo.world_size,
                 "skipped_steps": t.skipped_steps, "overflow_steps": t.overflow_steps,
                 "loss_scale": t.loss_scaler.scale if t.loss_scaler else None,
-                "rollbacks": self.rollbacks, "stopped_by": self.stopped_by}
+                "rollbacks": self.rollbacks, "stopped_by": self.stopped_by,
+                "pipeline": pipeline_report([r.pipeline for r in records])}
 
 
 class SaveCadence:
@@ -187,7 +195,7 @@ class SaveCadence:
 
     def __init__(self, cfg: RunConfig, topo: Topology):
         self.every, self.minutes, self.total = cfg.ckpt.every_steps, cfg.ckpt.every_minutes, cfg.train.steps
-        self.comm = topo.dp
+        self.comm = topo.everyone  # one clock for every rank: a save is collective
         self.last = time.monotonic()
 
     def due(self, step: int) -> bool:
@@ -205,6 +213,15 @@ class SaveCadence:
         self.last = time.monotonic()
 
 
+def pipeline_line(p: dict) -> str:
+    """What a pipelined run is about to do, and the bubble it cannot avoid."""
+    line = (f"pipeline: {p['stages']} stage(s), {p['microbatches']} micro-batches per batch, {p['schedule']}; "
+            f"bubble (P-1)/(M+P-1) = {p['expected_bubble']:.0%} at best")
+    if p["microbatches"] < p["stages"]:
+        line += f" (fewer micro-batches than stages: --microbatches {p['stages']} or more idles less)"
+    return line
+
+
 def progress_line(r: StepRecord, total: int) -> str:
     width = len(str(total))
     scale = "" if r.loss_scale is None else f"  scale {r.loss_scale:g}"
@@ -212,8 +229,9 @@ def progress_line(r: StepRecord, total: int) -> str:
         skipped = "  SKIPPED (fp16 overflow: loss scale halved, parameters unchanged)"
     else:
         skipped = "  SKIPPED (NaN/Inf gradients, parameters unchanged)" if r.skipped else ""
+    bubble = "" if r.pipeline is None else f"  bubble {max(r.pipeline['bubble']):.0%}"
     return (f"step {r.step:>{width}}/{total}  loss {r.loss:.4f}  grad_norm {r.grad_norm:.3f}  "
-            f"lr {r.lr:.2e}  {r.tokens_per_s:,.0f} tok/s  comm {1000 * r.comm_time_s:.1f} ms{scale}{skipped}")
+            f"lr {r.lr:.2e}  {r.tokens_per_s:,.0f} tok/s  comm {1000 * r.comm_time_s:.1f} ms{bubble}{scale}{skipped}")
 
 
 # --- resuming ------------------------------------------------------------------------------
@@ -274,3 +292,15 @@ def check_resume(cfg: RunConfig) -> list[str]:
         notes.append(f"learning-rate schedule differs from the checkpoint's run ({', '.join(changed)}): "
                      "training continues as a warm restart, not a bit-identical continuation")
     return notes
+
+
+def pipeline_report(records: list[dict | None]) -> dict | None:
+    """Per stage, the median measured bubble over the steps (the first, which pays for warm-up, left out)
+    beside the formula's."""
+    records = [r for r in records if r is not None]
+    if not records:
+        return None
+    steady = records[1:] or records
+    bubbles = [statistics.median(r["bubble"][s] for r in steady) for s in range(records[0]["stages"])]
+    return {**{k: records[0][k] for k in ("schedule", "stages", "microbatches", "expected_bubble")},
+            "bubble": bubbles, "peak_in_flight": records[-1]["peak_in_flight"]}

@@ -71,6 +71,9 @@ class StepRecord:
     skipped: bool = False  # non-finite gradients (or an fp16 overflow): no update this step
     loss_scale: float | None = None  # fp16: the loss scale this step's backward used
     overflow: bool = False  # fp16: skipped because the scaled gradients overflowed (the scale halved)
+    # Pipelined runs: schedule, stages, micro-batches, expected_bubble, and per stage the measured bubble and
+    # peak in-flight micro-batches (Pipeline.run).
+    pipeline: dict | None = None
 
 
 class Trainer:
@@ -82,7 +85,7 @@ class Trainer:
         self.model = MiniGPT(cfg.model).to(device=topo.device, dtype=getattr(torch, cfg.train.dtype))
         self.model.to(dtype=compute_dtype(cfg.train))
         self.loss_scaler = make_loss_scaler(cfg.train)
-        self.strategy = parallelize(self.model, topo, cfg)
+        self.strategy, self.pipeline = parallelize(self.model, topo, cfg)
         # Data is split over data-parallel replicas only: a tensor-parallel group shares its batch.
         self.loader = ShardedLoader(load_corpus(cfg), cfg.model.seq_len, cfg.train.batch_size,
                                     topo.dp.rank, topo.dp.world_size, cfg.train.seed)
@@ -125,8 +128,11 @@ class Trainer:
         loss_scale = self.loss_scaler.scale if self.loss_scaler else 1.0
         for micro in range(cfg.grad_accum):
             last = micro == cfg.grad_accum - 1
+            x, y = self.loader.next_batch()  # every pipeline stage reads it: loaders stay in step
+            if self.pipeline is not None:  # micro-batches through the stages; it syncs in the last backward
+                loss_sum += self.pipeline.run(x, y, loss_scale / cfg.grad_accum, sync=last)
+                continue
             with contextlib.nullcontext() if last else strategy.no_sync():  # sync once per step
-                x, y = self.loader.next_batch()
                 with autocast(cfg, self.topo.device):  # forward only; backward follows the forward's dtypes
                     loss = strategy.module(x.to(self.topo.device), y.to(self.topo.device))
                 # Mean over this rank's tokens / accumulation; the strategy averages over ranks,
@@ -152,11 +158,12 @@ class Trainer:
 
         held, peak = strategy.memory_bytes(), strategy.peak_memory_bytes()
         peak["device"] = device_peak_bytes(self.topo.device)
-        row = torch.tensor([float(loss_sum) / cfg.grad_accum, strategy.param_norm()]
+        row = torch.tensor([float(loss_sum) / cfg.grad_accum, self._holds_loss(), strategy.param_norm()]
+                           + self._pipeline_measured()
                            + [float(held[k]) for k in MEMORY_KINDS] + [float(peak[k]) for k in PEAK_KINDS]
                            + self._boundary_flags(), dtype=torch.float64)
-        rows = self.topo.everyone.gather_rows(row)  # (world, 2 + 3 + 5 + 2), identical on every rank
-        memory_cols = rows[:, 2:2 + len(MEMORY_KINDS) + len(PEAK_KINDS)].long()
+        rows = self.topo.everyone.gather_rows(row)  # (world, 3 + 2 + 3 + 5 + 2), identical on every rank
+        memory_cols = rows[:, 5:5 + len(MEMORY_KINDS) + len(PEAK_KINDS)].long()
         at_rest, peaks = memory_cols[:, :len(MEMORY_KINDS)], memory_cols[:, len(MEMORY_KINDS):]
         self.agreed_stop = int(rows[:, -2].max())
         self.stop_ranks = rows[:, -2].nonzero().flatten().tolist()
@@ -165,9 +172,9 @@ class Trainer:
         after = self._comm_totals()
         return StepRecord(
             step=self.step,
-            loss=float(rows[:, 0].mean()),
+            loss=float((rows[:, 0] * rows[:, 1]).sum() / rows[:, 1].sum()),  # over the ranks that compute it
             grad_norm=grad_norm,
-            param_norm=float(rows[0, 1]),
+            param_norm=float(rows[0, 2]),
             lr=lr,
             tokens=self.tokens_per_step,
             tokens_seen=self.tokens_seen,
@@ -176,19 +183,38 @@ class Trainer:
             comm_time_s=after.seconds - before.seconds,
             comm_bytes=after.bytes - before.bytes,
             comm_calls=after.calls - before.calls,
-            param_norm_per_rank=rows[:, 1].tolist(),
+            param_norm_per_rank=rows[:, 2].tolist(),
             memory={k: at_rest[:, i].tolist() for i, k in enumerate(MEMORY_KINDS)},
             memory_peak={k: peaks[:, i].tolist() for i, k in enumerate(PEAK_KINDS)},
             sync={**strategy.last_sync, **bracketed},
             skipped=skipped,
             loss_scale=loss_scale if self.loss_scaler else None,
             overflow=overflow,
+            pipeline=self._pipeline_record(rows[:, 3:5]),
         )
 
     def _comm_totals(self) -> OpStats:
-        """Collectives so far in the data- and tensor-parallel groups together."""
-        dp, tp = self.topo.dp.totals(), self.topo.tp.totals()
-        return OpStats(dp.calls + tp.calls, dp.bytes + tp.bytes, dp.seconds + tp.seconds)
+        """Collectives (and point-to-point transfers) so far in the data-, tensor- and pipeline-parallel groups."""
+        totals = [self.topo.dp.totals(), self.topo.tp.totals(), self.topo.pp.totals()]
+        return OpStats(sum(t.calls for t in totals), sum(t.bytes for t in totals), sum(t.seconds for t in totals))
+
+    def _holds_loss(self) -> float:
+        """1 where this rank computes the loss (every rank, or a pipeline's last stage), else 0."""
+        return float(self.pipeline is None or self.pipeline.last_stage)
+
+    def _pipeline_measured(self) -> list[float]:
+        """[bubble, peak in-flight micro-batches] of this rank's last schedule (0, 0 without a pipeline)."""
+        m = self.pipeline.measured if self.pipeline is not None else {}
+        return [m.get("bubble", 0.0), float(m.get("peak_in_flight", 0))]
+
+    def _pipeline_record(self, measured: torch.Tensor) -> dict | None:
+        """The step's pipeline figures per stage (a stage's ranks are consecutive, pp being outermost):
+        its bubble (the mean over its ranks) and the most micro-batches any of them held at once."""
+        if self.pipeline is None:
+            return None
+        per_stage = measured.view(self.pipeline.stages, -1, 2)
+        return {**self.pipeline.summary(), "bubble": per_stage[:, :, 0].mean(1).tolist(),
+                "peak_in_flight": per_stage[:, :, 1].max(1).values.long().tolist()}
 
     def _boundary_flags(self) -> list[float]:
         """[signal received (its number, or 0), background save: 1 written, 0 still writing or none]."""

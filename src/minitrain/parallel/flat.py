@@ -275,13 +275,16 @@ class FlatStrategy:
         master = take(self.flat.data, self.shard_ranges).to(master_dtype(cfg))
         self.optimizer = FlatAdamW(master, decay, cfg)
         self.reduce_dtype = reduce_dtype(cfg)  # gradients are summed across ranks in this dtype
-        self.tp = Comm()  # the tensor-parallel group, when the model is split (use_tensor_parallel)
-        self._tp_sharded: Ranges = []  # physical ranges of parameters split across it
+        self.tp = Comm()  # the tensor-parallel group, when the model is split (use_model_parallel)
+        self.pp = Comm()  # the pipeline group, when this rank holds one stage of the model
+        self._tp_sharded: Ranges = []  # physical ranges of parameters split across tp
 
-    def use_tensor_parallel(self, tp: Comm) -> None:
-        """The model's parameters marked `tensor_parallel` are slices split across `tp`: norms sum
-        their squares over the group and count the replicated parameters once."""
-        self.tp = tp
+    def use_model_parallel(self, tp: Comm, pp: Comm) -> None:
+        """The model is split across other groups too: norms must cover the whole model. Parameters
+        marked `tensor_parallel` are slices split across `tp` (their squares are summed over the group,
+        replicated parameters counted once); each rank of `pp` holds different parameters (a stage),
+        so the squares are summed over it."""
+        self.tp, self.pp = tp, pp
         self._tp_sharded = [(s.offset, s.offset + s.numel) for s in self.flat.segments
                             if getattr(self.flat.param(s), "tensor_parallel", False)]
 
@@ -301,11 +304,16 @@ class FlatStrategy:
 
     def _total_sum_sq(self, parts: torch.Tensor) -> torch.Tensor:
         """The model's sum of squares from _sum_sq_parts (already summed over the data-parallel shards)."""
+        total = parts[1]
         if self.tp.world_size > 1:
             in_slices = parts[:1].clone()
             self.tp.all_reduce_sum(in_slices)
-            return in_slices[0] + parts[1]
-        return parts[1]
+            total = in_slices[0] + parts[1]
+        if self.pp.world_size > 1:
+            total = total.reshape(1).clone()
+            self.pp.all_reduce_sum(total)
+            total = total[0]
+        return total
 
     def ranges_of(self, rank: int) -> Ranges:
         """Physical ranges whose optimizer state `rank` holds: everything, or its chunk of each unit."""

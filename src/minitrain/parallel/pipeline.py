@@ -1,0 +1,155 @@
+"""Pipeline parallelism: the model's blocks split into P contiguous stages, one per rank of the
+pipeline group, and every step's batch cut into M micro-batches that flow through them.
+
+`split_into_stage` turns a full MiniGPT into this rank's stage in place: it keeps the blocks of
+the stage (the embeddings too on the first, the final LayerNorm, head and loss on the last) and
+deletes the rest, and gives the model a stage forward. Parameters keep their full-model names.
+
+`Pipeline.run` executes one step's schedule (schedules.py: a list of F/B actions per stage):
+- F m: receive micro-batch m's activation from the previous stage (the first stage embeds its
+  tokens instead), run the stage, send the output on (the last stage computes the loss).
+- B m: receive the gradient of that output from the next stage (the last stage starts from its
+  loss), run backward, send the input's gradient back.
+Each action's receive is batched with the previous action's send (`Comm.exchange`), so a stage
+never blocks in a send. Stages exchange only (micro-batch, seq, d_model) activations and their
+gradients, in the compute dtype.
+
+Exactness: the loss of micro-batch m is the mean over its tokens; backward runs on it times
+1 / (M x accumulation), so the gradients summed over micro-batches are those of the whole batch's
+mean loss, as in the unpipelined step (all micro-batches have the same number of tokens).
+
+Measured per step (`measured`): each stage's busy time (its compute, wall clock) against the span of
+the whole schedule (barrier to barrier over the pipeline group), so bubble = 1 - busy / span,
+comparable with (P - 1) / (M + P - 1); and the most micro-batches whose activations it held at once.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from ..comm import Comm, PendingCollective
+from .schedules import SCHEDULES, Action, expected_bubble
+
+
+def stage_blocks(n_layer: int, stages: int) -> list[range]:
+    """Contiguous blocks per stage, as even as possible (the first stages take one more)."""
+    base, extra = divmod(n_layer, stages)
+    bounds = [0]
+    for s in range(stages):
+        bounds.append(bounds[-1] + base + (s < extra))
+    return [range(bounds[s], bounds[s + 1]) for s in range(stages)]
+
+
+def split_into_stage(model: nn.Module, stage: int, stages: int) -> nn.Module:
+    """Keep only `stage`'s part of a MiniGPT (in place) and make its forward the stage's:
+    first stage: token ids -> hidden; middle: hidden -> hidden; last: hidden (+ targets) -> loss."""
+    if stages == 1:
+        return model
+    keep = stage_blocks(len(model.blocks), stages)[stage]
+    for name in list(model.blocks):
+        if int(name) not in keep:
+            del model.blocks[name]
+    first, last = stage == 0, stage == stages - 1
+    if not first:
+        del model.tok_emb, model.pos_emb
+    if not last:
+        del model.ln_f, model.head
+
+    def stage_forward(x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if first:
+            x = model.embed(x)
+        for block in model.blocks.values():
+            x = block(x)
+        return model.output(x, targets) if last else x
+
+    # An instance attribute, so calling the model still runs its hooks (ZeRO-2 uses a forward pre-hook).
+    model.forward = stage_forward
+    return model
+
+
+class Pipeline:
+    def __init__(self, module: nn.Module, comm: Comm, schedule: str, microbatches: int, d_model: int,
+                 dtype: torch.dtype, device: torch.device, forward_context: Callable, no_sync: Callable):
+        """module: this rank's stage (the strategy's module); comm: the pipeline group, one rank per stage;
+        dtype: what activations travel in; forward_context: entered around each forward (autocast);
+        no_sync: the data-parallel strategy's context for backwards that must not sync gradients."""
+        self.module, self.comm, self.device = module, comm, device
+        self.stage, self.stages = comm.rank, comm.world_size
+        self.first, self.last_stage = self.stage == 0, self.stage == self.stages - 1
+        self.schedule, self.microbatches = schedule, microbatches
+        self.actions: list[Action] = SCHEDULES[schedule](self.stages, microbatches)[self.stage]
+        self.final_backward = max(i for i, a in enumerate(self.actions) if a.kind == "B")
+        self.d_model, self.dtype = d_model, dtype
+        self.forward_context, self.no_sync = forward_context, no_sync
+        self.measured: dict = {}  # the last step's bubble, busy and span seconds, peak in-flight micro-batches
+
+    def run(self, x: torch.Tensor, y: torch.Tensor, loss_multiplier: float, sync: bool) -> torch.Tensor:
+        """One pass of the schedule over a batch (every stage gets the same x, y from its loader; the first
+        stage reads x, the last y). loss_multiplier: what backward multiplies the batch's mean loss by
+        (loss scale / accumulation); each micro-batch's loss gets 1/M of it. Gradients are synced across
+        data-parallel replicas in the final backward, if `sync`. Returns the batch's mean loss (float64)
+        on the last stage, 0 elsewhere."""
+        M = self.microbatches
+        xs, ys = x.to(self.device).chunk(M), y.to(self.device).chunk(M)
+        shape = (xs[0].size(0), xs[0].size(1), self.d_model)
+        held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # micro-batch -> (stage input, stage output)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        outgoing: list[tuple[torch.Tensor, int]] = []  # the previous action's send, started with the next receive
+        in_flight: list[PendingCollective] = []
+        busy, peak = 0.0, 0
+        self.comm.barrier()  # the span starts when every stage can start
+        start = time.perf_counter()
+        for i, action in enumerate(self.actions):
+            m = action.microbatch
+            incoming = self._incoming(action, shape)
+            in_flight += self.comm.exchange(outgoing, incoming)
+            outgoing = []
+            began = time.perf_counter()
+            if action.kind == "F":
+                inp = xs[m] if self.first else incoming[0][0].requires_grad_()
+                with self.forward_context():
+                    out = self.module(inp, ys[m] if self.last_stage else None)
+                if self.last_stage:
+                    loss_sum += out.detach().double().cpu()
+                else:
+                    out = out.to(self.dtype)  # differentiable: the received gradient comes back in this dtype
+                    outgoing = [(out.detach(), self.stage + 1)]
+                held[m] = (inp, out)
+                peak = max(peak, len(held))
+            else:
+                inp, out = held.pop(m)
+                with contextlib.nullcontext() if sync and i == self.final_backward else self.no_sync():
+                    if self.last_stage:
+                        (out * (loss_multiplier / M)).backward()
+                    else:
+                        out.backward(incoming[0][0])
+                if not self.first:
+                    outgoing = [(inp.grad, self.stage - 1)]
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # kernels are asynchronous: charge them to this action
+            busy += time.perf_counter() - began
+        in_flight += self.comm.exchange(outgoing, [])
+        for send in in_flight:
+            send.wait()
+        self.comm.barrier()  # ...and ends when the last stage has finished
+        span = time.perf_counter() - start
+        self.measured = {"bubble": 1 - busy / span if span > 0 else 0.0, "busy_s": busy, "span_s": span,
+                     "peak_in_flight": peak}
+        return loss_sum / M
+
+    def _incoming(self, action: Action, shape: tuple[int, ...]) -> list[tuple[torch.Tensor, int]]:
+        """The receive an action waits for: an activation from the previous stage, or a gradient from the next."""
+        if action.kind == "F" and not self.first:
+            return [(torch.empty(shape, dtype=self.dtype, device=self.device), self.stage - 1)]
+        if action.kind == "B" and not self.last_stage:
+            return [(torch.empty(shape, dtype=self.dtype, device=self.device), self.stage + 1)]
+        return []
+
+    def summary(self) -> dict:
+        """The layout and the formula the measurement compares with."""
+        return {"schedule": self.schedule, "stages": self.stages, "microbatches": self.microbatches,
+                "expected_bubble": expected_bubble(self.stages, self.microbatches)}

@@ -164,7 +164,6 @@ def test_measured_bubble_matches_the_formula():
     (["--batch-size", "4", "--microbatches", "3"], "--microbatches 3 does not divide --batch-size 4"),
     (["--microbatches", "0"], "dist.microbatches must be"),
     (["--schedule", "zigzag"], "dist.schedule"),
-    (["--nproc", "2", "--pp", "2", "--ckpt-every-steps", "5"], "checkpoints are not supported with --tp 1 --pp 2"),
 ])
 def test_bad_pipeline_settings_exit_2_naming_them(argv, message):
     proc = run_main("train", *argv)
@@ -179,3 +178,38 @@ def test_pp_schedule_prints_the_timeline():
     assert rows[3].split("|")[1].split()[:4] == [".", ".", ".", "F0"]
     assert "(P-1)/(M+P-1) = 27.3%" in proc.stdout
     assert run_main("pp-schedule", "--microbatches", "0").returncode == 2
+
+
+RESUME_AT, LAST = 3, 6
+
+
+def _checkpointed(topo, dp, pp, root, resume_from):
+    """Train to step LAST with `dp` x `pp` ranks (the same global batch), saving at RESUME_AT, or
+    starting from `resume_from`; returns the losses of the steps it ran."""
+    cfg = _config(dp * pp, pp, 2 if pp > 1 else 1, "1f1b", **{"train.batch_size": 12 // dp})
+    trainer = Trainer(cfg, topo.with_layout(1, pp) if topo.world_size > 1 else topo)
+    if resume_from:
+        trainer.load_checkpoint(resume_from)
+    losses = []
+    while trainer.step < LAST:
+        losses.append(trainer.train_step().loss)
+        if trainer.step == RESUME_AT and not resume_from:
+            trainer.save_checkpoint(root)
+    return losses
+
+
+def test_a_pipeline_checkpoint_resumes_exactly_and_reshards_to_other_layouts(tmp_path):
+    import json
+
+    full = run_ranks(_checkpointed, 2, 1, 2, tmp_path, None)[-1]
+    step_dir = tmp_path / "step-000003"
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    assert manifest["layout"] == {"dp": 1, "tp": 1, "pp": 2} and manifest["zero"] == 0
+    # Each stage wrote its own parameters: the files' pieces together cover the whole model once.
+    assert {t["file"] for t in manifest["tensors"] if t["key"] == "params"} == {"rank-00000.safetensors",
+                                                                                 "rank-00001.safetensors"}
+    same = run_ranks(_checkpointed, 2, 1, 2, tmp_path, step_dir)[-1]
+    assert same == full[RESUME_AT:]  # the same layout continues bit for bit
+    for losses in (run_ranks(_checkpointed, 2, 2, 1, tmp_path, step_dir)[0],  # 2 stages -> 2 replicas
+                   _checkpointed(Topology.single(), 1, 1, tmp_path, step_dir)):  # -> one process
+        assert max(abs(a - b) for a, b in zip(losses, full[RESUME_AT:])) <= TOL

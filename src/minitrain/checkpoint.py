@@ -40,7 +40,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .parallel.flat import FlatStrategy
+from .config import ModelConfig
+from .model import MiniGPT
+from .parallel.flat import FlatStrategy, logical_layout
 from .topology import Topology
 
 FORMAT = "minitrain-checkpoint/2"
@@ -171,15 +173,15 @@ class ShardWrite:
 
 
 def supports_layout(topo: Topology) -> bool:
-    """Shards are logical pieces of the whole flat model, which a rank holding a tensor- or
-    pipeline-parallel slice does not have: only data-parallel layouts can be saved."""
-    return topo.tp.world_size == 1 and topo.pp.world_size == 1
+    """Shards are logical pieces of the whole flat model. A pipeline stage's parameters are whole
+    tensors, so its pieces are too; a tensor-parallel slice is not a range of the logical vector."""
+    return topo.tp.world_size == 1
 
 
 def begin(root: str | os.PathLike, step: int, topo: Topology) -> None:
     """Collective: rank 0 sweeps crashed saves' leftovers and makes this save's temporary directory."""
     if not supports_layout(topo):  # config validation refuses it first; this guards library use
-        raise CheckpointError("checkpoints of tensor- or pipeline-parallel runs are not supported yet")
+        raise CheckpointError("checkpoints of tensor-parallel runs are not supported yet")
     root = Path(root)
     tmp = root / f".tmp-{step_dir_name(step)}"
     if topo.is_main:
@@ -187,7 +189,7 @@ def begin(root: str | os.PathLike, step: int, topo: Topology) -> None:
         for stale in root.glob(".tmp-step-*"):  # left by saves that crashed: never checkpoints
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
-    topo.dp.barrier()
+    topo.everyone.barrier()
 
 
 def commit(job: ShardWrite) -> Path:
@@ -196,7 +198,12 @@ def commit(job: ShardWrite) -> Path:
     if any rank's write failed (the temporary directory stays, and is swept by the next save)."""
     topo = job.topo
     row = torch.tensor([0 if job.error is None else 1] + (job.row or [0] * 5), dtype=torch.int64)
-    rows = topo.dp.gather_rows(row).tolist()
+    rows = topo.everyone.gather_rows(row).tolist()
+    # Which logical pieces each rank's file holds: only the rank knows its own (a pipeline stage's
+    # parameters are its own), so each says, and rank 0 writes them all into the manifest.
+    ranges = job.strategy.checkpoint_ranges(topo.dp.rank)
+    pieces = job.strategy.flat.pieces(ranges) if ranges else []
+    held = _gather_ragged(topo.everyone, [sum(b - a for a, b in ranges)] + [v for piece in pieces for v in piece])
     failed = [rank for rank, r in enumerate(rows) if r[0]]
     if failed:
         where = f"step {job.step}: writing {job.path}"
@@ -207,7 +214,7 @@ def commit(job: ShardWrite) -> Path:
     if topo.is_main:
         root, final, tmp = job.root, job.final, job.tmp
         manifest = _manifest(job.step, topo, job.strategy, job.train_state, job.run_config, job.keys,
-                             [r[1:] for r in rows])
+                             [r[1:] for r in rows], held)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         _fsync_file(tmp / MANIFEST)
         _fsync_dir(tmp)
@@ -217,8 +224,16 @@ def commit(job: ShardWrite) -> Path:
         _write_durably(root / LATEST, final.name + "\n")
         if old is not None:
             shutil.rmtree(old)
-    topo.dp.barrier()
+    topo.everyone.barrier()
     return job.final
+
+
+def _gather_ragged(comm, values: list[int]) -> list[list[int]]:
+    """Every rank's list of ints, of any length, on every rank (two fixed-size gathers)."""
+    lengths = comm.gather_rows(torch.tensor([len(values)], dtype=torch.int64))[:, 0].tolist()
+    padded = torch.zeros(max(lengths), dtype=torch.int64)
+    padded[:len(values)] = torch.tensor(values, dtype=torch.int64)
+    return [row[:n] for row, n in zip(comm.gather_rows(padded).tolist(), lengths)]
 
 
 def save(root: str | os.PathLike, step: int, topo: Topology, strategy: FlatStrategy,
@@ -267,7 +282,9 @@ def _move_aside(root: Path, final: Path) -> Path:
     return old
 
 
-def _manifest(step, topo, strategy, train_state, run_config, keys, rows) -> dict:
+def _manifest(step, topo, strategy, train_state, run_config, keys, rows, held) -> dict:
+    """rows: each rank's [file bytes, sha256 words]; held: each rank's [length of its stored vectors,
+    then its pieces' at, lo, hi, ...] (empty pieces: it stores none)."""
     flat = strategy.flat
     # Parameters in their dtype, optimizer state in the master's (they differ in mixed precision).
     dtypes = {"params": flat.dtype, **{f"optim.{k}": t.dtype for k, t in strategy.optimizer.state_tensors().items()}}
@@ -276,10 +293,9 @@ def _manifest(step, topo, strategy, train_state, run_config, keys, rows) -> dict
         name = shard_file_name(rank)
         digest = b"".join(w.to_bytes(8, "big", signed=True) for w in digest_words).hex()
         files.append({"name": name, "rank": rank, "bytes": size, "sha256": digest})
-        ranges = strategy.checkpoint_ranges(rank)  # every rank's layout is computable here
-        if ranges:
-            local = sum(b - a for a, b in ranges)
-            pieces = flat.pieces(ranges)
+        local, *flat_pieces = held[rank]
+        if flat_pieces:
+            pieces = [flat_pieces[i:i + 3] for i in range(0, len(flat_pieces), 3)]
             for key in keys:
                 if not key.startswith("rng."):
                     tensors.append({"key": key, "file": name, "dtype": str(dtypes[key]).removeprefix("torch."),
@@ -293,14 +309,24 @@ def _manifest(step, topo, strategy, train_state, run_config, keys, rows) -> dict
         "strategy": strategy.name,
         "zero": run_config["train"]["zero"],
         "model": run_config["model"],
-        "flat": {"numel": flat.numel, "padded_numel": flat.padded_numel, "padding": flat.padding,
-                 "segments": [{"name": s.name, "offset": s.logical, "shape": list(s.shape)} for s in flat.segments],
+        # The whole model's logical vector. Padding and units are rank 0's (with pipeline stages, its stage's).
+        "flat": {"numel": flat.logical_numel, "padded_numel": flat.padded_numel, "padding": flat.padding,
+                 "segments": whole_model_segments(run_config["model"]),
                  "units": [{"name": u.name, "padded_numel": u.stop - u.start} for u in flat.units]},
         "files": files,
         "tensors": tensors,
         "train_state": train_state,
         "config": run_config,
     }
+
+
+def whole_model_segments(model_config: dict) -> list[dict]:
+    """Name, logical offset and shape of every parameter of the whole model the config describes (built
+    on the meta device: no memory), whichever part of it this rank holds."""
+    with torch.device("meta"):
+        model = MiniGPT(ModelConfig(**model_config))
+    offsets, _ = logical_layout(model)
+    return [{"name": name, "offset": offsets[name], "shape": list(p.shape)} for name, p in model.named_parameters()]
 
 
 # --- find and verify ----------------------------------------------------------------------
@@ -434,10 +460,13 @@ def load(path: str | os.PathLike, topo: Topology, strategy: FlatStrategy) -> dic
     """Verify, then restore parameters, optimizer state and (same world size) this
     rank's RNG. Returns the saved training state (step, loader position, ...)."""
     step_dir, manifest = verify(path)
-    mine = [(s.name, list(s.shape)) for s in strategy.flat.segments]
-    theirs = [(s["name"], s["shape"]) for s in manifest["flat"]["segments"]]
-    if mine != theirs:
-        diff = next((f"{a} vs {b}" for a, b in zip(mine, theirs) if a != b), f"{len(mine)} vs {len(theirs)} tensors")
+    # This rank's parameters (all of them, or a pipeline stage's) must lie where the checkpoint has them.
+    theirs = {s["name"]: (s["shape"], s["offset"]) for s in manifest["flat"]["segments"]}
+    diff = next((f"{s.name} {list(s.shape)} at {s.logical} vs {theirs.get(s.name, 'absent')}"
+                 for s in strategy.flat.segments if theirs.get(s.name) != (list(s.shape), s.logical)), None)
+    if diff is None and manifest["flat"]["numel"] != strategy.flat.logical_numel:
+        diff = f"{strategy.flat.logical_numel} vs {manifest['flat']['numel']} parameters"
+    if diff is not None:
         raise CheckpointError(f"checkpoint {step_dir} holds a different model (this run vs checkpoint: {diff})")
     full = assemble_flat(step_dir, manifest)
     for key, mine in (("params", strategy.flat.dtype), ("optim.master", strategy.optimizer.master.dtype)):

@@ -30,8 +30,9 @@ def inspect(path: str) -> str:
              f"step {manifest['step']}; world size {manifest['world_size']} (dp {layout['dp']}, tp {layout['tp']}, "
              f"pp {layout['pp']}); strategy {manifest['strategy']} (ZeRO-{manifest['zero']})",
              f"model: {model}",
-             f"parameters: {flat['numel']:,} in {len(flat['segments'])} tensors, {len(flat['units'])} units, "
-             f"padded to {flat['padded_numel']:,}",
+             f"parameters: {flat['numel']:,} in {len(flat['segments'])} tensors; "
+             + ("" if layout["pp"] == 1 else "pipeline stage 0's ")
+             + f"{len(flat['units'])} units, padded to {flat['padded_numel']:,}",
              f"training state: optimizer steps {manifest['train_state']['optimizer_steps']}, "
              f"tokens seen {manifest['train_state']['tokens_seen']:,}, "
              f"loader epoch {manifest['train_state']['loader']['epoch']} cursor "

@@ -78,7 +78,7 @@ class TrainingRun:
                 if stopping:
                     self.stopped_by = t.stop_request.name(t.agreed_stop)
                     saved = (f"checkpoint {self.saved[-1]}; continue with --resume auto" if saving else
-                             "no checkpoint (not supported with --tp or --pp > 1 yet)")
+                             "no checkpoint (not supported with --tp > 1 yet)")
                     self.say(f"{self.stopped_by} received by rank {t.stop_ranks}: stopped after step {t.step}, {saved}")
                     break
             self._commit_pending()  # the run is done only when its last checkpoint is durable
@@ -272,14 +272,14 @@ def check_resume(cfg: RunConfig) -> list[str]:
     if manifest["step"] >= cfg.train.steps:
         raise ConfigError(f"checkpoint {step_dir} is at step {manifest['step']}; ask for more --steps to continue")
     loader = manifest["train_state"]["loader"]
-    global_batch = cfg.train.batch_size * cfg.dist.nproc
+    dp = cfg.dist.nproc // (cfg.dist.tp * cfg.dist.pp)  # data-parallel replicas: each reads its own batch
+    global_batch = cfg.train.batch_size * dp
     if loader["global_batch"] != global_batch:
-        fits = loader["global_batch"] % cfg.dist.nproc == 0
-        hint = (f" (e.g. --batch-size {loader['global_batch'] // cfg.dist.nproc} with --nproc {cfg.dist.nproc})"
-                if fits else "")
-        raise ConfigError(f"checkpoint {step_dir} was saved with batch_size x ranks = {loader['global_batch']} "
-                          f"examples per micro-batch, this run has {global_batch}; keep the product equal{hint} "
-                          "so the data order continues exactly")
+        fits = loader["global_batch"] % dp == 0
+        hint = f" (e.g. --batch-size {loader['global_batch'] // dp} with {dp} data-parallel ranks)" if fits else ""
+        raise ConfigError(f"checkpoint {step_dir} was saved with batch_size x data-parallel ranks = "
+                          f"{loader['global_batch']} examples per micro-batch, this run has {global_batch}; keep the "
+                          f"product equal{hint} so the data order continues exactly")
     if loader["seed"] != cfg.train.seed:
         raise ConfigError(f"checkpoint {step_dir} was saved with --seed {loader['seed']}, this run has "
                           f"{cfg.train.seed}; use the same seed to continue the same data order")

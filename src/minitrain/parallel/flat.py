@@ -15,9 +15,10 @@ unit, concatenated: the slice its optimizer updates.
 Three coordinate systems, kept apart on purpose:
 - physical: index into the padded flat buffer (Segment.offset, Unit.start);
 - local: index into this rank's shard (the optimizer's vectors);
-- logical: index into the unpadded concatenation of all parameters in
-  registration order (Segment.logical). Checkpoints store logical pieces, so
-  they load at any world size or ZeRO stage.
+- logical: index into the unpadded concatenation of all parameters of the
+  whole model in registration order (Segment.logical; a pipeline stage's
+  parameters are a subset of it). Checkpoints store logical pieces, so they
+  load at any world size, ZeRO stage or number of pipeline stages.
 """
 from __future__ import annotations
 
@@ -81,14 +82,23 @@ def local_views(local: torch.Tensor, ranges: Ranges) -> list[torch.Tensor]:
     return views
 
 
+def logical_layout(model: nn.Module) -> tuple[dict[str, int], int]:
+    """({parameter name: its offset in the logical vector}, the vector's length) of a whole model:
+    every parameter, unpadded, in registration order."""
+    offsets, at = {}, 0
+    for name, p in model.named_parameters():  # tied weights appear once
+        offsets[name], at = at, at + p.numel()
+    return offsets, at
+
+
 class FlatParameters:
     def __init__(self, model: nn.Module, world_size: int, units: list[tuple[str, list[str]]] | None = None,
                  keep_grad: bool = True):
         named = dict(model.named_parameters())  # tied weights appear once
-        logical, at = {}, 0
-        for name, p in named.items():
-            logical[name], at = at, at + p.numel()
-        self.numel = at
+        self.numel = sum(p.numel() for p in named.values())  # what this rank holds
+        # A pipeline stage holds part of the model, and says where that part lies in the whole one
+        # (split_into_stage sets `logical_layout`), so that checkpoints from any stage share coordinates.
+        logical, self.logical_numel = getattr(model, "logical_layout", None) or logical_layout(model)
         units = units or [("model", list(named))]
         listed = [n for _, names in units for n in names]
         if sorted(listed) != sorted(named):
@@ -136,9 +146,12 @@ class FlatParameters:
 
     # --- coordinates ----------------------------------------------------------------
     def to_logical(self, physical: torch.Tensor) -> torch.Tensor:
+        """This rank's parameters, unpadded, in registration order (the whole logical vector unless the
+        model is a pipeline stage)."""
         return torch.cat([physical[s.offset:s.offset + s.numel] for s in self.segments])
 
     def to_physical(self, logical: torch.Tensor) -> torch.Tensor:
+        """The physical vector of this rank's parameters, read from the whole model's logical vector."""
         physical = logical.new_zeros(self.padded_numel)
         for s in self.segments:
             physical[s.offset:s.offset + s.numel] = logical[s.logical:s.logical + s.numel]

@@ -3,7 +3,9 @@ pipeline group, and every step's batch cut into M micro-batches that flow throug
 
 `split_into_stage` turns a full MiniGPT into this rank's stage in place: it keeps the blocks of
 the stage (the embeddings too on the first, the final LayerNorm, head and loss on the last) and
-deletes the rest, and gives the model a stage forward. Parameters keep their full-model names.
+deletes the rest, and gives the model a stage forward. Parameters keep their full-model names and
+their place in the whole model's logical vector, so a checkpoint saved by P stages loads into any
+other layout.
 
 `Pipeline.run` executes one step's schedule (schedules.py: a list of F/B actions per stage):
 - F m: receive micro-batch m's activation from the previous stage (the first stage embeds its
@@ -32,6 +34,7 @@ import torch
 import torch.nn as nn
 
 from ..comm import Comm, PendingCollective
+from .flat import logical_layout
 from .schedules import SCHEDULES, Action, expected_bubble
 
 
@@ -49,6 +52,7 @@ def split_into_stage(model: nn.Module, stage: int, stages: int) -> nn.Module:
     first stage: token ids -> hidden; middle: hidden -> hidden; last: hidden (+ targets) -> loss."""
     if stages == 1:
         return model
+    model.logical_layout = logical_layout(model)  # where the kept parameters lie in the whole model (checkpoints)
     keep = stage_blocks(len(model.blocks), stages)[stage]
     for name in list(model.blocks):
         if int(name) not in keep:

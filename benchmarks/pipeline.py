@@ -1,0 +1,130 @@
+"""Our 1F1B pipeline against PyTorch's `torch.distributed.pipelining.Schedule1F1B` on the same model.
+
+Both split MiniGPT (`small` preset: 4 blocks, d_model 256, 8 heads, seq 128, vocab 256) into `--pp`
+stages with our `split_into_stage` (the same contiguous blocks, the embeddings on the first stage,
+the head on the last), from the same initial weights, and run one batch of 8 sequences cut into
+`--microbatches` micro-batches through the 1F1B schedule: ours with `Pipeline`, PyTorch's with a
+`PipelineStage` per rank and `Schedule1F1B` (its loss function is the same mean cross-entropy, and it
+scales the gradients by 1/M as we do). Timed: forward + backward of the batch (no optimizer: neither
+is pipeline work), barrier to barrier over the pipeline group, median over steps after warmup; the
+first loss of both is printed as a check that they compute the same thing. Ratio = ours / PyTorch's
+within each repeat; repeats alternate which goes first.
+
+    .venv/bin/python benchmarks/pipeline.py [--pp 2] [--microbatches 4] [--steps 8] [--repeats 3]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from ranges import fmt_range, median_range  # benchmarks/ranges.py
+
+from minitrain.config import build_config
+from minitrain.data import ShardedLoader, load_corpus
+from minitrain.launch import launch
+from minitrain.metrics import format_table
+from minitrain.model import MiniGPT
+from minitrain.parallel.pipeline import Pipeline, split_into_stage
+
+MODEL = {"model.preset": "small", "train.batch_size": 8, "data.synthetic_tokens": 1 << 18, "train.log_every": 0}
+WARMUP = 2
+IMPLEMENTATIONS = ("minitrain", "torch")
+
+
+def _torch_schedule(stage_model, topo, cfg, microbatches):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    pp = topo.pp
+    stage = PipelineStage(stage_model, pp.rank, pp.world_size, topo.device, group=pp.group)
+
+    def loss_fn(logits, targets):
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+    schedule = Schedule1F1B(stage, microbatches, loss_fn=loss_fn)
+
+    def step(x, y):
+        losses = []
+        if pp.rank == 0:
+            schedule.step(x)
+        elif pp.rank == pp.world_size - 1:
+            schedule.step(target=y, losses=losses)
+        else:
+            schedule.step()
+        return torch.stack(losses).mean() if losses else None
+
+    return step
+
+
+def worker(topo, pp_size: int, microbatches: int, impl: str, steps: int) -> dict:
+    topo = topo.with_layout(1, pp_size)
+    cfg = build_config(cli_values={**MODEL, "dist.nproc": topo.world_size, "dist.pp": pp_size,
+                                   "dist.microbatches": microbatches}).validate()
+    torch.manual_seed(cfg.train.seed)
+    model = split_into_stage(MiniGPT(cfg.model), topo.pp.rank, pp_size)
+    if impl == "minitrain":
+        pipeline = Pipeline(model, topo.pp, "1f1b", microbatches, cfg.model.d_model, torch.float32, topo.device,
+                            contextlib.nullcontext, contextlib.nullcontext)
+
+        def step(x, y):
+            loss = pipeline.run(x, y, 1.0, sync=True)
+            return loss if pipeline.last_stage else None
+    else:
+        step = _torch_schedule(model, topo, cfg, microbatches)
+    loader = ShardedLoader(load_corpus(cfg), cfg.model.seq_len, cfg.train.batch_size, 0, 1, cfg.train.seed)
+    times, first_loss = [], None
+    for _ in range(WARMUP + steps):
+        x, y = loader.next_batch()
+        model.zero_grad(set_to_none=True)
+        topo.pp.barrier()
+        start = time.perf_counter()
+        loss = step(x, y)
+        topo.pp.barrier()
+        times.append(time.perf_counter() - start)
+        if first_loss is None and loss is not None:
+            first_loss = float(loss.detach())
+    return {"step_s": statistics.median(times[WARMUP:]), "first_loss": first_loss}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default="runs/bench-pp")
+    args = parser.parse_args(argv)
+    runs = []
+    for r in range(args.repeats):
+        order = IMPLEMENTATIONS if r % 2 == 0 else IMPLEMENTATIONS[::-1]
+        # The loss lives on the last stage: take that rank's result.
+        runs.append({impl: launch(worker, args.pp, args.pp, args.microbatches, impl, args.steps, backend="gloo",
+                                  timeout_s=1800)[-1] for impl in order})
+        print(f"repeat {r + 1}: " + ", ".join(f"{i} {1000 * runs[-1][i]['step_s']:.0f} ms (first loss "
+                                               f"{runs[-1][i]['first_loss']:.6f})" for i in IMPLEMENTATIONS),
+              file=sys.stderr, flush=True)
+    report = {impl: {"step_ms": median_range([1000 * run[impl]["step_s"] for run in runs]),
+                     "first_loss": runs[0][impl]["first_loss"]} for impl in IMPLEMENTATIONS}
+    ratio = median_range([run["minitrain"]["step_s"] / run["torch"]["step_s"] for run in runs])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "pipeline.json").write_text(json.dumps(
+        {"model": MODEL, "pp": args.pp, "microbatches": args.microbatches, "schedule": "1f1b", "steps": args.steps,
+         "warmup": WARMUP, "repeats": args.repeats, "format": "each figure is [median, min, max] over repeats",
+         "results": report, "minitrain_over_torch": ratio}, indent=1))
+    rows = [[impl, fmt_range(report[impl]["step_ms"], "{:.0f}"), f"{report[impl]['first_loss']:.6f}"]
+            for impl in IMPLEMENTATIONS]
+    print(format_table(["1F1B pipeline", "forward+backward ms", "first loss"], rows, "<>>"))
+    print(f"minitrain / torch.distributed.pipelining step time: {fmt_range(ratio, '{:.2f}')}")
+    print(f"wrote {out / 'pipeline.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -47,3 +47,42 @@ def test_every_layout_with_zero_0_and_1_trains_like_one_process():
         if not worst <= TOL:
             failures.append(f"(dp, tp, pp, zero) = {key}: off by {worst:.3g}")
     assert not failures, "\n".join(failures)
+
+
+RESUME_AT, LAST = 3, 6
+MOVES = [(1, 2, 2), (2, 2, 1), (4, 1, 1), (1, 4, 1), (2, 1, 2)]  # saved by the first, resumed by each
+
+
+def _train(trainer, root=None, resume_from=None):
+    if resume_from is not None:
+        trainer.load_checkpoint(resume_from)
+    losses = []
+    while trainer.step < LAST:
+        losses.append(trainer.train_step().loss)
+        if trainer.step == RESUME_AT and root is not None:
+            trainer.save_checkpoint(root)
+    return losses
+
+
+def _moves(topo, root):
+    """Train with the first layout, saving at RESUME_AT; then resume that checkpoint with each layout."""
+    dp, tp, pp = MOVES[0]
+    full = _train(Trainer(_config(dp, tp, pp, 1), topo.with_layout(tp, pp)), root)
+    resumed = [_train(Trainer(_config(dp, tp, pp, 1), topo.with_layout(tp, pp)), resume_from=root / "step-000003")
+               for dp, tp, pp in MOVES]
+    return full, resumed
+
+
+def test_a_checkpoint_moves_between_tensor_pipeline_and_data_parallel_layouts(tmp_path):
+    """Tensor-parallel slices and pipeline stages are saved in the whole model's coordinates (ZeRO-1 over
+    the data-parallel ranks), so any layout, or one process, continues the run."""
+    import json
+
+    per_rank = run_ranks(_moves, 4, tmp_path, timeout_s=240)
+    manifest = json.loads((tmp_path / "step-000003" / "manifest.json").read_text())
+    assert manifest["layout"] == {"dp": 1, "tp": 2, "pp": 2} and manifest["zero"] == 1
+    full, resumed = per_rank[0]
+    assert resumed[0] == full[RESUME_AT:]  # the same layout continues bit for bit
+    single = _train(Trainer(_config(1, 1, 1, 0), Topology.single()), resume_from=tmp_path / "step-000003")
+    for layout, losses in [*zip(MOVES[1:], resumed[1:]), ((1, 1, 1), single)]:
+        assert max(abs(a - b) for a, b in zip(losses, full[RESUME_AT:])) <= TOL, layout

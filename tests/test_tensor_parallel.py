@@ -128,8 +128,25 @@ def test_layout_puts_tensor_parallel_innermost_and_pipeline_outermost():
     (["--nproc", "2", "--tp", "2", "--model.d_ff", "33"], "--tp 2 does not divide the MLP width"),
     (["--nproc", "2", "--tp", "2", "--model.vocab_size", "65"], "--tp 2 does not divide model.vocab_size = 65"),
     (["--nproc", "4", "--pp", "4", "--model.n_layer", "2"], "--pp 4 needs at least one block per stage"),
-    (["--nproc", "2", "--tp", "2", "--ckpt-every-steps", "5"], "checkpoints are not supported with --tp 2 yet"),
 ])
 def test_bad_layouts_exit_2_naming_the_degrees(argv, message):
     proc = run_main("train", *argv)
     assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def _saved_then_resumed(topo, root):
+    cfg = _config(2, 2, 1, **MID)  # tied embedding and head, ZeRO-1
+    trainer = Trainer(cfg, topo.with_layout(2, 1))
+    losses = [trainer.train_step().loss for _ in range(3)]
+    trainer.save_checkpoint(root)
+    return losses + [trainer.train_step().loss for _ in range(2)]
+
+
+def test_a_tensor_parallel_checkpoint_with_tied_weights_resumes_in_one_process(tmp_path):
+    """Each rank saves its vocabulary rows of the shared embedding/head and its slices of every layer, in the
+    whole model's coordinates; one process loads the whole model and continues the same run."""
+    full = run_ranks(_saved_then_resumed, 2, tmp_path)[0]
+    trainer = Trainer(_config(1, 1, batch_size=4, **MID), Topology.single())
+    trainer.load_checkpoint(tmp_path / "step-000003")
+    resumed = [trainer.train_step().loss for _ in range(2)]
+    assert max(abs(a - b) for a, b in zip(resumed, full[3:])) <= TOL

@@ -172,16 +172,8 @@ class ShardWrite:
         return self.row is not None or self.error is not None
 
 
-def supports_layout(topo: Topology) -> bool:
-    """Shards are logical pieces of the whole flat model. A pipeline stage's parameters are whole
-    tensors, so its pieces are too; a tensor-parallel slice is not a range of the logical vector."""
-    return topo.tp.world_size == 1
-
-
 def begin(root: str | os.PathLike, step: int, topo: Topology) -> None:
     """Collective: rank 0 sweeps crashed saves' leftovers and makes this save's temporary directory."""
-    if not supports_layout(topo):  # config validation refuses it first; this guards library use
-        raise CheckpointError("checkpoints of tensor-parallel runs are not supported yet")
     root = Path(root)
     tmp = root / f".tmp-{step_dir_name(step)}"
     if topo.is_main:
@@ -460,10 +452,12 @@ def load(path: str | os.PathLike, topo: Topology, strategy: FlatStrategy) -> dic
     """Verify, then restore parameters, optimizer state and (same world size) this
     rank's RNG. Returns the saved training state (step, loader position, ...)."""
     step_dir, manifest = verify(path)
-    # This rank's parameters (all of them, or a pipeline stage's) must lie where the checkpoint has them.
+    # This rank's parameters (all of them, a pipeline stage's, tensor-parallel slices) must be the whole
+    # model's, where the checkpoint has them.
     theirs = {s["name"]: (s["shape"], s["offset"]) for s in manifest["flat"]["segments"]}
-    diff = next((f"{s.name} {list(s.shape)} at {s.logical} vs {theirs.get(s.name, 'absent')}"
-                 for s in strategy.flat.segments if theirs.get(s.name) != (list(s.shape), s.logical)), None)
+    diff = next((f"{s.name} {list(s.full_shape or s.shape)} at {s.logical} vs {theirs.get(s.name, 'absent')}"
+                 for s in strategy.flat.segments if theirs.get(s.name) != (list(s.full_shape or s.shape), s.logical)),
+                None)
     if diff is None and manifest["flat"]["numel"] != strategy.flat.logical_numel:
         diff = f"{strategy.flat.logical_numel} vs {manifest['flat']['numel']} parameters"
     if diff is not None:

@@ -268,12 +268,6 @@ def _check_layout(cfg: RunConfig) -> None:
         if cfg.ddp.mode == "torch":
             raise ConfigError(f"--dp torch with --pp {d.pp}: PyTorch's DDP cannot hold several micro-batches' "
                               "forwards before their backwards; use --dp bucketed")
-    if d.tp > 1:
-        ckpt = cfg.ckpt
-        if ckpt.every_steps or ckpt.every_minutes or ckpt.resume:
-            raise ConfigError(f"checkpoints are not supported with --tp {d.tp} yet (a rank's slices of a weight are "
-                              "not a range of the model's parameters); drop --ckpt-every-steps / "
-                              "--ckpt-every-minutes / --resume, or use --tp 1")
 
 
 def _check_fault(f: FaultConfig, nproc: int) -> None:

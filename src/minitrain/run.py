@@ -72,14 +72,12 @@ class TrainingRun:
                 if self._rolled_back(record):
                     continue
                 stopping = bool(t.agreed_stop)
-                saving = checkpoint.supports_layout(self.topo)
-                if self.cadence.due(t.step) or (stopping and saving):
+                if self.cadence.due(t.step) or stopping:
                     self._save(background=self.cfg.ckpt.async_save and not stopping)
                 if stopping:
                     self.stopped_by = t.stop_request.name(t.agreed_stop)
-                    saved = (f"checkpoint {self.saved[-1]}; continue with --resume auto" if saving else
-                             "no checkpoint (not supported with --tp > 1 yet)")
-                    self.say(f"{self.stopped_by} received by rank {t.stop_ranks}: stopped after step {t.step}, {saved}")
+                    self.say(f"{self.stopped_by} received by rank {t.stop_ranks}: stopped after step {t.step}, "
+                             f"checkpoint {self.saved[-1]}; continue with --resume auto")
                     break
             self._commit_pending()  # the run is done only when its last checkpoint is durable
         finally:

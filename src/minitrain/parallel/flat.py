@@ -39,7 +39,11 @@ class Segment:
     name: str
     offset: int  # physical
     shape: tuple[int, ...]
-    logical: int = 0
+    logical: int = 0  # where the whole parameter starts in the logical vector
+    # A tensor-parallel slice: its shape in the whole model, and (local start, logical start, length) runs
+    # saying where its elements lie in the logical vector. Empty for a whole parameter: one run.
+    full_shape: tuple[int, ...] = ()
+    slice_runs: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def numel(self) -> int:
@@ -47,6 +51,34 @@ class Segment:
         for d in self.shape:
             n *= d
         return n
+
+    @property
+    def runs(self) -> tuple[tuple[int, int, int], ...]:
+        return self.slice_runs or ((0, self.logical, self.numel),)
+
+
+def slice_runs(full_shape: tuple[int, ...], dim: int, index: torch.Tensor, logical: int) -> tuple:
+    """(local start, logical start, length) runs of `full.index_select(dim, index)` flattened, for a
+    parameter of `full_shape` (1-D or 2-D, sliced along dim 0 or 1) starting at `logical`: consecutive
+    indices make one run, so a block of rows is one run and a block of columns one run per row."""
+    groups, start = [], 0
+    index = index.tolist()
+    for i in range(1, len(index) + 1):
+        if i == len(index) or index[i] != index[i - 1] + 1:
+            groups.append((index[start], i - start))  # (first index, count)
+            start = i
+    row = 1 if len(full_shape) == 1 else full_shape[1]
+    runs, at = [], 0
+    if dim == 0:
+        for first, count in groups:
+            runs.append((at, logical + first * row, count * row))
+            at += count * row
+        return tuple(runs)
+    for r in range(full_shape[0]):  # dim 1: this rank's columns of every row
+        for first, count in groups:
+            runs.append((at, logical + r * row + first, count))
+            at += count
+    return tuple(runs)
 
 
 @dataclass(frozen=True)
@@ -108,7 +140,9 @@ class FlatParameters:
         for unit_name, names in units:
             start, segs = offset, []
             for name in names:
-                segs.append(Segment(name, offset, tuple(named[name].shape), logical[name]))
+                shape, sliced = tuple(named[name].shape), getattr(named[name], "full_slice", None)
+                full_shape, runs = (sliced[0], slice_runs(*sliced, logical[name])) if sliced else ((), ())
+                segs.append(Segment(name, offset, shape, logical[name], full_shape, runs))
                 offset += named[name].numel()
             offset = start + padded_numel([offset - start], world_size)
             self.units.append(Unit(unit_name, start, offset, tuple(segs)))
@@ -154,7 +188,8 @@ class FlatParameters:
         """The physical vector of this rank's parameters, read from the whole model's logical vector."""
         physical = logical.new_zeros(self.padded_numel)
         for s in self.segments:
-            physical[s.offset:s.offset + s.numel] = logical[s.logical:s.logical + s.numel]
+            for at, lo, n in s.runs:
+                physical[s.offset + at:s.offset + at + n] = logical[lo:lo + n]
         return physical
 
     def pieces(self, ranges: Ranges) -> list[list[int]]:
@@ -163,9 +198,11 @@ class FlatParameters:
         out, at = [], 0
         for a, b in ranges:
             for s in self.segments:
-                lo, hi = max(a, s.offset), min(b, s.offset + s.numel)
-                if lo < hi:
-                    out.append([at + lo - a, s.logical + lo - s.offset, s.logical + hi - s.offset])
+                for local, logical, n in s.runs:
+                    start = s.offset + local  # physical
+                    lo, hi = max(a, start), min(b, start + n)
+                    if lo < hi:
+                        out.append([at + lo - a, logical + lo - start, logical + hi - start])
             at += b - a
         return sorted(out)
 

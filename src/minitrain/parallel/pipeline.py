@@ -52,7 +52,8 @@ def split_into_stage(model: nn.Module, stage: int, stages: int) -> nn.Module:
     first stage: token ids -> hidden; middle: hidden -> hidden; last: hidden (+ targets) -> loss."""
     if stages == 1:
         return model
-    model.logical_layout = logical_layout(model)  # where the kept parameters lie in the whole model (checkpoints)
+    if not hasattr(model, "logical_layout"):  # where the kept parameters lie in the whole model (checkpoints)
+        model.logical_layout = logical_layout(model)
     keep = stage_blocks(len(model.blocks), stages)[stage]
     for name in list(model.blocks):
         if int(name) not in keep:

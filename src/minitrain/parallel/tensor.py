@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm import Comm
+from .flat import logical_layout
 
 
 class _CopyToTensorParallel(torch.autograd.Function):
@@ -70,9 +71,12 @@ def reduce_from_tensor_parallel(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     return _ReduceFromTensorParallel.apply(x, comm)
 
 
-def _sharded(t: torch.Tensor) -> nn.Parameter:
-    p = nn.Parameter(t.detach().clone())
+def _sharded(full: torch.Tensor, dim: int, index: torch.Tensor) -> nn.Parameter:
+    """This rank's slice of a full parameter: the entries `index` along `dim`. It remembers where it came
+    from (`full_slice`), so a checkpoint can put its elements back into the whole model's coordinates."""
+    p = nn.Parameter(full.detach().index_select(dim, index.to(full.device)).clone())
     p.tensor_parallel = True
+    p.full_slice = (tuple(full.shape), dim, index.cpu())
     return p
 
 
@@ -83,8 +87,8 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, full: nn.Linear, rows: torch.Tensor, comm: Comm):
         super().__init__()
         self.comm = comm
-        self.weight = _sharded(full.weight[rows])
-        self.bias = None if full.bias is None else _sharded(full.bias[rows])
+        self.weight = _sharded(full.weight, 0, rows)
+        self.bias = None if full.bias is None else _sharded(full.bias, 0, rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(copy_to_tensor_parallel(x, self.comm), self.weight, self.bias)
@@ -97,7 +101,7 @@ class RowParallelLinear(nn.Module):
     def __init__(self, full: nn.Linear, cols: torch.Tensor, comm: Comm):
         super().__init__()
         self.comm = comm
-        self.weight = _sharded(full.weight[:, cols])
+        self.weight = _sharded(full.weight, 1, cols)
         self.bias = None if full.bias is None else nn.Parameter(full.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -111,7 +115,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, full: nn.Embedding, lo: int, hi: int, comm: Comm):
         super().__init__()
         self.comm, self.lo, self.hi = comm, lo, hi
-        self.weight = _sharded(full.weight[lo:hi])
+        self.weight = _sharded(full.weight, 0, torch.arange(lo, hi))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.lo) | (ids >= self.hi)
@@ -168,6 +172,8 @@ def apply_tensor_parallel(model: nn.Module, comm: Comm) -> nn.Module:
     the heads, the MLP width and the vocabulary (config validation says so first)."""
     if comm.world_size == 1:
         return model
+    if not hasattr(model, "logical_layout"):  # the whole model's coordinates, for checkpoints (flat.py)
+        model.logical_layout = logical_layout(model)
     cfg = model.cfg
     for block in model.blocks.values():
         attn, mlp = block.attn, block.mlp

@@ -47,6 +47,8 @@ Examples:
   minitrain train --nproc 4 --zero 1 --steps 50 --out runs/z1
   minitrain train --nproc 4 --zero 3 --memory-profile --out runs/z3  # per-rank memory vs the formula
   minitrain train --nproc 2 --zero 1 --precision bf16 --out runs/bf16  # float32 master, 16-bit compute
+  minitrain train --nproc 4 --tp 2 --pp 2 --microbatches 4 --model.n_layer 4 --out runs/3d
+                                           # 2 tensor-parallel ranks x 2 pipeline stages, 1F1B
   minitrain train --nproc 2 --ckpt-every-steps 10 --out runs/a      # checkpoints every 10 steps
   minitrain train --ckpt-every-minutes 30 --keep-last 3 --out runs/b  # by the clock, newest 3 kept
   minitrain train --nproc 2 --resume auto --steps 40 --out runs/a   # continue the same run

@@ -43,8 +43,9 @@ def reference(tmp_path_factory):
 
 def test_sigkill_under_torchrun_restarts_from_the_last_checkpoint_bit_identical(tmp_path, reference):
     # Rank 1 dies (SIGKILL) as step 7 starts; torchrun restarts both ranks, which resume from step 5
-    # (a restarted attempt resumes by itself: no --resume needed).
-    for attempt in range(3):
+    # (a restarted attempt resumes by itself: no --resume needed). Twice: a restart race once failed about
+    # half the time (benchmarks/torchrun_restarts.py measures it over 10 trials).
+    for attempt in range(2):
         out = tmp_path / f"attempt{attempt}"
         proc = _ok(run_cli(*RUN, "--out", str(out), "--fault.kind", "sigkill",
                            "--fault.step", "7", "--fault.rank", "1", torchrun_nproc=2,

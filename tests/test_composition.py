@@ -1,6 +1,5 @@
 """Every way of splitting 4 ranks into data x tensor x pipeline parallel, with ZeRO 0 and 1, trains
 exactly like one process (float64, 10 steps): the parity matrix of `parallelize`."""
-import pytest
 
 from minitrain.config import build_config
 from minitrain.topology import Topology

@@ -8,8 +8,17 @@ import torch
 
 from minitrain.config import build_config
 from minitrain.parallel.pipeline import stage_blocks
-from minitrain.parallel.schedules import (SCHEDULES, Action, DeadlockError, expected_bubble, gpipe, one_f_one_b,
-                                          peak_in_flight, simulate, simulated_bubble)
+from minitrain.parallel.schedules import (
+    SCHEDULES,
+    Action,
+    DeadlockError,
+    expected_bubble,
+    gpipe,
+    one_f_one_b,
+    peak_in_flight,
+    simulate,
+    simulated_bubble,
+)
 from minitrain.topology import Topology
 from minitrain.trainer import Trainer
 

@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from ..comm import Comm, PendingCollective
 from .flat import logical_layout

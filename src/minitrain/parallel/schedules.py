@@ -133,13 +133,14 @@ def render_timeline(name: str, schedule: list[list[Action]], forward_cost: int =
     slots = simulate(schedule, forward_cost, backward_cost)
     span = max(s.stop for s in slots)
     width = len(str(microbatches - 1)) + 2  # a kind letter, the micro-batch number, a space
-    grid = [["." .ljust(width)] * span for _ in range(stages)]
+    grid = [[".".ljust(width)] * span for _ in range(stages)]
     for slot in slots:
         for t in range(slot.start, slot.stop):
             grid[slot.stage][t] = str(slot.action).ljust(width)
     bubbles = simulated_bubble(slots, stages)
-    lines = [f"{name}: {stages} stages, {microbatches} micro-batches; a forward takes {forward_cost} tick"
-             f"{'s' if forward_cost > 1 else ''}, a backward {backward_cost} (Fn / Bn: micro-batch n, . idle)", ""]
+    title = (f"{name}: {stages} stages, {microbatches} micro-batches; a forward takes {forward_cost} tick"
+             f"{'s' if forward_cost > 1 else ''}, a backward {backward_cost} (Fn / Bn: micro-batch n, . idle)")
+    lines = [title, ""]
     lines += [f"stage {s} | " + "".join(row).rstrip() for s, row in enumerate(grid)]
     lines += ["", f"{'stage':>5}  {'bubble':>6}  {'in flight (peak)':>16}"]
     for s in range(stages):

@@ -1,5 +1,8 @@
 """Every way of splitting 4 ranks into data x tensor x pipeline parallel, with ZeRO 0 and 1, trains
 exactly like one process (float64, 10 steps): the parity matrix of `parallelize`."""
+import json
+
+import pytest
 
 from minitrain.config import build_config
 from minitrain.topology import Topology
@@ -34,11 +37,22 @@ def _matrix(topo):
     return out
 
 
-def test_every_layout_with_zero_0_and_1_trains_like_one_process():
+def _four_ranks(topo, root):
+    """Everything this file runs on 4 ranks, in one launch."""
+    return _matrix(topo), _moves(topo, root)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moves")
+    return run_ranks(_four_ranks, 4, root, timeout_s=300), root
+
+
+def test_every_layout_with_zero_0_and_1_trains_like_one_process(four_ranks):
     trainer = Trainer(_config(1, 1, 1, 0), Topology.single())
     reference = [(r.loss, r.grad_norm, r.param_norm) for r in (trainer.train_step() for _ in range(STEPS))]
     assert reference[-1][0] < reference[0][0]
-    per_rank = run_ranks(_matrix, 4, timeout_s=240)
+    per_rank = [matrix for matrix, _ in four_ranks[0]]
     failures = []
     for key in per_rank[0]:
         worst = max(abs(a - b) for rank in per_rank for step, ref in zip(rank[key], reference)
@@ -72,16 +86,14 @@ def _moves(topo, root):
     return full, resumed
 
 
-def test_a_checkpoint_moves_between_tensor_pipeline_and_data_parallel_layouts(tmp_path):
+def test_a_checkpoint_moves_between_tensor_pipeline_and_data_parallel_layouts(four_ranks):
     """Tensor-parallel slices and pipeline stages are saved in the whole model's coordinates (ZeRO-1 over
     the data-parallel ranks), so any layout, or one process, continues the run."""
-    import json
-
-    per_rank = run_ranks(_moves, 4, tmp_path, timeout_s=240)
-    manifest = json.loads((tmp_path / "step-000003" / "manifest.json").read_text())
+    per_rank, root = four_ranks
+    manifest = json.loads((root / "step-000003" / "manifest.json").read_text())
     assert manifest["layout"] == {"dp": 1, "tp": 2, "pp": 2} and manifest["zero"] == 1
-    full, resumed = per_rank[0]
+    full, resumed = per_rank[0][1]
     assert resumed[0] == full[RESUME_AT:]  # the same layout continues bit for bit
-    single = _train(Trainer(_config(1, 1, 1, 0), Topology.single()), resume_from=tmp_path / "step-000003")
+    single = _train(Trainer(_config(1, 1, 1, 0), Topology.single()), resume_from=root / "step-000003")
     for layout, losses in [*zip(MOVES[1:], resumed[1:]), ((1, 1, 1), single)]:
         assert max(abs(a - b) for a, b in zip(losses, full[RESUME_AT:])) <= TOL, layout

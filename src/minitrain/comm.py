@@ -41,8 +41,9 @@ class PendingCollective:
     """An async collective in flight. `wait()` finishes it, books its stats and returns
     its (launched, completed) perf_counter times."""
 
-    def __init__(self, comm: "Comm", op: str, nbytes: int, work=None):
+    def __init__(self, comm: "Comm", op: str, nbytes: int, work=None, payload: torch.Tensor | None = None):
         self.comm, self.op, self.nbytes, self.work = comm, op, nbytes, work
+        self.payload = payload  # a tensor the op reads or writes, kept alive until wait()
         self.launched = time.perf_counter()
         self.completed: float | None = None if work is not None else self.launched
         if work is not None:
@@ -63,7 +64,7 @@ class PendingCollective:
             if self.completed is None:  # the callback may still be on its way; bound it by now
                 self.completed = time.perf_counter()
             self.comm.book(self.op, self.nbytes, self.completed - self.launched)
-            self.work = None
+            self.work = self.payload = None
         return self.launched, self.completed
 
     def done(self) -> bool:
@@ -210,7 +211,14 @@ class Comm:
             works = dist.batch_isend_irecv(ops)
         except RuntimeError as e:
             raise self.failure("send/recv", nbytes, e) from e
-        in_flight = [PendingCollective(self, "send", _nbytes(t), w) for (t, _), w in zip(sends, works)]
+        if len(works) != len(ops):
+            # NCCL coalesces the batch into one work for every op: wait for all of it (on NCCL, wait() only
+            # orders the compute stream after the transfers; the host does not block).
+            for work in works:
+                PendingCollective(self, "send/recv", nbytes, work).wait()
+            return []
+        # Each send keeps its tensor until waited on: the buffer must outlive the transfer.
+        in_flight = [PendingCollective(self, "send", _nbytes(t), w, payload=t) for (t, _), w in zip(sends, works)]
         for (t, _), w in zip(recvs, works[len(sends):]):
             PendingCollective(self, "recv", _nbytes(t), w).wait()
         return in_flight

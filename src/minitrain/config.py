@@ -258,6 +258,10 @@ def _check_layout(cfg: RunConfig) -> None:
     if cfg.train.batch_size % d.microbatches:
         raise ConfigError(f"--microbatches {d.microbatches} does not divide --batch-size {cfg.train.batch_size}; "
                           "each micro-batch is an equal slice of the batch")
+    if cfg.ddp.mode == "torch" and (d.pp > 1 or d.microbatches > 1):
+        raise ConfigError(f"--dp torch with --pp {d.pp} --microbatches {d.microbatches}: PyTorch's DDP decides in "
+                          "forward whether backward syncs, so it cannot run a pipeline schedule's micro-batches; "
+                          "use --dp bucketed (or --grad-accum for micro-batches without a pipeline)")
     if d.pp > 1:
         if m.n_layer < d.pp:
             raise ConfigError(f"--pp {d.pp} needs at least one block per stage; the model has {m.n_layer} "
@@ -265,9 +269,6 @@ def _check_layout(cfg: RunConfig) -> None:
         if m.tie_weights:
             raise ConfigError(f"--pp {d.pp} with model.tie_weights: the embedding (first stage) and the head (last "
                               "stage) cannot share a weight across stages yet; use --model.tie_weights false")
-        if cfg.ddp.mode == "torch":
-            raise ConfigError(f"--dp torch with --pp {d.pp}: PyTorch's DDP cannot hold several micro-batches' "
-                              "forwards before their backwards; use --dp bucketed")
 
 
 def _check_fault(f: FaultConfig, nproc: int) -> None:

@@ -16,26 +16,22 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from ranges import fmt_range, median_range  # benchmarks/ranges.py
+from against_peer import compare, write_and_print  # benchmarks/against_peer.py
 
 from minitrain.config import build_config
 from minitrain.data import ShardedLoader, load_corpus
 from minitrain.launch import launch
-from minitrain.metrics import format_table
 from minitrain.model import MiniGPT
 from minitrain.parallel.pipeline import Pipeline, split_into_stage
 
 MODEL = {"model.preset": "small", "train.batch_size": 8, "data.synthetic_tokens": 1 << 18, "train.log_every": 0}
 WARMUP = 2
-IMPLEMENTATIONS = ("minitrain", "torch")
 
 
 def _torch_schedule(stage_model, topo, cfg, microbatches):
@@ -100,29 +96,13 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="runs/bench-pp")
     args = parser.parse_args(argv)
-    runs = []
-    for r in range(args.repeats):
-        order = IMPLEMENTATIONS if r % 2 == 0 else IMPLEMENTATIONS[::-1]
-        # The loss lives on the last stage: take that rank's result.
-        runs.append({impl: launch(worker, args.pp, args.pp, args.microbatches, impl, args.steps, backend="gloo",
-                                  timeout_s=1800)[-1] for impl in order})
-        print(f"repeat {r + 1}: " + ", ".join(f"{i} {1000 * runs[-1][i]['step_s']:.0f} ms (first loss "
-                                               f"{runs[-1][i]['first_loss']:.6f})" for i in IMPLEMENTATIONS),
-              file=sys.stderr, flush=True)
-    report = {impl: {"step_ms": median_range([1000 * run[impl]["step_s"] for run in runs]),
-                     "first_loss": runs[0][impl]["first_loss"]} for impl in IMPLEMENTATIONS}
-    ratio = median_range([run["minitrain"]["step_s"] / run["torch"]["step_s"] for run in runs])
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "pipeline.json").write_text(json.dumps(
-        {"model": MODEL, "pp": args.pp, "microbatches": args.microbatches, "schedule": "1f1b", "steps": args.steps,
-         "warmup": WARMUP, "repeats": args.repeats, "format": "each figure is [median, min, max] over repeats",
-         "results": report, "minitrain_over_torch": ratio}, indent=1))
-    rows = [[impl, fmt_range(report[impl]["step_ms"], "{:.0f}"), f"{report[impl]['first_loss']:.6f}"]
-            for impl in IMPLEMENTATIONS]
-    print(format_table(["1F1B pipeline", "forward+backward ms", "first loss"], rows, "<>>"))
-    print(f"minitrain / torch.distributed.pipelining step time: {fmt_range(ratio, '{:.2f}')}")
-    print(f"wrote {out / 'pipeline.json'}")
+    # The loss lives on the last stage: take that rank's result.
+    report, ratio = compare(lambda impl: launch(worker, args.pp, args.pp, args.microbatches, impl, args.steps,
+                                                backend="gloo", timeout_s=1800)[-1], "torch", args.repeats)
+    write_and_print(Path(args.out) / "pipeline.json",
+                    {"model": MODEL, "pp": args.pp, "microbatches": args.microbatches, "schedule": "1f1b",
+                     "steps": args.steps, "warmup": WARMUP, "repeats": args.repeats},
+                    report, ratio, "1F1B pipeline", "torch.distributed.pipelining")
     return 0
 
 

@@ -15,25 +15,21 @@ the same thing. Ratio = ours / DTensor within each repeat; repeats alternate whi
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
-from ranges import fmt_range, median_range  # benchmarks/ranges.py
+from against_peer import compare, write_and_print  # benchmarks/against_peer.py
 
 from minitrain.config import build_config
 from minitrain.data import ShardedLoader, load_corpus
 from minitrain.launch import launch
-from minitrain.metrics import format_table
 from minitrain.model import MiniGPT
 from minitrain.parallel.tensor import apply_tensor_parallel
 
 MODEL = {"model.preset": "small", "train.batch_size": 8, "data.synthetic_tokens": 1 << 18, "train.log_every": 0}
 WARMUP = 2
-IMPLEMENTATIONS = ("minitrain", "dtensor")
 
 
 def _dtensor(model: MiniGPT, tp) -> MiniGPT:
@@ -96,28 +92,11 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="runs/bench-tp")
     args = parser.parse_args(argv)
-    runs = []
-    for r in range(args.repeats):
-        order = IMPLEMENTATIONS if r % 2 == 0 else IMPLEMENTATIONS[::-1]
-        runs.append({impl: launch(worker, args.tp, args.tp, impl, args.steps, backend="gloo", timeout_s=1800)[0]
-                     for impl in order})
-        print(f"repeat {r + 1}: " + ", ".join(f"{i} {1000 * runs[-1][i]['step_s']:.0f} ms (first loss "
-                                               f"{runs[-1][i]['first_loss']:.6f})" for i in IMPLEMENTATIONS),
-              file=sys.stderr, flush=True)
-    report = {impl: {"step_ms": median_range([1000 * run[impl]["step_s"] for run in runs]),
-                     "first_loss": runs[0][impl]["first_loss"]} for impl in IMPLEMENTATIONS}
-    ratio = median_range([run["minitrain"]["step_s"] / run["dtensor"]["step_s"] for run in runs])
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "tensor_parallel.json").write_text(json.dumps(
-        {"model": MODEL, "tp": args.tp, "steps": args.steps, "warmup": WARMUP, "repeats": args.repeats,
-         "format": "each figure is [median, min, max] over repeats", "results": report,
-         "minitrain_over_dtensor": ratio}, indent=1))
-    rows = [[impl, fmt_range(report[impl]["step_ms"], "{:.0f}"), f"{report[impl]['first_loss']:.6f}"]
-            for impl in IMPLEMENTATIONS]
-    print(format_table(["tensor parallel", "forward+backward ms", "first loss"], rows, "<>>"))
-    print(f"minitrain / dtensor step time: {fmt_range(ratio, '{:.2f}')}")
-    print(f"wrote {out / 'tensor_parallel.json'}")
+    report, ratio = compare(lambda impl: launch(worker, args.tp, args.tp, impl, args.steps, backend="gloo",
+                                                timeout_s=1800)[0], "dtensor", args.repeats)
+    write_and_print(Path(args.out) / "tensor_parallel.json",
+                    {"model": MODEL, "tp": args.tp, "steps": args.steps, "warmup": WARMUP, "repeats": args.repeats},
+                    report, ratio, "tensor parallel", "dtensor")
     return 0
 
 

@@ -1,0 +1,40 @@
+"""Ours against a PyTorch peer, step time as a ratio: the loop and the report the peer benchmarks share
+(tensor_parallel.py, pipeline.py)."""
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from ranges import fmt_range, median_range  # benchmarks/ranges.py
+
+from minitrain.metrics import format_table
+
+
+def compare(run_one: Callable[[str], dict], peer: str, repeats: int) -> tuple[dict, tuple[float, float, float]]:
+    """run_one(impl) -> {"step_s", "first_loss"} for impl "minitrain" and `peer`. Each repeat runs both,
+    alternating which goes first; the ratio is ours / the peer's within each repeat. Returns
+    ({impl: {"step_ms": (median, min, max), "first_loss"}}, ratio as (median, min, max))."""
+    impls = ("minitrain", peer)
+    runs = []
+    for r in range(repeats):
+        runs.append({impl: run_one(impl) for impl in (impls if r % 2 == 0 else impls[::-1])})
+        print(f"repeat {r + 1}: " + ", ".join(f"{i} {1000 * runs[-1][i]['step_s']:.0f} ms (first loss "
+                                               f"{runs[-1][i]['first_loss']:.6f})" for i in impls),
+              file=sys.stderr, flush=True)
+    report = {impl: {"step_ms": median_range([1000 * run[impl]["step_s"] for run in runs]),
+                     "first_loss": runs[0][impl]["first_loss"]} for impl in impls}
+    return report, median_range([run["minitrain"]["step_s"] / run[peer]["step_s"] for run in runs])
+
+
+def write_and_print(path: Path, settings: dict, report: dict, ratio: tuple, title: str, peer_name: str) -> None:
+    """The JSON (settings, results, ratio) and the table with the ratio line."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    peer = next(impl for impl in report if impl != "minitrain")
+    path.write_text(json.dumps({**settings, "format": "each figure is [median, min, max] over repeats",
+                                "results": report, f"minitrain_over_{peer}": ratio}, indent=1))
+    rows = [[impl, fmt_range(r["step_ms"], "{:.0f}"), f"{r['first_loss']:.6f}"] for impl, r in report.items()]
+    print(format_table([title, "forward+backward ms", "first loss"], rows, "<>>"))
+    print(f"minitrain / {peer_name} step time: {fmt_range(ratio, '{:.2f}')}")
+    print(f"wrote {path}")

@@ -3,13 +3,33 @@
 from __future__ import annotations
 
 import json
+import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 from ranges import fmt_range, median_range  # benchmarks/ranges.py
 
 from minitrain.metrics import format_table
+
+
+def time_steps(step: Callable, zero_grad: Callable, loader, comm, steps: int, warmup: int) -> dict:
+    """Time `step(x, y)` (forward + backward; returns the loss tensor, or None on ranks without it) on
+    `warmup + steps` batches, barrier to barrier over `comm`: {"step_s": median after warmup, "first_loss"}."""
+    times, first_loss = [], None
+    for _ in range(warmup + steps):
+        x, y = loader.next_batch()
+        zero_grad(set_to_none=True)
+        comm.barrier()
+        start = time.perf_counter()
+        loss = step(x, y)
+        comm.barrier()
+        times.append(time.perf_counter() - start)
+        if first_loss is None and loss is not None:
+            loss = loss.detach()  # a DTensor loss is gathered whole (outside the timed part)
+            first_loss = float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
+    return {"step_s": statistics.median(times[warmup:]), "first_loss": first_loss}
 
 
 def compare(run_one: Callable[[str], dict], peer: str, repeats: int) -> tuple[dict, tuple[float, float, float]]:

@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from against_peer import compare, write_and_print  # benchmarks/against_peer.py
+from against_peer import compare, time_steps, write_and_print  # benchmarks/against_peer.py
 
 from minitrain.config import build_config
 from minitrain.data import ShardedLoader, load_corpus
@@ -74,19 +72,7 @@ def worker(topo, pp_size: int, microbatches: int, impl: str, steps: int) -> dict
     else:
         step = _torch_schedule(model, topo, cfg, microbatches)
     loader = ShardedLoader(load_corpus(cfg), cfg.model.seq_len, cfg.train.batch_size, 0, 1, cfg.train.seed)
-    times, first_loss = [], None
-    for _ in range(WARMUP + steps):
-        x, y = loader.next_batch()
-        model.zero_grad(set_to_none=True)
-        topo.pp.barrier()
-        start = time.perf_counter()
-        loss = step(x, y)
-        topo.pp.barrier()
-        times.append(time.perf_counter() - start)
-        if first_loss is None and loss is not None:
-            first_loss = float(loss.detach())
-    return {"step_s": statistics.median(times[WARMUP:]), "first_loss": first_loss}
-
+    return time_steps(step, model.zero_grad, loader, topo.pp, steps, WARMUP)
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

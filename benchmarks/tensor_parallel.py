@@ -15,12 +15,10 @@ the same thing. Ratio = ours / DTensor within each repeat; repeats alternate whi
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from pathlib import Path
 
 import torch
-from against_peer import compare, write_and_print  # benchmarks/against_peer.py
+from against_peer import compare, time_steps, write_and_print  # benchmarks/against_peer.py
 
 from minitrain.config import build_config
 from minitrain.data import ShardedLoader, load_corpus
@@ -68,22 +66,14 @@ def worker(topo, tp_size: int, impl: str, steps: int) -> dict:
         model = _dtensor(model, topo.tp)
         context = loss_parallel
     loader = ShardedLoader(load_corpus(cfg), cfg.model.seq_len, cfg.train.batch_size, 0, 1, cfg.train.seed)
-    times, first_loss = [], None
-    for _ in range(WARMUP + steps):
-        x, y = loader.next_batch()
-        model.zero_grad(set_to_none=True)
-        topo.tp.barrier()
-        start = time.perf_counter()
+
+    def step(x, y):
         with context():
             loss = model(x, y)
             loss.backward()
-        topo.tp.barrier()
-        times.append(time.perf_counter() - start)
-        if first_loss is None:
-            loss = loss.detach()
-            first_loss = float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
-    return {"step_s": statistics.median(times[WARMUP:]), "first_loss": first_loss}
+        return loss
 
+    return time_steps(step, model.zero_grad, loader, topo.tp, steps, WARMUP)
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -102,7 +102,7 @@ class Pipeline:
         xs, ys = x.to(self.device).chunk(M), y.to(self.device).chunk(M)
         shape = (xs[0].size(0), xs[0].size(1), self.d_model)
         held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # micro-batch -> (stage input, stage output)
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # on the device: no sync per micro-batch
         outgoing: list[tuple[torch.Tensor, int]] = []  # the previous action's send, started with the next receive
         in_flight: list[PendingCollective] = []
         busy, peak = 0.0, 0
@@ -119,7 +119,7 @@ class Pipeline:
                 with self.forward_context():
                     out = self.module(inp, ys[m] if self.last_stage else None)
                 if self.last_stage:
-                    loss_sum += out.detach().double().cpu()
+                    loss_sum += out.detach().double()
                 else:
                     out = out.to(self.dtype)  # differentiable: the received gradient comes back in this dtype
                     outgoing = [(out.detach(), self.stage + 1)]
@@ -144,7 +144,7 @@ class Pipeline:
         span = time.perf_counter() - start
         self.measured = {"bubble": 1 - busy / span if span > 0 else 0.0, "busy_s": busy, "span_s": span,
                      "peak_in_flight": peak}
-        return loss_sum / M
+        return (loss_sum / M).cpu()
 
     def _incoming(self, action: Action, shape: tuple[int, ...]) -> list[tuple[torch.Tensor, int]]:
         """The receive an action waits for: an activation from the previous stage, or a gradient from the next."""

@@ -30,7 +30,7 @@ from minitrain.config import build_config
 from minitrain.launch import launch
 from minitrain.memory import device_peak_bytes, reset_device_peak, saved_activation_bytes
 from minitrain.metrics import format_table, human_bytes
-from minitrain.recompute import MODES
+from minitrain.parallel.recompute import MODES
 from minitrain.trainer import Trainer
 
 MODEL = {"model.preset": "small", "train.batch_size": 8, "data.synthetic_tokens": 1 << 18, "train.log_every": 0,

@@ -4,6 +4,8 @@ import torch
 import torch.nn as nn
 
 from minitrain.config import TrainConfig, build_config
+from minitrain.optim import flat_adamw_factory
+from minitrain.parallel.config import ParallelConfig
 from minitrain.parallel.ddp import BucketedDataParallel, plan_buckets
 from minitrain.parallel.flat import Segment
 from minitrain.topology import Topology
@@ -131,7 +133,7 @@ class _PartlyUsed(nn.Module):
 def _unused_parameter(topo):
     torch.manual_seed(0)
     model = _PartlyUsed()
-    strategy = BucketedDataParallel(model, topo.dp, TrainConfig(), bucket_mb=25.0)
+    strategy = BucketedDataParallel(model, topo.dp, ParallelConfig(), flat_adamw_factory(TrainConfig()))
     model(torch.ones(2, 4)).backward()
     try:
         strategy.step(1e-3)

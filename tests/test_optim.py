@@ -15,7 +15,7 @@ def test_flat_adamw_matches_torch_adamw_in_float64():
     ref = MiniGPT(ModelConfig(**PRESETS["tiny"])).double()
     ref.load_state_dict(ours.state_dict())
     flat = FlatParameters(ours, world_size=3)  # padded: exercises the tail
-    opt = FlatAdamW(flat.data.clone(), flat.decay_ranges(), cfg)
+    opt = FlatAdamW(flat.data.clone(), flat.decay_ranges(), (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay)
     decay = [p for p in ref.parameters() if p.dim() >= 2]
     no_decay = [p for p in ref.parameters() if p.dim() < 2]
     torch_opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],

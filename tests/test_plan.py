@@ -9,7 +9,8 @@ from minitrain.config import build_config
 from minitrain.memory import allocated_peak_bytes, saved_activation_bytes
 from minitrain.precision import autocast
 from minitrain.model import MiniGPT
-from minitrain.recompute import apply_activation_checkpointing
+from minitrain.minigpt_plan import MINIGPT_PLAN
+from minitrain.parallel.recompute import apply_activation_checkpointing
 from minitrain.topology import Topology
 from minitrain.trainer import Trainer
 
@@ -72,7 +73,7 @@ def test_activation_formula_matches_what_autograd_stores(name, mode, precision):
     cfg = build_config(cli_values={**MODELS[name], "train.precision": precision}).validate()
     m, b = cfg.model, 3
     torch.manual_seed(0)
-    model = apply_activation_checkpointing(MiniGPT(m), mode)
+    model = apply_activation_checkpointing(MiniGPT(m), mode, MINIGPT_PLAN)
     if precision != "fp32":
         model.to(torch.bfloat16)
     window = torch.randint(0, m.vocab_size, (b, m.seq_len + 1))  # inputs and targets share storage, as loaded

@@ -5,7 +5,8 @@ import torch
 from minitrain.config import build_config
 from minitrain.memory import saved_activation_bytes
 from minitrain.model import CausalSelfAttention, MiniGPT
-from minitrain.recompute import apply_activation_checkpointing
+from minitrain.minigpt_plan import MINIGPT_PLAN
+from minitrain.parallel.recompute import apply_activation_checkpointing
 from minitrain.trainer import Trainer
 
 from .dist import run_ranks
@@ -16,7 +17,7 @@ MODES = ("none", "block", "selective")
 def _model(mode):
     cfg = build_config(cli_values={"model.n_layer": 3}).validate()
     torch.manual_seed(0)
-    return apply_activation_checkpointing(MiniGPT(cfg.model).double(), mode), cfg
+    return apply_activation_checkpointing(MiniGPT(cfg.model).double(), mode, MINIGPT_PLAN), cfg
 
 
 def _backward_counting(mode):

@@ -6,10 +6,10 @@ Layout of OUT/checkpoints/:
   ...                                   optim.exp_avg_sq) and its torch, python
                                         and numpy RNG states
   step-000010/manifest.json            step, world size, strategy, model config,
-                                        parameter layout, every tensor's file and
-                                        logical pieces, every file's bytes and
-                                        sha256, training state (optimizer steps,
-                                        loader)
+                                        parameter layout, the model's state_dict
+                                        keys, every tensor's file and logical
+                                        pieces, every file's bytes and sha256,
+                                        training state (optimizer steps, loader)
   latest                               name of the newest complete step directory
 
 Crash safety: every rank writes into .tmp-step-000010/ and fsyncs; rank 0
@@ -19,10 +19,18 @@ verified manifest is never loaded.
 
 A rank stores its shard as one tensor per key; the manifest lists its
 *pieces*: [at, lo, hi] says elements [at, at + hi - lo) of the stored tensor
-are elements [lo, hi) of the logical vector (every parameter, unpadded, in
-registration order; layout in the manifest). Loading assembles logical vectors
-by index, so it depends neither on how many ranks wrote them nor on the ZeRO
-stage (whose per-unit padding never reaches the file's coordinates).
+are elements [lo, hi) of the logical vector (every trainable parameter,
+unpadded, in registration order; layout in the manifest). Loading reads, by
+index, only the pieces this rank holds (no rank ever assembles the whole model
+or optimizer), so it depends neither on how many ranks wrote them nor on the
+ZeRO stage (whose per-unit padding never reaches the file's coordinates).
+
+Everything else in the model's state_dict (frozen parameters, persistent
+buffers) is stored whole, as `model.<key>`, by the first data- and
+tensor-parallel rank of each pipeline stage. The manifest's `state_dict` maps
+every key of the model's own state_dict to a trainable parameter (tied weights:
+two keys, one parameter) or to such a stored tensor, which is how
+`ckpt consolidate` writes a file the model's load_state_dict accepts.
 """
 from __future__ import annotations
 
@@ -32,7 +40,10 @@ import os
 import random
 import shutil
 import threading
+from bisect import bisect_right
+from collections import defaultdict
 from collections.abc import Callable
+from itertools import accumulate
 from pathlib import Path
 
 import numpy as np
@@ -40,12 +51,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .config import ModelConfig
-from .model import MiniGPT
-from .parallel.flat import FlatStrategy, logical_layout
+from .parallel.flat import FlatStrategy
 from .topology import Topology
 
-FORMAT = "minitrain-checkpoint/2"
+FORMAT = "minitrain-checkpoint/3"
 MANIFEST = "manifest.json"
 LATEST = "latest"
 
@@ -136,6 +145,21 @@ class PeerSaveError(CheckpointError):
     caused_by_peer = True  # the launcher shows the failing rank's error first
 
 
+def model_entries(strategy: FlatStrategy) -> tuple[list[list[str]], dict[str, torch.Tensor]]:
+    """(for every key of the model's state_dict: [key, "param", trainable parameter name] or [key, "tensor",
+    stored name]; the tensors to store: frozen parameters and persistent buffers, as `model.<key>`)."""
+    flat_names = {id(strategy.flat.param_named(n)): n for n in strategy.flat.names()}
+    mapping, tensors = [], {}
+    for key, value in strategy.model.state_dict(keep_vars=True).items():
+        name = flat_names.get(id(value))
+        if name is not None:
+            mapping.append([key, "param", name])
+        else:
+            mapping.append([key, "tensor", f"model.{key}"])
+            tensors[f"model.{key}"] = value.detach()
+    return mapping, tensors
+
+
 class ShardWrite:
     """One rank's part of one save: the snapshot to write and, once written, its outcome."""
 
@@ -146,7 +170,11 @@ class ShardWrite:
         self.final, self.tmp = root / step_dir_name(step), root / f".tmp-{step_dir_name(step)}"
         self.path = self.tmp / shard_file_name(topo.rank)
         # A background write needs a copy: training goes on changing the live buffers.
-        shards = {k: v.detach().to("cpu", copy=copy).contiguous() for k, v in strategy.state_shards().items()}
+        self.state_dict_map, extras = model_entries(strategy)
+        if topo.dp.rank != 0 or topo.tp.rank != 0:
+            extras = {}  # replicated: the stage's first replica writes them
+        shards = {k: v.detach().to("cpu", copy=copy).contiguous()
+                  for k, v in {**strategy.state_shards(), **extras}.items()}
         self.shards = {**shards, **rng_state()}
         self.keys = list(self.shards)
         self.row: list[int] | None = None  # [bytes, sha256 as 4 int64 words] once written
@@ -196,6 +224,11 @@ def commit(job: ShardWrite) -> Path:
     ranges = job.strategy.checkpoint_ranges(topo.dp.rank)
     pieces = job.strategy.flat.pieces(ranges) if ranges else []
     held = _gather_ragged(topo.everyone, [sum(b - a for a, b in ranges)] + [v for piece in pieces for v in piece])
+    # The whole model's parameters and state_dict keys: each rank knows those of its own part.
+    flat = job.strategy.flat
+    described = _gather_json(topo.everyone, {
+        "segments": [[s.name, s.logical, list(s.full_shape or s.shape)] for s in flat.segments],
+        "state_dict": job.state_dict_map})
     failed = [rank for rank, r in enumerate(rows) if r[0]]
     if failed:
         where = f"step {job.step}: writing {job.path}"
@@ -206,7 +239,7 @@ def commit(job: ShardWrite) -> Path:
     if topo.is_main:
         root, final, tmp = job.root, job.final, job.tmp
         manifest = _manifest(job.step, topo, job.strategy, job.train_state, job.run_config, job.keys,
-                             [r[1:] for r in rows], held)
+                             [r[1:] for r in rows], held, described)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         _fsync_file(tmp / MANIFEST)
         _fsync_dir(tmp)
@@ -226,6 +259,11 @@ def _gather_ragged(comm, values: list[int]) -> list[list[int]]:
     padded = torch.zeros(max(lengths), dtype=torch.int64)
     padded[:len(values)] = torch.tensor(values, dtype=torch.int64)
     return [row[:n] for row, n in zip(comm.gather_rows(padded).tolist(), lengths)]
+
+
+def _gather_json(comm, obj) -> list:
+    """Every rank's JSON-able `obj`, on every rank (as UTF-8 bytes: no pickles between ranks either)."""
+    return [json.loads(bytes(row).decode()) for row in _gather_ragged(comm, list(json.dumps(obj).encode()))]
 
 
 def save(root: str | os.PathLike, step: int, topo: Topology, strategy: FlatStrategy,
@@ -274,9 +312,10 @@ def _move_aside(root: Path, final: Path) -> Path:
     return old
 
 
-def _manifest(step, topo, strategy, train_state, run_config, keys, rows, held) -> dict:
+def _manifest(step, topo, strategy, train_state, run_config, keys, rows, held, described) -> dict:
     """rows: each rank's [file bytes, sha256 words]; held: each rank's [length of its stored vectors,
-    then its pieces' at, lo, hi, ...] (empty pieces: it stores none)."""
+    then its pieces' at, lo, hi, ...] (empty pieces: it stores none); described: each rank's segments and
+    state_dict map (model_entries)."""
     flat = strategy.flat
     # Parameters in their dtype, optimizer state in the master's (they differ in mixed precision).
     dtypes = {"params": flat.dtype, **{f"optim.{k}": t.dtype for k, t in strategy.optimizer.state_tensors().items()}}
@@ -289,22 +328,32 @@ def _manifest(step, topo, strategy, train_state, run_config, keys, rows, held) -
         if flat_pieces:
             pieces = [flat_pieces[i:i + 3] for i in range(0, len(flat_pieces), 3)]
             for key in keys:
-                if not key.startswith("rng."):
+                if key.startswith(("params", "optim.")):
                     tensors.append({"key": key, "file": name, "dtype": str(dtypes[key]).removeprefix("torch."),
                                     "shape": [local], "pieces": pieces})
         tensors += [{"key": key, "file": name, "rank": rank} for key in keys if key.startswith("rng.")]
+    segments, state_dict, stored = {}, {}, {}
+    for rank, part in enumerate(described):
+        for seg_name, offset, shape in part["segments"]:
+            segments.setdefault(seg_name, {"name": seg_name, "offset": offset, "shape": shape})
+        for key, kind, source in part["state_dict"]:
+            state_dict.setdefault(key, {"key": key, kind: source})
+            if kind == "tensor" and rank == _extras_writer(topo, rank):
+                stored.setdefault(source, shard_file_name(rank))
+    tensors += [{"key": key, "file": file} for key, file in stored.items()]
     return {
         "format": FORMAT,
         "step": step,
         "world_size": topo.world_size,
         "layout": {"dp": topo.dp.world_size, "tp": topo.tp.world_size, "pp": topo.pp.world_size},
         "strategy": strategy.name,
-        "zero": run_config["train"]["zero"],
-        "model": run_config["model"],
+        "zero": strategy.stage,
+        "model": run_config.get("model"),
         # The whole model's logical vector. Padding and units are rank 0's (with pipeline stages, its stage's).
         "flat": {"numel": flat.logical_numel, "padded_numel": flat.padded_numel, "padding": flat.padding,
-                 "segments": whole_model_segments(run_config["model"]),
+                 "segments": sorted(segments.values(), key=lambda s: s["offset"]),
                  "units": [{"name": u.name, "padded_numel": u.stop - u.start} for u in flat.units]},
+        "state_dict": list(state_dict.values()),
         "files": files,
         "tensors": tensors,
         "train_state": train_state,
@@ -312,13 +361,11 @@ def _manifest(step, topo, strategy, train_state, run_config, keys, rows, held) -
     }
 
 
-def whole_model_segments(model_config: dict) -> list[dict]:
-    """Name, logical offset and shape of every parameter of the whole model the config describes (built
-    on the meta device: no memory), whichever part of it this rank holds."""
-    with torch.device("meta"):
-        model = MiniGPT(ModelConfig(**model_config))
-    offsets, _ = logical_layout(model)
-    return [{"name": name, "offset": offsets[name], "shape": list(p.shape)} for name, p in model.named_parameters()]
+def _extras_writer(topo: Topology, rank: int) -> int:
+    """The rank that stores `rank`'s stage's frozen parameters and buffers: its stage's first replica and
+    tensor-parallel rank (layout: rank = (pp_rank * dp + dp_rank) * tp + tp_rank)."""
+    per_stage = topo.dp.world_size * topo.tp.world_size
+    return rank // per_stage * per_stage
 
 
 # --- find and verify ----------------------------------------------------------------------
@@ -426,7 +473,7 @@ def assemble_flat(step_dir: Path, manifest: dict) -> dict[str, torch.Tensor]:
     for t in manifest["tensors"]:
         if "pieces" not in t:
             continue
-        value = _read_tensor(step_dir / t["file"], t["key"])
+        value = read_tensor(step_dir / t["file"], t["key"])
         dest = full.setdefault(t["key"], torch.zeros(numel, dtype=value.dtype))
         for at, lo, hi in t["pieces"]:
             if not (0 <= lo < hi <= numel and 0 <= at and at + hi - lo <= value.numel()):
@@ -440,7 +487,7 @@ def assemble_flat(step_dir: Path, manifest: dict) -> dict[str, torch.Tensor]:
     return full
 
 
-def _read_tensor(path: Path, key: str) -> torch.Tensor:
+def read_tensor(path: Path, key: str) -> torch.Tensor:
     try:
         with safe_open(str(path), framework="pt") as f:
             return f.get_tensor(key)
@@ -448,27 +495,127 @@ def _read_tensor(path: Path, key: str) -> torch.Tensor:
         raise CheckpointError(f"cannot read '{key}' from {path}: {e}") from None
 
 
-def load(path: str | os.PathLike, topo: Topology, strategy: FlatStrategy) -> dict:
-    """Verify, then restore parameters, optimizer state and (same world size) this
-    rank's RNG. Returns the saved training state (step, loader position, ...)."""
-    step_dir, manifest = verify(path)
-    # This rank's parameters (all of them, a pipeline stage's, tensor-parallel slices) must be the whole
-    # model's, where the checkpoint has them.
+def verify_files(step_dir: Path, manifest: dict, names) -> None:
+    """Check the named files' sizes and sha256 against the manifest."""
+    entries = {e["name"]: e for e in manifest["files"]}
+    for name in sorted(set(names)):
+        entry = entries.get(name)
+        f = step_dir / name
+        if entry is None:
+            raise CheckpointError(f"checkpoint {step_dir}: the manifest lists no file {name}")
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint file {f} is missing")
+        size = f.stat().st_size
+        if size != entry["bytes"]:
+            raise CheckpointError(f"checkpoint file {f} has {size} bytes, manifest says {entry['bytes']}")
+        digest = sha256_of(f)
+        if digest != entry["sha256"]:
+            raise CheckpointError(f"checkpoint file {f} is corrupt: sha256 {digest[:16]}... "
+                                  f"does not match the manifest's {entry['sha256'][:16]}...")
+
+
+def plan_reads(manifest: dict, key: str, wanted: list[list[int]]) -> dict[str, list[tuple[int, int, int]]]:
+    """Where to read a local vector's elements from: {file: [(at in the stored tensor, at in the local vector,
+    count), ...]} for the wanted pieces [at, lo, hi] (local elements [at, at + hi - lo) are logical [lo, hi))."""
+    stored = sorted((lo, hi, at, t["file"]) for t in manifest["tensors"] if t["key"] == key
+                    for at, lo, hi in t.get("pieces", []))
+    reach = list(accumulate((p[1] for p in stored), max))  # the furthest any piece so far extends
+    reads: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
+    for want_at, want_lo, want_hi in wanted:
+        i = bisect_right(reach, want_lo)  # the first stored piece that may extend past want_lo
+        while i < len(stored) and stored[i][0] < want_hi:
+            lo, hi, at, file = stored[i]
+            a, b = max(lo, want_lo), min(hi, want_hi)
+            if a < b:
+                reads[file].append((at + a - lo, want_at + a - want_lo, b - a))
+            i += 1
+    return reads
+
+
+def read_local(step_dir: Path, manifest: dict, key: str, wanted: list[list[int]], length: int) -> torch.Tensor:
+    """This rank's local vector of `key` (params, optim.*), read piece by piece from whichever files hold
+    them: only the elements it holds are read. Padding stays zero; an uncovered element is an error."""
+    entry = next(t for t in manifest["tensors"] if t["key"] == key)
+    out = torch.zeros(length, dtype=getattr(torch, entry["dtype"]))
+    covered = torch.zeros(length, dtype=torch.bool)
+    for file, copies in plan_reads(manifest, key, wanted).items():
+        try:
+            with safe_open(str(step_dir / file), framework="pt") as f:
+                stored = f.get_slice(key)
+                size = stored.get_shape()[0]
+                for at, local_at, n in copies:
+                    if at + n > size:
+                        raise CheckpointError(f"checkpoint {step_dir}: a piece of '{key}' lies outside {file}")
+                    out[local_at:local_at + n] = stored[at:at + n]
+                    covered[local_at:local_at + n] = True
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"cannot read '{key}' from {step_dir / file}: {e}") from None
+    needed = sum(hi - lo for _, lo, hi in wanted)
+    if int(covered.sum()) != needed:
+        raise CheckpointError(f"checkpoint {step_dir} covers {int(covered.sum())} of the {needed} elements of "
+                              f"'{key}' this rank holds")
+    return out
+
+
+def _check_same_model(step_dir: Path, manifest: dict, strategy: FlatStrategy) -> None:
+    """This rank's parameters (all of them, a pipeline stage's, tensor-parallel slices) must be the whole
+    model's, where the checkpoint has them."""
     theirs = {s["name"]: (s["shape"], s["offset"]) for s in manifest["flat"]["segments"]}
     diff = next((f"{s.name} {list(s.full_shape or s.shape)} at {s.logical} vs {theirs.get(s.name, 'absent')}"
                  for s in strategy.flat.segments if theirs.get(s.name) != (list(s.full_shape or s.shape), s.logical)),
                 None)
     if diff is None and manifest["flat"]["numel"] != strategy.flat.logical_numel:
-        diff = f"{strategy.flat.logical_numel} vs {manifest['flat']['numel']} parameters"
+        diff = f"{strategy.flat.logical_numel} vs {manifest['flat']['numel']} trainable parameters"
     if diff is not None:
         raise CheckpointError(f"checkpoint {step_dir} holds a different model (this run vs checkpoint: {diff})")
-    full = assemble_flat(step_dir, manifest)
-    for key, mine in (("params", strategy.flat.dtype), ("optim.master", strategy.optimizer.master.dtype)):
-        if full[key].dtype != mine:
-            raise CheckpointError(f"checkpoint {step_dir} stores {key} in {full[key].dtype}, this run keeps them "
-                                  f"in {mine} (resume with the --dtype and --precision it was saved with)")
-    strategy.load_state(full, manifest["train_state"]["optimizer_steps"])
-    if manifest["world_size"] == topo.world_size:  # each rank continues its own random streams
-        path = step_dir / shard_file_name(topo.rank)
-        set_rng_state({key: _read_tensor(path, key) for key in RNG_KEYS})
-    return manifest["train_state"]
+
+
+def load(path: str | os.PathLike, topo: Topology, strategy: FlatStrategy) -> dict:
+    """Verify the files this rank reads, then restore its parameters, optimizer state, frozen parameters and
+    buffers and (same world size) its RNG, reading only what it holds. Collective at ZeRO-1/2 (the full
+    parameters are gathered from the shards). Returns the saved training state (step, loader position, ...)."""
+    step_dir = resolve(path)
+    manifest = read_manifest(step_dir)
+    _check_same_model(step_dir, manifest, strategy)
+    flat = strategy.flat
+    wanted = flat.pieces(strategy.shard_ranges)
+    length = sum(b - a for a, b in strategy.shard_ranges)
+    keys = sorted({t["key"] for t in manifest["tensors"] if "pieces" in t})
+    mine = {"params": flat.dtype, "optim.master": strategy.optimizer.master.dtype}
+    stored = {m["key"]: m for m in manifest["state_dict"]}
+    absent = [key for key in strategy.model.state_dict() if key not in stored]
+    if absent:
+        raise CheckpointError(f"checkpoint {step_dir} has no entry for {', '.join(absent[:5])}"
+                              f"{' ...' if len(absent) > 5 else ''} of this model's state_dict")
+    extras = {key: value for key, value in strategy.model.state_dict(keep_vars=True).items()
+              if stored.get(key, {}).get("tensor")}
+    files = {file for key in keys for file in plan_reads(manifest, key, wanted)}
+    extra_files = {t["key"]: t["file"] for t in manifest["tensors"] if t["key"].startswith("model.")}
+    files |= {extra_files[stored[key]["tensor"]] for key in extras if stored[key]["tensor"] in extra_files}
+    same_world = manifest["world_size"] == topo.world_size
+    if same_world:
+        files.add(shard_file_name(topo.rank))
+    verify_files(step_dir, manifest, files)
+    for key, dtype in mine.items():
+        theirs = next((t["dtype"] for t in manifest["tensors"] if t["key"] == key), None)
+        if theirs != str(dtype).removeprefix("torch."):
+            raise CheckpointError(f"checkpoint {step_dir} stores {key} in {theirs}, this run keeps them in "
+                                  f"{str(dtype).removeprefix('torch.')} (resume with the dtype and precision it "
+                                  "was saved with)")
+    local = {key: read_local(step_dir, manifest, key, wanted, length) for key in keys}
+    train_state = manifest["train_state"]
+    strategy.load_local(local, train_state.get("optimizer_scalars") or {"steps_taken": train_state["optimizer_steps"]})
+    with torch.no_grad():
+        for key, value in extras.items():
+            name = stored[key]["tensor"]
+            if name not in extra_files:
+                raise CheckpointError(f"checkpoint {step_dir} has no tensor for '{key}'")
+            saved = read_tensor(step_dir / extra_files[name], name)
+            if saved.shape != value.shape:
+                raise CheckpointError(f"checkpoint {step_dir}: '{key}' has shape {list(saved.shape)}, the model's "
+                                      f"is {list(value.shape)}")
+            value.copy_(saved)  # in place: the tensor keeps its dtype and device
+    if same_world:  # each rank continues its own random streams
+        shard = step_dir / shard_file_name(topo.rank)
+        set_rng_state({key: read_tensor(shard, key) for key in RNG_KEYS})
+    return train_state

@@ -4,9 +4,11 @@
   with the logical range it covers.
 - verify PATH: every file's size and sha256 against the manifest; exit 0, or 1
   with the bad file named.
-- consolidate PATH OUT.safetensors: the parameters as one plain state dict
-  (MiniGPT.load_state_dict accepts it; tied weights appear under both names),
-  from whatever world size and ZeRO stage wrote the checkpoint.
+- consolidate PATH OUT.safetensors: the model's own state_dict as one file:
+  exactly its keys (trainable and frozen parameters, persistent buffers; tied
+  weights under both names; no wrapper prefixes), so its load_state_dict(strict)
+  and Hugging Face's from_pretrained accept it, from whatever world size, ZeRO
+  stage or layout wrote the checkpoint.
 """
 from __future__ import annotations
 
@@ -17,15 +19,14 @@ import torch
 from safetensors.torch import save_file
 
 from . import checkpoint
-from .config import ConfigError, ModelConfig
+from .config import ConfigError
 from .metrics import format_table, human_bytes
-from .model import MiniGPT
 
 
 def inspect(path: str) -> str:
     step_dir, manifest = checkpoint.verify(path)
     layout, flat = manifest["layout"], manifest["flat"]
-    model = ", ".join(f"{k} {v}" for k, v in manifest["model"].items() if k != "preset")
+    model = ", ".join(f"{k} {v}" for k, v in (manifest["model"] or {}).items() if k != "preset") or "(not a MiniGPT)"
     lines = [f"checkpoint {step_dir} ({manifest['format']}, verified)",
              f"step {manifest['step']}; world size {manifest['world_size']} (dp {layout['dp']}, tp {layout['tp']}, "
              f"pp {layout['pp']}); strategy {manifest['strategy']} (ZeRO-{manifest['zero']})",
@@ -33,10 +34,7 @@ def inspect(path: str) -> str:
              f"parameters: {flat['numel']:,} in {len(flat['segments'])} tensors; "
              + ("" if layout["pp"] == 1 else "pipeline stage 0's ")
              + f"{len(flat['units'])} units, padded to {flat['padded_numel']:,}",
-             f"training state: optimizer steps {manifest['train_state']['optimizer_steps']}, "
-             f"tokens seen {manifest['train_state']['tokens_seen']:,}, "
-             f"loader epoch {manifest['train_state']['loader']['epoch']} cursor "
-             f"{manifest['train_state']['loader']['cursor']}",
+             _training_state(manifest["train_state"]),
              "",
              format_table(["file", "rank", "bytes", "sha256"],
                           [[f["name"], f["rank"], human_bytes(f["bytes"]), f["sha256"][:16] + "..."]
@@ -58,26 +56,34 @@ def verify(path: str) -> str:
     return f"OK: {step_dir}: {len(manifest['files'])} files, {human_bytes(total)}, every sha256 matches the manifest"
 
 
+def _training_state(state: dict) -> str:
+    line = f"training state: optimizer steps {state['optimizer_steps']}"
+    if "loader" in state:  # a CLI run's
+        line += (f", tokens seen {state['tokens_seen']:,}, loader epoch {state['loader']['epoch']} cursor "
+                 f"{state['loader']['cursor']}")
+    return line
+
+
 def consolidated_state_dict(path: str) -> dict[str, torch.Tensor]:
-    """The checkpoint's parameters as MiniGPT's state dict (each tensor its own copy)."""
+    """The checkpoint's model as its own state_dict (each tensor its own copy), keys in the model's order."""
     step_dir, manifest = checkpoint.verify(path)
     params = checkpoint.assemble_flat(step_dir, manifest)["params"]
-    fields = {k: v for k, v in manifest["model"].items() if k in ModelConfig.__dataclass_fields__}
-    with torch.device("meta"):  # names and shapes only; no memory for the weights
-        model = MiniGPT(ModelConfig(**fields))
     by_param = {}
     for seg in manifest["flat"]["segments"]:
         n = 1
         for d in seg["shape"]:
             n *= d
         by_param[seg["name"]] = params[seg["offset"]:seg["offset"] + n].view(seg["shape"])
-    canonical = {id(p): name for name, p in model.named_parameters()}
+    stored = {t["key"]: t["file"] for t in manifest["tensors"] if t["key"].startswith("model.")}
     state = {}
-    for key, value in model.state_dict(keep_vars=True).items():
-        name = canonical.get(id(value))
-        if name is None or name not in by_param:
+    for entry in manifest["state_dict"]:
+        key = entry["key"]
+        if "param" in entry and entry["param"] in by_param:
+            state[key] = by_param[entry["param"]].clone()  # tied weights: two keys, two copies (no aliases in files)
+        elif entry.get("tensor") in stored:
+            state[key] = checkpoint.read_tensor(step_dir / stored[entry["tensor"]], entry["tensor"])
+        else:
             raise checkpoint.CheckpointError(f"checkpoint {step_dir} has no tensor for '{key}'")
-        state[key] = by_param[name].clone()  # tied weights: two keys, two copies (safetensors stores no aliases)
     return state
 
 
@@ -89,7 +95,7 @@ def consolidate(path: str, out: str) -> str:
         raise ConfigError(f"output directory {target.parent} does not exist")
     state = consolidated_state_dict(path)
     tmp = target.with_name(target.name + ".tmp")
-    save_file(state, str(tmp))
+    save_file(state, str(tmp), metadata={"format": "pt"})  # the metadata Hugging Face's loader expects
     os.replace(tmp, target)  # never a half-written OUT
     numel = sum(t.numel() for t in state.values())
     return f"wrote {target}: {len(state)} tensors, {numel:,} values ({human_bytes(target.stat().st_size)})"

@@ -1,10 +1,14 @@
 """MiniGPT: a small GPT-style decoder. Knows nothing of parallelism.
 
 Parallel strategies act on this model from the outside (flattening its
-parameters, later splitting its layers), so this file imports nothing from
-torch.distributed, reshapes heads with -1 (a tensor-parallel split may leave a
-rank fewer heads than the config says), and keeps blocks in a ModuleDict so a
-pipeline split can drop blocks by name.
+parameters, splitting its layers), following its plan (minigpt_plan.py), so
+this file imports nothing from torch.distributed, reshapes heads with -1 (a
+tensor-parallel split may leave a rank fewer heads than the config says), keeps
+blocks in a ModuleDict so a pipeline split can drop blocks by name, and runs
+whichever parts it still has (torchtitan's convention): without its embeddings
+it takes hidden states in, without its head it gives hidden states out. The
+loss is a submodule, so a tensor-parallel split can put a vocabulary-parallel
+one in its place.
 """
 from __future__ import annotations
 
@@ -81,6 +85,7 @@ class MiniGPT(nn.Module):
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_weights:
             self.head.weight = self.tok_emb.weight
+        self.criterion = nn.CrossEntropyLoss()  # mean token cross-entropy
         self.apply(self._init_weights)
         # GPT-2's scaled init for the projections that write into the residual stream.
         for name, p in self.named_parameters():
@@ -98,13 +103,14 @@ class MiniGPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """idx, targets: (B, T) token ids. Returns logits (B, T, V), or the mean
-        token cross-entropy when targets are given."""
-        x = self.embed(idx)
+        token cross-entropy when targets are given. A pipeline stage without the
+        embeddings takes (B, T, C) hidden states instead of ids; one without the
+        head returns hidden states."""
+        x = self.embed(idx) if self.tok_emb is not None else idx
         for block in self.blocks.values():
             x = block(x)
-        return self.output(x, targets)
+        return self.output(x, targets) if self.head is not None else x
 
-    # The three parts of forward, each its own method so a pipeline stage can run the ones it holds.
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         """(B, T) token ids -> (B, T, C) token + position embeddings."""
         T = idx.size(1)
@@ -117,12 +123,7 @@ class MiniGPT(nn.Module):
         logits = self.head(self.ln_f(x))
         if targets is None:
             return logits
-        return self.loss(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
-
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean token cross-entropy. Its own method so a tensor-parallel split, which leaves each
-        rank a slice of the vocabulary's logits, can put a vocabulary-parallel loss in its place."""
-        return F.cross_entropy(logits, targets)
+        return self.criterion(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

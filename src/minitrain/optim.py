@@ -55,8 +55,9 @@ class FlatAdamW:
     STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
     CHUNK = 1 << 16  # elements per pass (256 KiB in float32)
 
-    def __init__(self, master: torch.Tensor, decay_ranges: list[tuple[int, int]], cfg: TrainConfig):
-        self.betas, self.eps, self.weight_decay = (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay
+    def __init__(self, master: torch.Tensor, decay_ranges: list[tuple[int, int]],
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1):
+        self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
         self.master = master
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
@@ -64,12 +65,14 @@ class FlatAdamW:
         self.decay_ranges = list(decay_ranges)
 
     @torch.no_grad()
-    def step(self, grad: torch.Tensor, lr: float, grad_scale: float = 1.0) -> None:
+    def step(self, grad: torch.Tensor, lr: float | None, grad_scale: float = 1.0) -> None:
         """One update of `master` from `grad` (same length), multiplied by grad_scale (clipping,
         and unscaling an fp16 loss scale). In full precision `grad` is scaled in place: callers
         pass a gradient buffer they are done with. It may be in a narrower dtype than the master
         (mixed precision): then each chunk is upcast before it is scaled, so small fp16
         gradients are not flushed to zero by the unscaling."""
+        if lr is None:
+            raise ValueError("FlatAdamW takes its learning rate from each step (the caller's schedule)")
         beta1, beta2 = self.betas
         self.steps_taken += 1
         if self.weight_decay:
@@ -94,6 +97,25 @@ class FlatAdamW:
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in self.STATE_NAMES}
 
-    def nbytes(self) -> int:
-        """Bytes held, measured from the tensors' storages."""
-        return sum(t.untyped_storage().nbytes() for t in self.state_tensors().values())
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The tensors this optimizer keeps between steps (their storages are its memory)."""
+        return list(self.state_tensors().values())
+
+    def scalar_state(self) -> dict:
+        return {"steps_taken": self.steps_taken}
+
+    @torch.no_grad()
+    def load_state(self, tensors: dict[str, torch.Tensor], scalars: dict) -> None:
+        for name, t in self.state_tensors().items():
+            t.copy_(tensors[name])
+        self.steps_taken = int(scalars["steps_taken"])
+
+
+def flat_adamw_factory(cfg: TrainConfig):
+    """The CLI's optimizer: FlatAdamW over the shard, decaying matrices and embeddings only (as GPT-2)."""
+
+    def make(master: torch.Tensor, flat, shard_ranges) -> FlatAdamW:
+        decay = flat.local_ranges(flat.decay_ranges(), shard_ranges)
+        return FlatAdamW(master, decay, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay)
+
+    return make

@@ -153,9 +153,10 @@ def model_params(cfg: ModelConfig) -> int:
 
 
 def padded_params(cfg: ModelConfig, zero: int, dp: int) -> int:
-    """P as the strategy lays it out: one unit at ZeRO 0-1, one per block at ZeRO 2-3."""
+    """P as the strategy lays it out: one unit at ZeRO 0-1, one per block at ZeRO 2-3, each padded to a
+    multiple of the ranks it is sharded over (data parallel shards nothing and pads nothing)."""
     units = list(model_units(cfg).values())
-    return padded_numel(units if zero >= 2 else [sum(units)], dp)
+    return padded_numel(units if zero >= 2 else [sum(units)], dp if zero >= 1 else 1)
 
 
 def layout_params(inp: PlanInput) -> int:

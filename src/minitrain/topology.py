@@ -133,6 +133,15 @@ class Topology:
                                 world_size=world, timeout=timeout)
         return cls(rank, world, local_rank, backend, device, Comm(rank, world, dist.group.WORLD, device))
 
+    @classmethod
+    def from_initialized(cls) -> "Topology":
+        """The process group this process has already joined (e.g. by its launcher), as a Topology."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        backend = dist.get_backend()
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+        return cls(rank, world, local_rank, backend, device, Comm(rank, world, dist.group.WORLD, device))
+
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()

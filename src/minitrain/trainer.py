@@ -25,11 +25,13 @@ from .config import RunConfig
 from .data import ShardedLoader, load_corpus
 from .faults import Faults
 from .memory import device_peak_bytes, reset_device_peak
+from .minigpt_plan import MINIGPT_PLAN
 from .model import MiniGPT
-from .optim import lr_at
-from .parallel import parallelize
+from .optim import flat_adamw_factory, lr_at
+from .parallel import Pipeline, cast_parameters, parallelize
+from .parallel.config import ParallelConfig
 from .parallel.flat import MEMORY_KINDS
-from .precision import autocast, compute_dtype, make_loss_scaler
+from .precision import autocast, compute_dtype, make_loss_scaler, master_dtype, reduce_dtype
 from .resilience import SpikeGuard, StopRequest
 from .topology import Topology
 
@@ -42,6 +44,13 @@ def seed_everything(seed: int, rank: int) -> None:
     torch.manual_seed(seed)
     random.seed(f"minitrain/{seed}/rank{rank}")
     np.random.seed([seed, rank])
+
+
+def parallel_config(cfg: RunConfig) -> ParallelConfig:
+    """What the strategies need of the run's settings."""
+    t = cfg.train
+    return ParallelConfig(zero=t.zero, dp=cfg.ddp.mode, bucket_mb=cfg.ddp.bucket_mb, prefetch=t.prefetch,
+                          master_dtype=master_dtype(t), reduce_dtype=reduce_dtype(t), grad_clip=t.grad_clip)
 
 
 class NonFiniteError(RuntimeError):
@@ -83,9 +92,12 @@ class Trainer:
         # Initialised in --dtype, then held in the compute dtype (16-bit in mixed precision; the
         # strategy's optimizer keeps the master copy in --dtype).
         self.model = MiniGPT(cfg.model).to(device=topo.device, dtype=getattr(torch, cfg.train.dtype))
-        self.model.to(dtype=compute_dtype(cfg.train))
+        cast_parameters(self.model, compute_dtype(cfg.train))
         self.loss_scaler = make_loss_scaler(cfg.train)
-        self.strategy, self.pipeline = parallelize(self.model, topo, cfg)
+        # The same path minitrain.prepare takes, with MiniGPT's plan and the CLI's own optimizer.
+        self.strategy, self.pipeline = parallelize(
+            self.model, topo, parallel_config(cfg), flat_adamw_factory(cfg.train), MINIGPT_PLAN,
+            cfg.train.activation_checkpointing, self._pipeline_builder())
         # Data is split over data-parallel replicas only: a tensor-parallel group shares its batch.
         self.loader = ShardedLoader(load_corpus(cfg), cfg.model.seq_len, cfg.train.batch_size,
                                     topo.dp.rank, topo.dp.world_size, cfg.train.seed)
@@ -104,6 +116,15 @@ class Trainer:
         self.agreed_stop = 0  # a signal number if any rank received SIGTERM/SIGUSR1, else 0
         self.stop_ranks: list[int] = []  # ...and which ranks received one
         self.pending_save_written = False  # every rank's background write has finished (or failed)
+
+    def _pipeline_builder(self):
+        """Builds the executor of a pipelined (or micro-batched) step, or None when the step is one pass."""
+        d, t, topo = self.cfg.dist, self.cfg.train, self.topo
+        if d.pp == 1 and d.microbatches == 1:
+            return None
+        return lambda strategy: Pipeline(strategy.module, topo.pp, d.schedule, d.microbatches, self.cfg.model.d_model,
+                                         compute_dtype(t), topo.device, lambda: autocast(t, topo.device),
+                                         strategy.no_sync)
 
     def train_step(self) -> StepRecord:
         try:
@@ -243,6 +264,7 @@ class Trainer:
 
     def train_state(self) -> dict:
         return {"step": self.step, "optimizer_steps": self.strategy.optimizer.steps_taken,
+                "optimizer_scalars": self.strategy.optimizer.scalar_state(),
                 "tokens_seen": self.tokens_seen, "loader": self.loader.state_dict(),
                 "recent_losses": self.spikes.state(),
                 "loss_scaler": self.loss_scaler.state() if self.loss_scaler else None}

@@ -1,68 +1,82 @@
 """Parallel strategies, composed in one place: `parallelize`."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
 import torch.nn as nn
 
 from ..comm import Comm
-from ..config import RunConfig
-from ..precision import autocast, compute_dtype
-from ..recompute import apply_activation_checkpointing
+from .recompute import apply_activation_checkpointing
 from ..topology import Topology
+from .config import ParallelConfig
 from .ddp import BucketedDataParallel, NaiveDataParallel, TorchDataParallel
-from .flat import FlatStrategy
-from .pipeline import Pipeline, split_into_stage
-from .tensor import apply_tensor_parallel
+from .flat import FlatStrategy, OptimizerFactory
+from .layout import WholeModel
+from .model_plan import ModelPlan
+from .pipeline import Pipeline
+from .tensor import tensor_parallel_slices
 from .zero import Zero1, Zero2
 from .zero3 import Zero3
 
 
-def parallelize(model: nn.Module, topo: Topology, cfg: RunConfig) -> tuple[FlatStrategy, Pipeline | None]:
-    """Apply every parallelism the layout asks for to a full, identically initialised MiniGPT, in
-    the only order that works:
-    1. tensor parallel: it replaces layers by their slices and expects the whole model (the
-       embedding and the head it splits over the vocabulary); everything after must see the slices;
-    2. pipeline parallel: it deletes the (already sliced) modules other stages run, so that
-       nothing after it, above all the data-parallel strategy, holds or syncs their parameters;
+def parallelize(model: nn.Module, topo: Topology, pcfg: ParallelConfig, make_optimizer: OptimizerFactory,
+                plan: ModelPlan | None = None, activation_checkpointing: str = "none",
+                pipeline: Callable[[FlatStrategy], Pipeline] | None = None) -> tuple[FlatStrategy, Pipeline | None]:
+    """Apply every parallelism the layout asks for to a full model, identical on every rank (or at least
+    on rank 0, whose parameters every replica receives), in the only order that works:
+    0. the whole model's coordinates are taken first, so checkpoints of any part share them;
+    1. tensor parallel (the plan's): it replaces layers by their slices and expects the whole model
+       (the embedding and the head it splits over the vocabulary); everything after must see the slices;
+    2. pipeline parallel (the plan's split): it deletes the (already sliced) modules other stages run,
+       so that nothing after it, above all the data-parallel strategy, holds or syncs their parameters;
     3. activation checkpointing: it wraps module calls from outside and must wrap the final
        modules, while keeping their hooks, which ZeRO-3 installs next;
     4. data parallel / ZeRO over the data-parallel group (the replicas of this very slice): it
        flattens (and at ZeRO-3 shards) the parameters, so it comes last; it is told about the
        tensor- and pipeline-parallel groups so that norms cover the whole model.
-    Returns the strategy (its `module` is what forward runs on) and, when the model is pipelined or
-    the batch cut into micro-batches, the Pipeline that runs each step's schedule (else None)."""
-    apply_tensor_parallel(model, topo.tp)
-    split_into_stage(model, topo.pp.rank, topo.pp.world_size)
-    apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
-    strategy = make_strategy(model, topo.dp, cfg, topo.tp, topo.pp)
-    d = cfg.dist
-    if d.pp == 1 and d.microbatches == 1:
-        return strategy, None
-    pipeline = Pipeline(strategy.module, topo.pp, d.schedule, d.microbatches, cfg.model.d_model,
-                        compute_dtype(cfg.train), topo.device, lambda: autocast(cfg.train, topo.device),
-                        strategy.no_sync)
-    return strategy, pipeline
+    `pipeline(strategy)` builds the executor when the model is pipelined or the batch cut into
+    micro-batches (None: no pipeline). Returns the strategy (its `module` is what forward runs on)
+    and the Pipeline, or None."""
+    whole = WholeModel.of(model)
+    for kind, degree in (("tensor", topo.tp.world_size), ("pipeline", topo.pp.world_size)):
+        needed = plan is not None and (plan.tensor_parallel if kind == "tensor" else plan.pipeline_split)
+        if degree > 1 and not needed:
+            raise ValueError(f"{kind} parallelism (degree {degree}) needs a plan for {type(model).__name__} "
+                             f"that says how to split it; without one use data parallel or ZeRO")
+    if topo.tp.world_size > 1:
+        plan.tensor_parallel(model, topo.tp)
+        whole.slices = tensor_parallel_slices(model)
+    if topo.pp.world_size > 1:
+        plan.pipeline_split(model, topo.pp.rank, topo.pp.world_size)
+    apply_activation_checkpointing(model, activation_checkpointing, plan)
+    strategy = make_strategy(model, topo.dp, pcfg, make_optimizer, whole, topo.tp, topo.pp)
+    return strategy, (pipeline(strategy) if pipeline is not None else None)
 
 
-def make_strategy(model: nn.Module, comm: Comm, cfg: RunConfig, tp: Comm | None = None,
-                  pp: Comm | None = None) -> FlatStrategy:
+def make_strategy(model: nn.Module, comm: Comm, pcfg: ParallelConfig, make_optimizer: OptimizerFactory,
+                  whole: WholeModel | None = None, tp: Comm | None = None, pp: Comm | None = None) -> FlatStrategy:
     """The data-parallel strategy over `comm` for `model` (which may already be split across `tp` and `pp`)."""
-    strategy = _data_parallel(model, comm, cfg)
+    kwargs = {"whole": whole}
+    if pcfg.zero == 3:
+        strategy = Zero3(model, comm, pcfg, make_optimizer, **kwargs)
+    elif pcfg.zero in (1, 2):
+        strategy = (Zero1 if pcfg.zero == 1 else Zero2)(model, comm, pcfg, make_optimizer, **kwargs)
+    else:
+        cls = {"naive": NaiveDataParallel, "bucketed": BucketedDataParallel, "torch": TorchDataParallel}[pcfg.dp]
+        strategy = cls(model, comm, pcfg, make_optimizer, **kwargs)
     if tp is not None or pp is not None:
         strategy.use_model_parallel(tp or Comm(), pp or Comm())
     return strategy
 
 
-def _data_parallel(model: nn.Module, comm: Comm, cfg: RunConfig) -> FlatStrategy:
-    stage = cfg.train.zero
-    if stage == 3:
-        return Zero3(model, comm, cfg.train, prefetch=cfg.train.prefetch)
-    if stage in (1, 2):
-        return (Zero1 if stage == 1 else Zero2)(model, comm, cfg.train)
-    if cfg.ddp.mode == "naive":
-        return NaiveDataParallel(model, comm, cfg.train)
-    bucketed = BucketedDataParallel if cfg.ddp.mode == "bucketed" else TorchDataParallel
-    return bucketed(model, comm, cfg.train, cfg.ddp.bucket_mb)
+def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
+    """Parameters (trainable and frozen) to `dtype`; buffers keep theirs (a rotary inv_freq stays float32)."""
+    for p in model.parameters():
+        if p.dtype != dtype and p.is_floating_point():
+            p.data = p.data.to(dtype)
 
 
-__all__ = ["BucketedDataParallel", "NaiveDataParallel", "TorchDataParallel", "FlatStrategy", "Pipeline", "Zero1",
-           "Zero2", "Zero3", "make_strategy", "parallelize"]
+__all__ = ["BucketedDataParallel", "NaiveDataParallel", "TorchDataParallel", "FlatStrategy", "ModelPlan",
+           "ParallelConfig", "Pipeline", "WholeModel", "Zero1", "Zero2", "Zero3", "cast_parameters", "make_strategy",
+           "parallelize"]

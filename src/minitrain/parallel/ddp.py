@@ -24,7 +24,6 @@ gradient accumulation over k micro-batches all-reduces once.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -32,8 +31,8 @@ import torch
 import torch.nn as nn
 
 from ..comm import Comm, PendingCollective
-from ..config import TrainConfig
-from .flat import FlatStrategy, Segment, sync_summary
+from .config import ParallelConfig
+from .flat import FlatStrategy, OptimizerFactory, Segment, sync_summary
 
 
 class ReplicatedStrategy(FlatStrategy):
@@ -41,8 +40,9 @@ class ReplicatedStrategy(FlatStrategy):
     rank-averaged gradient in `_reduced()`: flat.grad itself, or its copy in a wider reduce
     dtype (mixed precision with --reduce-dtype fp32)."""
 
-    def __init__(self, model: nn.Module, comm: Comm, cfg: TrainConfig):
-        super().__init__(model, comm, cfg)
+    def __init__(self, model: nn.Module, comm: Comm, pcfg: ParallelConfig, make_optimizer: OptimizerFactory,
+                 **kwargs):
+        super().__init__(model, comm, pcfg, make_optimizer, **kwargs)
         self._synced = False
         self._wide: torch.Tensor | None = None  # this step's gradient in the reduce dtype, when that differs
 
@@ -65,24 +65,22 @@ class ReplicatedStrategy(FlatStrategy):
 
     def finish_grad_sync(self) -> None:
         if not self._synced:
+            self.flat.check_grads_in_place()
             self._sync()
             self._synced = True
 
-    @torch.no_grad()
-    def step(self, lr: float, loss_scale: float = 1.0) -> float:
-        self.flat.check_grads_in_place()
+    def _averaged_grad(self) -> torch.Tensor:
         self.finish_grad_sync()
+        return self._reduced()
+
+    def _publish(self) -> None:
+        self.flat.data.copy_(self.optimizer.master)  # rounds to the parameters' dtype in mixed precision
+
+    def _end_step(self) -> None:
         self._synced = False
-        grad = self._reduced()
-        norm, scale = self._clip_scale(self._total_sum_sq(self._sum_sq_parts(grad, self.shard_ranges)), loss_scale)
-        if math.isfinite(norm):  # the averaged gradient is identical on every rank, so is this
-            self.optimizer.step(grad, lr, scale)
-            self.flat.data.copy_(self.optimizer.master)  # rounds to the parameters' dtype in mixed precision
-        # else skip: parameters and optimizer state unchanged
         if self._wide is not None:
             self.ledger.drop("grads", self._wide)
             self._wide = None
-        return norm
 
 
 class NaiveDataParallel(ReplicatedStrategy):
@@ -124,12 +122,14 @@ def plan_buckets(segments: list[Segment], cap_bytes: int, element_size: int) -> 
 class BucketedDataParallel(ReplicatedStrategy):
     name = "ddp-bucketed"
 
-    def __init__(self, model: nn.Module, comm: Comm, cfg: TrainConfig, bucket_mb: float = 25.0):
-        super().__init__(model, comm, cfg)
-        self.buckets = plan_buckets(self.flat.segments, int(bucket_mb * 2**20), self.flat.grad.element_size())
+    def __init__(self, model: nn.Module, comm: Comm, pcfg: ParallelConfig, make_optimizer: OptimizerFactory,
+                 **kwargs):
+        super().__init__(model, comm, pcfg, make_optimizer, **kwargs)
+        self.buckets = plan_buckets(self.flat.segments, int(pcfg.bucket_mb * 2**20), self.flat.grad.element_size())
         bucket_of = {name: i for i, b in enumerate(self.buckets) for name in b.names}
-        for name, p in model.named_parameters():
-            p.register_post_accumulate_grad_hook(lambda _p, name=name, i=bucket_of[name]: self._grad_ready(i, name))
+        for name in self.flat.names():
+            self.flat.param_named(name).register_post_accumulate_grad_hook(
+                lambda _p, name=name, i=bucket_of[name]: self._grad_ready(i, name))
         self.require_backward_grad_sync = True
         self._reset()
 
@@ -179,8 +179,9 @@ class BucketedDataParallel(ReplicatedStrategy):
 class TorchDataParallel(ReplicatedStrategy):
     name = "ddp-torch"
 
-    def __init__(self, model: nn.Module, comm: Comm, cfg: TrainConfig, bucket_mb: float = 25.0):
-        super().__init__(model, comm, cfg)
+    def __init__(self, model: nn.Module, comm: Comm, pcfg: ParallelConfig, make_optimizer: OptimizerFactory,
+                 **kwargs):
+        super().__init__(model, comm, pcfg, make_optimizer, **kwargs)
         if comm.group is None:
             raise RuntimeError("PyTorch DDP needs a process group: launch ranks (even one) with the launcher")
         from torch.nn.parallel import DistributedDataParallel
@@ -190,7 +191,7 @@ class TorchDataParallel(ReplicatedStrategy):
         # so gradients stay views of our flat buffer and the shared optimizer sees them.
         self.module = DistributedDataParallel(
             model, device_ids=[device] if device.type == "cuda" else None, process_group=comm.group,
-            bucket_cap_mb=bucket_mb, gradient_as_bucket_view=False)
+            bucket_cap_mb=pcfg.bucket_mb, gradient_as_bucket_view=False)
         self.module.register_comm_hook(None, self._all_reduce_mean)
         self._launched: list[PendingCollective] = []
 

@@ -1,11 +1,11 @@
 """Pipeline parallelism: the model's blocks split into P contiguous stages, one per rank of the
 pipeline group, and every step's batch cut into M micro-batches that flow through them.
 
-`split_into_stage` turns a full MiniGPT into this rank's stage in place: it keeps the blocks of
-the stage (the embeddings too on the first, the final LayerNorm, head and loss on the last) and
-deletes the rest, and gives the model a stage forward. Parameters keep their full-model names and
-their place in the whole model's logical vector, so a checkpoint saved by P stages loads into any
-other layout.
+A model's plan splits it into this rank's stage in place (MiniGPT's: minigpt_plan.py keeps the
+blocks of the stage, `stage_blocks`, the embeddings too on the first, the final LayerNorm, head and
+loss on the last, and deletes the rest); the stage is still the model, whose forward runs the parts
+it has. Parameters keep their full-model names and their place in the whole model's logical vector
+(WholeModel), so a checkpoint saved by P stages loads into any other layout.
 
 `Pipeline.run` executes one step's schedule (schedules.py: a list of F/B actions per stage):
 - F m: receive micro-batch m's activation from the previous stage (the first stage embeds its
@@ -34,7 +34,6 @@ import torch
 from torch import nn
 
 from ..comm import Comm, PendingCollective
-from .flat import logical_layout
 from .schedules import SCHEDULES, Action, expected_bubble
 
 
@@ -45,35 +44,6 @@ def stage_blocks(n_layer: int, stages: int) -> list[range]:
     for s in range(stages):
         bounds.append(bounds[-1] + base + (s < extra))
     return [range(bounds[s], bounds[s + 1]) for s in range(stages)]
-
-
-def split_into_stage(model: nn.Module, stage: int, stages: int) -> nn.Module:
-    """Keep only `stage`'s part of a MiniGPT (in place) and make its forward the stage's:
-    first stage: token ids -> hidden; middle: hidden -> hidden; last: hidden (+ targets) -> loss."""
-    if stages == 1:
-        return model
-    if not hasattr(model, "logical_layout"):  # where the kept parameters lie in the whole model (checkpoints)
-        model.logical_layout = logical_layout(model)
-    keep = stage_blocks(len(model.blocks), stages)[stage]
-    for name in list(model.blocks):
-        if int(name) not in keep:
-            del model.blocks[name]
-    first, last = stage == 0, stage == stages - 1
-    if not first:
-        del model.tok_emb, model.pos_emb
-    if not last:
-        del model.ln_f, model.head
-
-    def stage_forward(x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        if first:
-            x = model.embed(x)
-        for block in model.blocks.values():
-            x = block(x)
-        return model.output(x, targets) if last else x
-
-    # An instance attribute, so calling the model still runs its hooks (ZeRO-2 uses a forward pre-hook).
-    model.forward = stage_forward
-    return model
 
 
 class Pipeline:

@@ -1,5 +1,6 @@
-"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019): every layer's matrices split across the
-tensor-parallel group, applied from outside to an unmodified MiniGPT.
+"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019): the layers that split a model's matrices
+across the tensor-parallel group. Which layer of a model becomes which is the model's plan
+(MiniGPT's: minigpt_plan.py); this file knows no model.
 
 Two conjugate operators carry all the communication (the paper's Figure 3):
   f  identity in forward, all-reduce in backward. Where a replicated activation enters a
@@ -21,8 +22,10 @@ MLP): two all-reduces in forward, two in backward, and nothing in between.
 - LayerNorms, the position embedding and row-parallel biases are replicated; their gradients
   come out identical on every rank, because every path into them passes f or g.
 
-Sharded parameters are marked `tensor_parallel = True`: a global gradient norm sums their
-squares across the group and counts the replicated ones once (FlatStrategy).
+Each layer says which of its parameters are slices of a larger one, and where they come from
+(`slices`); `tensor_parallel_slices(model)` collects them by parameter name for the strategy, so
+that a global gradient norm sums their squares across the group (counting replicated ones once)
+and a checkpoint puts their elements back in the whole model's coordinates.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm import Comm
-from .flat import logical_layout
+from .layout import TensorSlice
 
 
 class _CopyToTensorParallel(torch.autograd.Function):
@@ -71,13 +74,22 @@ def reduce_from_tensor_parallel(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     return _ReduceFromTensorParallel.apply(x, comm)
 
 
-def _sharded(full: torch.Tensor, dim: int, index: torch.Tensor) -> nn.Parameter:
-    """This rank's slice of a full parameter: the entries `index` along `dim`. It remembers where it came
-    from (`full_slice`), so a checkpoint can put its elements back into the whole model's coordinates."""
-    p = nn.Parameter(full.detach().index_select(dim, index.to(full.device)).clone())
-    p.tensor_parallel = True
-    p.full_slice = (tuple(full.shape), dim, index.cpu())
-    return p
+def _sharded(full: torch.Tensor, dim: int, index: torch.Tensor) -> tuple[nn.Parameter, TensorSlice]:
+    """This rank's slice of a full parameter (the entries `index` along `dim`), and where it came from."""
+    p = nn.Parameter(full.detach().index_select(dim, index.to(full.device)).clone(),
+                     requires_grad=full.requires_grad)
+    return p, TensorSlice(tuple(full.shape), dim, index.cpu())
+
+
+def tensor_parallel_slices(model: nn.Module) -> dict[str, TensorSlice]:
+    """{parameter name: its slice} for every sliced parameter of the layers below (tied weights under
+    their canonical name, as named_parameters() gives it)."""
+    canonical = {id(p): name for name, p in model.named_parameters()}
+    out = {}
+    for module in model.modules():
+        for pname, sl in getattr(module, "slices", {}).items():
+            out[canonical[id(getattr(module, pname))]] = sl
+    return out
 
 
 class ColumnParallelLinear(nn.Module):
@@ -87,8 +99,11 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, full: nn.Linear, rows: torch.Tensor, comm: Comm):
         super().__init__()
         self.comm = comm
-        self.weight = _sharded(full.weight, 0, rows)
-        self.bias = None if full.bias is None else _sharded(full.bias, 0, rows)
+        self.weight, weight = _sharded(full.weight, 0, rows)
+        self.slices = {"weight": weight}
+        self.bias = None
+        if full.bias is not None:
+            self.bias, self.slices["bias"] = _sharded(full.bias, 0, rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(copy_to_tensor_parallel(x, self.comm), self.weight, self.bias)
@@ -101,7 +116,8 @@ class RowParallelLinear(nn.Module):
     def __init__(self, full: nn.Linear, cols: torch.Tensor, comm: Comm):
         super().__init__()
         self.comm = comm
-        self.weight = _sharded(full.weight, 1, cols)
+        self.weight, weight = _sharded(full.weight, 1, cols)
+        self.slices = {"weight": weight}
         self.bias = None if full.bias is None else nn.Parameter(full.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -115,7 +131,8 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, full: nn.Embedding, lo: int, hi: int, comm: Comm):
         super().__init__()
         self.comm, self.lo, self.hi = comm, lo, hi
-        self.weight = _sharded(full.weight, 0, torch.arange(lo, hi))
+        self.weight, weight = _sharded(full.weight, 0, torch.arange(lo, hi))
+        self.slices = {"weight": weight}
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.lo) | (ids >= self.hi)
@@ -161,35 +178,18 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, lo
     return _VocabParallelCrossEntropy.apply(logits, targets, lo, comm)
 
 
-def _split(n: int, comm: Comm) -> tuple[int, int]:
+class VocabParallelCrossEntropy(nn.Module):
+    """Mean cross-entropy of logits that hold vocabulary entries [lo, lo + their width) on this rank."""
+
+    def __init__(self, lo: int, comm: Comm):
+        super().__init__()
+        self.lo, self.comm = lo, comm
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, targets, self.lo, self.comm)
+
+
+def even_split(n: int, comm: Comm) -> tuple[int, int]:
+    """This rank's [lo, hi) of n things split evenly over the group (the degree divides n)."""
     size = n // comm.world_size
     return comm.rank * size, (comm.rank + 1) * size
-
-
-def apply_tensor_parallel(model: nn.Module, comm: Comm) -> nn.Module:
-    """Split `model` (a MiniGPT with identical weights on every rank) across the group, in place:
-    this rank keeps its heads, its slice of the MLP and of the vocabulary. Degrees must divide
-    the heads, the MLP width and the vocabulary (config validation says so first)."""
-    if comm.world_size == 1:
-        return model
-    if not hasattr(model, "logical_layout"):  # the whole model's coordinates, for checkpoints (flat.py)
-        model.logical_layout = logical_layout(model)
-    cfg = model.cfg
-    for block in model.blocks.values():
-        attn, mlp = block.attn, block.mlp
-        lo, hi = _split(cfg.d_model, comm)  # this rank's heads, as columns of the (heads x head_dim) width
-        head_cols = torch.arange(lo, hi)
-        qkv_rows = torch.cat([head_cols + part * cfg.d_model for part in range(3)])  # its q, k and v rows
-        attn.qkv = ColumnParallelLinear(attn.qkv, qkv_rows, comm)
-        attn.proj = RowParallelLinear(attn.proj, head_cols, comm)
-        ff = torch.arange(*_split(cfg.ffn_dim, comm))
-        mlp.up = ColumnParallelLinear(mlp.up, ff, comm)
-        mlp.down = RowParallelLinear(mlp.down, ff, comm)
-    lo, hi = _split(cfg.vocab_size, comm)
-    tied = model.head.weight is model.tok_emb.weight
-    model.tok_emb = VocabParallelEmbedding(model.tok_emb, lo, hi, comm)
-    model.head = ColumnParallelLinear(model.head, torch.arange(lo, hi), comm)
-    if tied:
-        model.head.weight = model.tok_emb.weight
-    model.loss = lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, lo, comm)
-    return model

@@ -23,7 +23,6 @@ the sharding it exists for.
 """
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 
@@ -31,8 +30,8 @@ import torch
 import torch.nn as nn
 
 from ..comm import Comm, PendingCollective
-from ..config import TrainConfig
-from .flat import FlatStrategy, Segment, local_views, sync_summary
+from .config import ParallelConfig
+from .flat import FlatStrategy, OptimizerFactory, Segment, local_views, sync_summary
 from .units import module_units, unit_layout
 
 MAX_INFLIGHT = 1  # unit reduce-scatters in flight before the oldest is waited for (bounds gradient memory)
@@ -60,26 +59,31 @@ class ShardedStrategy(FlatStrategy):
         if source is not master:
             self.ledger.drop("params", source)
 
+    _grad: torch.Tensor | None = None  # this step's averaged gradient shard, once synced
+
+    def _averaged_grad(self) -> torch.Tensor:
+        if self._grad is None:
+            self.finish_grad_sync()
+            self._grad = self._gradient_shard().div_(self.comm.world_size)
+        return self._grad
+
+    def _end_step(self) -> None:
+        self._grad = None
+
     @torch.no_grad()
-    def step(self, lr: float, loss_scale: float = 1.0) -> float:
-        self.finish_grad_sync()
-        grad = self._gradient_shard().div_(self.comm.world_size)
-        parts = self._sum_sq_parts(grad, self.shard_ranges)
-        self.comm.all_reduce_sum(parts)  # over the data-parallel shards
-        norm, scale = self._clip_scale(self._total_sum_sq(parts), loss_scale)
-        if not math.isfinite(norm):  # NaN/Inf on some rank: every rank sees it in the all-reduced norm
-            return norm  # skip: parameters and optimizer state unchanged
-        self.optimizer.step(grad, lr, scale)
-        self._publish()
-        return norm
+    def _load_params(self, local: torch.Tensor) -> None:
+        """Every rank restores its own shard; the full parameters are gathered from them."""
+        for u, view in zip(self.flat.units, local_views(local.to(self.flat.dtype), self.shard_ranges)):
+            self.comm.all_gather(self.flat.data[u.start:u.stop], view)
 
 
 class Zero1(ShardedStrategy):
     name = "zero1"
     stage = 1
 
-    def __init__(self, model: nn.Module, comm: Comm, cfg: TrainConfig):
-        super().__init__(model, comm, cfg)
+    def __init__(self, model: nn.Module, comm: Comm, pcfg: ParallelConfig, make_optimizer: OptimizerFactory,
+                 **kwargs):
+        super().__init__(model, comm, pcfg, make_optimizer, **kwargs)
         self._grad_shard: torch.Tensor | None = None
 
     @torch.no_grad()
@@ -110,9 +114,10 @@ class Zero2(ShardedStrategy):
     name = "zero2"
     stage = 2
 
-    def __init__(self, model: nn.Module, comm: Comm, cfg: TrainConfig):
+    def __init__(self, model: nn.Module, comm: Comm, pcfg: ParallelConfig, make_optimizer: OptimizerFactory,
+                 **kwargs):
         plans = module_units(model)
-        super().__init__(model, comm, cfg, units=unit_layout(plans), keep_grad=False)
+        super().__init__(model, comm, pcfg, make_optimizer, units=unit_layout(plans), keep_grad=False, **kwargs)
         self.plans = plans
         self.grad_shard = self.optimizer.master.new_zeros(self.optimizer.master.numel(), dtype=self.reduce_dtype)
         self._shard_views = local_views(self.grad_shard, self.shard_ranges)  # one per unit

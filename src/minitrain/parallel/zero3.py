@@ -29,10 +29,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_leaves
 
 from ..comm import Comm, PendingCollective
-from ..config import TrainConfig
-from .flat import local_views, take
+from .config import ParallelConfig
+from .flat import OptimizerFactory, local_views, take
 from .zero import Zero2
 
 
@@ -40,9 +41,10 @@ class Zero3(Zero2):
     name = "zero3"
     stage = 3
 
-    def __init__(self, model: nn.Module, comm: Comm, cfg: TrainConfig, prefetch: bool = True):
-        super().__init__(model, comm, cfg)
-        self.prefetch = prefetch
+    def __init__(self, model: nn.Module, comm: Comm, pcfg: ParallelConfig, make_optimizer: OptimizerFactory,
+                 **kwargs):
+        super().__init__(model, comm, pcfg, make_optimizer, **kwargs)
+        self.prefetch = pcfg.prefetch
         # In full precision the parameter shard *is* the optimizer's master: both would hold the
         # same numbers, and nothing else needs them between steps (FSDP keeps one copy too). In
         # mixed precision the shard is 16-bit, a rounded copy of the float32 master.
@@ -109,7 +111,9 @@ class Zero3(Zero2):
             self._ensure(i)
 
     def _hook_outputs(self, output, hook) -> None:
-        for t in output if isinstance(output, (tuple, list)) else (output,):
+        # Every tensor in the output, however nested (a Hugging Face ModelOutput is a dict): the first
+        # gradient to reach any of them starts this unit's backward.
+        for t in tree_leaves(output):
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(hook)
 
@@ -163,8 +167,8 @@ class Zero3(Zero2):
         self.comm.all_reduce_sum(parts)
         return float(self._total_sum_sq(parts).sqrt())
 
-    def _load_params(self, physical: torch.Tensor) -> None:
-        self.param_shard.copy_(take(physical, self.shard_ranges))
+    def _load_params(self, local: torch.Tensor) -> None:
+        self.param_shard.copy_(local)
 
     def _publish(self) -> None:
         """Full precision: nothing to do, the optimizer updated the parameter shard in place.

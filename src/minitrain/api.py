@@ -1,0 +1,372 @@
+"""The public API: your model, your optimizer, your loop; minitrain's strategies underneath.
+
+    rank, world = minitrain.init_distributed()
+    model, optimizer = minitrain.prepare(model, functools.partial(torch.optim.AdamW, lr=1e-3), zero=2)
+    for x, y in batches:                      # this rank's share of the global batch
+        loss = loss_fn(model(x), y)
+        loss.backward()                       # gradients are averaged over the ranks for you
+        minitrain.clip_grad_norm_(model, 1.0)  # the true global norm, the same on every rank
+        optimizer.step()
+        optimizer.zero_grad()
+    minitrain.save_checkpoint("ckpt", model, optimizer, step)
+
+`prepare` returns the same model object (its class, names and state_dict keys unchanged) and an
+optimizer that behaves like the user's own (its param_groups are the user's groups, so an LR
+scheduler works on it). Underneath, the trainable parameters live in flat buffers, sharded by the
+ZeRO stage asked for, and the user's optimizer runs on this rank's shard (parallel/shard_optimizer.py).
+The CLI trainer goes through the same `parallelize` path with MiniGPT and its own optimizer.
+
+Every call that moves data between ranks is collective: all ranks make it, in the same order.
+`save_checkpoint` and `load_checkpoint` first check that every rank arrived, and fail naming the
+ranks that did not (within the timeout given to init_distributed) rather than hang.
+"""
+from __future__ import annotations
+
+import json
+import re
+import weakref
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import checkpoint
+from .parallel import FlatStrategy, ModelPlan, cast_parameters, parallelize
+from .parallel.config import ParallelConfig
+from .parallel.shard_optimizer import OptimizerFn, TorchShardOptimizer, check_elementwise
+from .precision import COMPUTE_DTYPES
+from .topology import Topology, under_torchrun
+
+
+@dataclass
+class _Session:
+    topo: Topology
+    timeout_s: float
+    gloo: object = None  # a gloo group for arrival checks when the backend is NCCL (monitored_barrier is gloo's)
+
+
+_session: _Session | None = None
+
+
+def init_distributed(backend: str = "auto", timeout_s: float = 300.0) -> tuple[int, int]:
+    """Join the process group torchrun (or `minitrain`'s launcher) describes, or run as a single process
+    (rank 0 of 1) when there is none. `backend`: auto (NCCL with a GPU per local rank, else gloo), gloo or
+    nccl. `timeout_s`: how long any collective may wait before it fails loudly. Returns (rank, world size);
+    calling it again returns the same."""
+    global _session
+    if _session is None:
+        if dist.is_initialized():  # joined already (by a launcher, or the user's own init_process_group)
+            topo = Topology.from_initialized()
+            gloo = dist.new_group(backend="gloo") if topo.backend != "gloo" else None
+        elif under_torchrun():
+            topo = Topology.from_env(backend, timeout_s)
+            gloo = dist.new_group(backend="gloo") if topo.backend != "gloo" else None
+        else:
+            topo, gloo = Topology.single(), None
+        _session = _Session(topo, timeout_s, gloo)
+    return _session.topo.rank, _session.topo.world_size
+
+
+def _topology() -> Topology:
+    init_distributed()
+    return _session.topo
+
+
+def is_main_process() -> bool:
+    """True on rank 0, the rank that should print and write single files."""
+    return _topology().is_main
+
+
+def barrier() -> None:
+    """Wait until every rank gets here."""
+    _topology().everyone.barrier()
+
+
+def cleanup() -> None:
+    """Leave the process group (call once at the end; init_distributed may be called again after it)."""
+    global _session
+    if _session is not None:
+        _session.topo.close()
+        _session = None
+
+
+def wrap_for_ddp(model: nn.Module) -> nn.Module:
+    """The model under PyTorch's DistributedDataParallel on minitrain's process group (the model itself in a
+    single process), for a loop that keeps its own torch optimizer over model.parameters()."""
+    topo = _topology()
+    if topo.everyone.group is None:
+        return model
+    device = topo.device
+    return nn.parallel.DistributedDataParallel(model.to(device), device_ids=[device] if device.type == "cuda" else None,
+                                               process_group=topo.everyone.group)
+
+
+# --- prepare ---------------------------------------------------------------------------------------
+@dataclass
+class _Prepared:
+    strategy: FlatStrategy
+    settings: dict
+    max_norm: float | None = None  # set by clip_grad_norm_ for the coming step
+    optimizer: PreparedOptimizer | None = field(default=None, repr=False)
+
+
+_prepared: weakref.WeakKeyDictionary[nn.Module, _Prepared] = weakref.WeakKeyDictionary()
+
+
+def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param_groups: list[dict] | None = None,
+            precision: str = "fp32", reduce_dtype: str = "fp32", dp: str = "bucketed", bucket_mb: float = 25.0,
+            prefetch: bool = True, activation_checkpointing: str = "none",
+            plan: ModelPlan | None = None) -> tuple[nn.Module, PreparedOptimizer]:
+    """Make `model` train data parallel over every rank (ZeRO stage `zero`), with the user's optimizer.
+
+    optimizer_fn: called like a torch optimizer class on param groups, e.g.
+        functools.partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.1). Under ZeRO (zero >= 1) it runs
+        on this rank's shard, which is exact for elementwise optimizers (checked; others are refused).
+    param_groups: [{"params": [parameters of model], **options}, ...] as you would give the optimizer
+        (e.g. no weight decay for biases and norms); every trainable parameter in exactly one group.
+        Default: one group of every trainable parameter. Frozen parameters (requires_grad=False) are
+        never updated and hold no gradient or optimizer state.
+    precision: fp32 (compute in the parameters' dtype, float32 or float64) or bf16 (bfloat16 parameters
+        and forward under autocast, float32 master weights and optimizer state). reduce_dtype: fp32 or
+        compute, what bf16 gradients are summed in. dp (zero=0): bucketed (all-reduce overlapped with
+        backward) or naive. bucket_mb: bucket cap. prefetch (zero=3): gather the next block early.
+    activation_checkpointing: none | block (recompute each layer of the model's ModuleList/ModuleDict in
+        backward) | selective (needs a plan naming what to recompute).
+    Returns (model, optimizer): the same model object, and the optimizer to call step()/zero_grad() on.
+    Every rank starts from rank 0's parameters."""
+    topo = _topology()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"prepare needs an nn.Module, got {type(model).__name__}")
+    if model in _prepared:
+        raise ValueError(f"this {type(model).__name__} was already prepared; prepare a model once")
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"precision must be fp32 or bf16, got {precision!r}"
+                         + ("; fp16 needs loss scaling, which the CLI trainer does: use bf16" if precision == "fp16"
+                            else ""))
+    if reduce_dtype not in ("fp32", "compute"):
+        raise ValueError(f"reduce_dtype must be fp32 or compute, got {reduce_dtype!r}")
+    if dp == "torch":
+        raise ValueError("dp='torch' wraps the model in DistributedDataParallel; use wrap_for_ddp(model) for that")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not trainable:
+        raise ValueError(f"{type(model).__name__} has no trainable parameters")
+    dtypes = {p.dtype for p in trainable}
+    if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
+        raise ValueError(f"trainable parameters must share one floating dtype; found {sorted(map(str, dtypes))}")
+    master = next(iter(dtypes))
+    if precision == "bf16" and master != torch.float32:
+        raise ValueError(f"precision='bf16' keeps float32 master weights: give a float32 model, not {master}")
+    groups = _named_groups(model, param_groups)
+    if zero >= 1:
+        for _, options in groups:
+            check_elementwise(optimizer_fn, options)
+    if precision == "fp32":
+        reduce = master  # full precision reduces in the parameters' own dtype
+    else:
+        reduce = torch.float32 if reduce_dtype == "fp32" else COMPUTE_DTYPES[precision]
+    pcfg = ParallelConfig(zero=zero, dp=dp, bucket_mb=bucket_mb, prefetch=prefetch, master_dtype=master,
+                          reduce_dtype=reduce)
+    if next(model.parameters()).device != topo.device:
+        model.to(topo.device)
+    if precision != "fp32":
+        cast_parameters(model, COMPUTE_DTYPES[precision])
+        _forward_under_autocast(model, topo.device, COMPUTE_DTYPES[precision])
+
+    def make_optimizer(master_vec, flat, shard_ranges):
+        return TorchShardOptimizer(master_vec, flat, shard_ranges, zero >= 1, optimizer_fn, groups)
+
+    strategy, _ = parallelize(model, topo, pcfg, make_optimizer, plan, activation_checkpointing)
+    settings = {"zero": zero, "precision": precision, "reduce_dtype": reduce_dtype, "dp": dp, "bucket_mb": bucket_mb,
+                "prefetch": prefetch, "activation_checkpointing": activation_checkpointing}
+    state = _Prepared(strategy, settings)
+    state.optimizer = PreparedOptimizer(strategy, state)
+    _prepared[model] = state
+    return model, state.optimizer
+
+
+def _named_groups(model: nn.Module, param_groups: list[dict] | None) -> list[tuple[list[str], dict]]:
+    """[(canonical names of a group's parameters, its options)], checked: every trainable parameter once."""
+    canonical = {id(p): name for name, p in model.named_parameters()}
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    if param_groups is None:
+        return [([canonical[i] for i in canonical if i in trainable], {})]
+    seen: dict[int, int] = {}
+    groups = []
+    for g, group in enumerate(param_groups):
+        if not isinstance(group, dict) or "params" not in group:
+            raise ValueError("param_groups must be a list of dicts with a 'params' list, as torch optimizers take")
+        names = []
+        for p in group["params"]:
+            name = canonical.get(id(p))
+            if name is None:
+                raise ValueError(f"param_groups[{g}] holds a tensor that is not a parameter of the model")
+            if id(p) not in trainable:
+                raise ValueError(f"param_groups[{g}] holds '{name}', which is frozen (requires_grad=False)")
+            if id(p) in seen:
+                raise ValueError(f"'{name}' is in param_groups[{seen[id(p)]}] and param_groups[{g}]")
+            seen[id(p)] = g
+            names.append(name)
+        groups.append((names, {k: v for k, v in group.items() if k != "params"}))
+    missing = [canonical[i] for i in trainable if i not in seen]
+    if missing:
+        raise ValueError(f"trainable parameter(s) {', '.join(missing[:5])} are in no param group; add them to one "
+                         "or freeze them with requires_grad_(False)")
+    return groups
+
+
+def _forward_under_autocast(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Run the model's forward under autocast (hooks around the call: the model object stays the user's)."""
+    contexts: list = []
+
+    def enter(_module, _args):
+        contexts.append(torch.autocast(device.type, dtype=dtype))
+        contexts[-1].__enter__()
+
+    def leave(_module, _args, _output):
+        contexts.pop().__exit__(None, None, None)
+
+    model.register_forward_pre_hook(enter)
+    model.register_forward_hook(leave, always_call=True)
+
+
+def _state_of(model: nn.Module) -> _Prepared:
+    state = _prepared.get(model)
+    if state is None:
+        raise ValueError(f"this {type(model).__name__} was not returned by minitrain.prepare")
+    return state
+
+
+class PreparedOptimizer(torch.optim.Optimizer):
+    """The user's optimizer, as prepare returns it: step() syncs what backward has not yet synced, clips
+    when clip_grad_norm_ asked, updates this rank's shard with the user's optimizer and publishes the new
+    parameters; zero_grad() clears the flat gradients. `param_groups` and `state` are the user's optimizer's
+    (over this rank's shard), so learning-rate schedulers work on it. Its state is saved and loaded with
+    minitrain.save_checkpoint / load_checkpoint (state_dict() of one rank's shard would not reshard)."""
+
+    def __init__(self, strategy: FlatStrategy, prepared: _Prepared):  # noqa: D107 - shares the inner optimizer's
+        self._strategy, self._prepared = strategy, prepared
+        self.inner: torch.optim.Optimizer = strategy.optimizer.inner
+        self.defaults, self.param_groups, self.state = self.inner.defaults, self.inner.param_groups, self.inner.state
+        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
+        self._optimizer_state_dict_pre_hooks, self._optimizer_state_dict_post_hooks = {}, {}
+        self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = {}, {}
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        """One update of every rank's parameters (collective). A step whose gradients hold NaN/Inf on any rank
+        is skipped on every rank (parameters and optimizer state unchanged)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        max_norm, self._prepared.max_norm = self._prepared.max_norm, None
+        self._strategy.step(None, 1.0, max_norm if max_norm is not None else 0.0)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients in place (they are views of minitrain's flat buffer; set_to_none is ignored)."""
+        self._prepared.max_norm = None
+        self._strategy.zero_grad()
+
+    def add_param_group(self, param_group: dict) -> None:
+        raise NotImplementedError("groups are fixed by prepare(param_groups=...); prepare a new model to change them")
+
+    def state_dict(self):
+        raise NotImplementedError("a rank holds only its shard of the optimizer; use minitrain.save_checkpoint, "
+                                  "which saves every rank's part so it loads at any world size or ZeRO stage")
+
+    def load_state_dict(self, state_dict) -> None:
+        raise NotImplementedError("use minitrain.load_checkpoint")
+
+    def __repr__(self) -> str:
+        return f"PreparedOptimizer(ZeRO-{self._strategy.stage}, {self.inner!r})"
+
+
+def no_sync(model: nn.Module):
+    """Context for all but the last micro-batch of an accumulated step: backward without the data-parallel
+    gradient sync (defined at every ZeRO stage: stages 2 and 3 reduce each micro-batch into their sharded
+    gradient, which keeps their memory sharded; 0 and 1 sync once, at the last)."""
+    return _state_of(model).strategy.no_sync()
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float) -> float:
+    """The global norm of this step's gradients (every rank, every shard; a tied weight counted once), the
+    same float on every rank, as torch.nn.utils.clip_grad_norm_ returns it on one process; the coming
+    optimizer.step() scales the gradients to at most max_norm. Collective: call it on every rank, after
+    backward and before optimizer.step()."""
+    if not max_norm > 0:
+        raise ValueError(f"max_norm must be > 0, got {max_norm}")
+    state = _state_of(model)
+    norm = state.strategy.grad_norm()
+    state.max_norm = float(max_norm)
+    return norm
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's state_dict, with exactly its own keys, on every rank (copies; the parameters are
+    gathered from their shards at ZeRO-3, so it is collective there): what to evaluate or export in memory."""
+    strategy = _state_of(model).strategy
+    flat = strategy.flat
+    whole = strategy.full_params()  # every trainable parameter, in the logical layout
+    by_id = {id(flat.param(s)): s for s in flat.segments}
+    out = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        seg = by_id.get(id(value))
+        out[key] = (whole[seg.logical:seg.logical + seg.numel].view(seg.shape).clone() if seg is not None
+                    else value.detach().clone())
+    return out
+
+
+# --- checkpoints ------------------------------------------------------------------------------------
+def _all_ranks_arrive(what: str) -> None:
+    """Fail, naming the ranks that did not come, unless every rank calls `what` within the timeout."""
+    session = _session
+    if session is None or session.topo.world_size == 1:
+        return
+    try:
+        dist.monitored_barrier(group=session.gloo, timeout=timedelta(seconds=session.timeout_s), wait_all_ranks=True)
+    except RuntimeError as e:
+        missing = re.search(r"[Rr]anks? ([\d, ]+) failed to pass", str(e))
+        who = f"rank(s) {missing.group(1).strip()}" if missing else "rank 0"
+        raise checkpoint.CheckpointError(
+            f"{what} is collective: rank {session.topo.rank} called it, {who} did not within "
+            f"{session.timeout_s:g} s; call it on every rank") from e
+
+
+def save_checkpoint(directory: str | Path, model: nn.Module, optimizer: PreparedOptimizer, step: int,
+                    extra: dict | None = None) -> Path:
+    """Save the model and optimizer as a sharded, sha256-verified checkpoint under directory/step-NNNNNN,
+    and point directory/latest at it once it is complete. Collective (every rank writes its own shard).
+    extra: anything JSON can hold (epoch, data position, ...), returned by load_checkpoint."""
+    state = _state_of(model)
+    if optimizer is not state.optimizer:
+        raise ValueError("save_checkpoint takes the optimizer prepare returned with this model")
+    train_state = {"step": int(step), "optimizer_steps": state.strategy.optimizer.steps_taken,
+                   "optimizer_scalars": state.strategy.optimizer.scalar_state(), "extra": extra}
+    json.dumps(train_state)  # refuse what JSON cannot hold before anything is written
+    _all_ranks_arrive("save_checkpoint")
+    return checkpoint.save(directory, int(step), _topology(), state.strategy, train_state, {"prepare": state.settings})
+
+
+def load_checkpoint(directory: str | Path, model: nn.Module, optimizer: PreparedOptimizer) -> tuple[int, dict | None]:
+    """Restore a checkpoint saved by save_checkpoint (the directory, or one step-NNNNNN in it) at any world
+    size or ZeRO stage; each rank reads only the parts it holds. Returns (step, extra). Collective."""
+    state = _state_of(model)
+    if optimizer is not state.optimizer:
+        raise ValueError("load_checkpoint takes the optimizer prepare returned with this model")
+    _all_ranks_arrive("load_checkpoint")
+    train_state = checkpoint.load(directory, _topology(), state.strategy)
+    return train_state["step"], train_state.get("extra")
+
+
+def settings_of(model: nn.Module) -> dict:
+    """The settings prepare was called with (zero, precision, ...)."""
+    return dict(_state_of(model).settings)
+
+
+__all__ = ["PreparedOptimizer", "barrier", "cleanup", "clip_grad_norm_", "full_state_dict", "init_distributed",
+           "is_main_process",
+           "load_checkpoint", "no_sync", "prepare", "save_checkpoint", "settings_of", "wrap_for_ddp"]

@@ -1,0 +1,48 @@
+"""The memory math of the strategies, in one place: what each ZeRO stage keeps per rank, and a ledger of
+the transient model-state tensors a step creates (the planner and the memory profile use both)."""
+from __future__ import annotations
+
+import torch
+
+
+MEMORY_KINDS = ("params", "grads", "optimizer")
+
+
+def memory_terms(stage: int, master_is_params: bool) -> dict[str, tuple[int, bool]]:
+    """The memory math, per kind: (tensors of P elements, sharded over N?). 3 optimizer tensors
+    (master, m, v), 2 where the master is the parameter shard itself. Stage s shards the
+    optimizer state (s >= 1), gradients (s >= 2), parameters (s = 3). The strategies and the
+    planner both use this one rule."""
+    return {"params": (1, stage >= 3), "grads": (1, stage >= 2),
+            "optimizer": (2 if master_is_params else 3, stage >= 1)}
+
+
+def padded_numel(unit_sizes: list[int], world_size: int) -> int:
+    """Elements in the flat buffer: every unit padded to a multiple of the world size (as laid out below)."""
+    return sum(-(-size // world_size) * world_size for size in unit_sizes)
+
+
+class MemoryLedger:
+    """Bytes of model state (params, grads, optimizer) a rank holds, now and at its peak.
+
+    The at-rest figures come from the tensors themselves (`FlatStrategy.memory_bytes`);
+    strategies report every transient model-state tensor they create and drop during a
+    step (a gathered unit, a gradient bucket, a reduce-scatter output, a gradient autograd
+    allocated) with `hold`/`drop`, so the peak is measured from tensor sizes too."""
+
+    def __init__(self):
+        self.transient = dict.fromkeys(MEMORY_KINDS, 0)
+        self.peak_transient = dict.fromkeys(MEMORY_KINDS, 0)
+        self.peak_total_transient = 0
+
+    def hold(self, kind: str, t: torch.Tensor) -> None:
+        self.transient[kind] += t.untyped_storage().nbytes()
+        self.peak_transient[kind] = max(self.peak_transient[kind], self.transient[kind])
+        self.peak_total_transient = max(self.peak_total_transient, sum(self.transient.values()))
+
+    def drop(self, kind: str, t: torch.Tensor) -> None:
+        self.transient[kind] -= t.untyped_storage().nbytes()
+
+    def reset_peak(self) -> None:
+        self.peak_transient = dict(self.transient)
+        self.peak_total_transient = sum(self.transient.values())

@@ -1,0 +1,29 @@
+"""A model's plan: what the generic parallelisms need to know of one model and cannot guess.
+
+The strategies (data parallel, ZeRO) work on any nn.Module. Splitting a model's layers does
+not: which linear layers are column- or row-parallel, where the pipeline may cut, what is cheap
+to recompute are facts about one architecture. A plan holds them as plain functions, so a model
+file stays free of parallelism (torchtitan's split between `parallelize_llama` and the model).
+MiniGPT's plan is minigpt_plan.py; a user's model brings its own, or runs without one (data
+parallel, ZeRO and block recomputation need none).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+from ..comm import Comm
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    # Replace layers by their tensor-parallel slices over the group, in place (layers from parallel/tensor.py).
+    tensor_parallel: Callable[[nn.Module, Comm], None] | None = None
+    # Keep only stage s of P (in place); the model's forward must then run the parts it still has.
+    pipeline_split: Callable[[nn.Module, int, int], None] | None = None
+    # The transformer blocks `block` activation checkpointing recomputes (None: the containers' elements).
+    blocks: Callable[[nn.Module], list[nn.Module]] | None = None
+    # (module, method name) pairs `selective` activation checkpointing recomputes.
+    selective: Callable[[nn.Module], list[tuple[nn.Module, str]]] | None = None

@@ -1,0 +1,192 @@
+"""A user's own torch optimizer, run on this rank's part of the flat parameters.
+
+`TorchShardOptimizer` is what `minitrain.prepare` hands the strategies as their optimizer. It
+builds the user's optimizer (any `torch.optim.Optimizer` class, called like one) on views of
+the master vector: at data parallel one view per parameter, shaped like it, so any optimizer
+works; under ZeRO one flat view per run of the rank's shard that belongs to one param group,
+so each group keeps its own options (no weight decay for biases and norms, say) whatever the
+stage. The optimizer updates the views in place, i.e. the master; the strategy then publishes
+the master as the parameters.
+
+Sharding an optimizer over arbitrary slices of its parameters is exact only if it is
+elementwise: the update of each element depends on that element's gradient and state alone
+(SGD, Adam, AdamW, RMSprop, ... and a user's own subclass written that way). One that looks at
+a whole tensor (Adafactor's row and column statistics, Muon's orthogonalisation, LBFGS) would
+silently compute something else, so `check_elementwise` runs the user's optimizer on a small
+probe, whole and cut into pieces, and refuses it under ZeRO when the two disagree.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .layout import FlatParameters, Ranges
+
+OptimizerFn = Callable[..., torch.optim.Optimizer]
+
+
+class NotElementwiseError(ValueError):
+    """The optimizer's update of an element depends on more than that element: it cannot be sharded."""
+
+
+def check_elementwise(optimizer_fn: OptimizerFn, options: dict) -> None:
+    """Raise NotElementwiseError unless optimizer_fn gives the same update to a (6, 5) tensor whole and cut
+    into three flat pieces, over three steps with the same gradients (float64, random values)."""
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(6, 5, generator=gen, dtype=torch.float64)
+    grads = [torch.randn(6, 5, generator=gen, dtype=torch.float64) for _ in range(3)]
+    whole = start.clone()
+    pieces = [p.clone() for p in start.reshape(-1).split([7, 13, 10])]
+    try:
+        opt_whole = optimizer_fn([{"params": [whole], **options}])
+        opt_pieces = optimizer_fn([{"params": pieces, **options}])
+        for g in grads:
+            whole.grad = g.clone()
+            for p, gp in zip(pieces, g.reshape(-1).split([7, 13, 10])):
+                p.grad = gp.clone()
+            opt_whole.step()
+            opt_pieces.step()
+    except Exception as e:  # noqa: BLE001 - any failure on plain tensors means it cannot run on a shard
+        raise NotElementwiseError(f"{_name(optimizer_fn)} could not be run on a shard of the parameters "
+                                  f"({type(e).__name__}: {e}); use zero=0, which gives it whole parameters") from e
+    diff = float((whole.reshape(-1) - torch.cat(pieces)).abs().max())
+    if not diff <= 1e-12 * max(1.0, float(whole.abs().max())):
+        raise NotElementwiseError(f"{_name(optimizer_fn)} is not elementwise (a tensor cut into pieces is updated "
+                                  f"differently from the whole, by up to {diff:.2e}), so ZeRO cannot shard it; use "
+                                  "zero=0, which gives it whole parameters")
+
+
+def _name(optimizer_fn) -> str:
+    fn = getattr(optimizer_fn, "func", optimizer_fn)  # functools.partial
+    return getattr(fn, "__name__", repr(fn))
+
+
+def group_runs(flat: FlatParameters, shard_ranges: Ranges, groups: list[list[str]]) -> list[list[tuple[int, int]]]:
+    """For each group (a list of parameter names), the local [start, stop) runs of the shard it owns. Every
+    local element belongs to exactly one group: padding goes with the parameter before it (or the first
+    group), so the optimizer's state covers the whole shard, as the memory math counts it."""
+    local_len = sum(b - a for a, b in shard_ranges)
+    owner = torch.zeros(local_len, dtype=torch.long)  # group of each local element; padding is filled in below
+    known = torch.zeros(local_len, dtype=torch.bool)
+    for g, names in enumerate(groups):
+        for a, b in flat.local_ranges(flat.ranges_of_names(names), shard_ranges):
+            owner[a:b], known[a:b] = g, True
+    # Padding takes the group of the nearest known element before it (forward fill), or group 0.
+    last_known = torch.where(known, torch.arange(local_len), -1).cummax(0).values if local_len else owner
+    owner = torch.where(last_known >= 0, owner[last_known.clamp(min=0)], 0)
+    runs: list[list[tuple[int, int]]] = [[] for _ in groups]
+    if local_len:
+        cuts = [0, *((owner[1:] != owner[:-1]).nonzero().flatten() + 1).tolist(), local_len]
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            runs[int(owner[a])].append((a, b))
+    return runs
+
+
+class TorchShardOptimizer:
+    """The strategies' optimizer interface (as FlatAdamW) over a user's torch optimizer.
+
+    master: this rank's local vector; views: the tensors the torch optimizer sees, each with its
+    local [start, stop) range."""
+
+    def __init__(self, master: torch.Tensor, flat: FlatParameters, shard_ranges: Ranges, sharded: bool,
+                 optimizer_fn: OptimizerFn, groups: list[tuple[list[str], dict]]):
+        self.master, self.steps_taken = master, 0
+        self.views: list[tuple[torch.Tensor, int, int]] = []
+        param_groups = []
+        if not sharded:  # every parameter whole, in its own shape: any optimizer works
+            by_name = {s.name: s for s in flat.segments}
+            for names, options in groups:
+                views = []
+                for name in names:
+                    s = by_name[name]
+                    views.append(master[s.offset:s.offset + s.numel].view(s.shape))
+                    self.views.append((views[-1], s.offset, s.offset + s.numel))
+                param_groups.append({"params": views, **options})
+        else:
+            for (names, options), runs in zip(groups, group_runs(flat, shard_ranges, [n for n, _ in groups])):
+                views = [master[a:b] for a, b in runs]
+                self.views += [(v, a, b) for v, (a, b) in zip(views, runs)]
+                param_groups.append({"params": views, **options})
+        self.views.sort(key=lambda v: v[1])
+        self.inner = optimizer_fn(param_groups)
+
+    @torch.no_grad()
+    def step(self, grad: torch.Tensor, lr: float | None, grad_scale: float = 1.0) -> None:
+        """Update the master from `grad` (local layout) times grad_scale (clipping, unscaling)."""
+        g = grad if grad.dtype == self.master.dtype else grad.to(self.master.dtype)  # mixed precision: widen
+        if grad_scale != 1.0:
+            g.mul_(grad_scale)  # in place: the caller is done with its gradient buffer
+        for view, a, b in self.views:
+            view.grad = g[a:b].view_as(view)
+        if lr is not None:
+            for group in self.inner.param_groups:
+                group["lr"] = lr
+        self.inner.step()
+        for view, _, _ in self.views:
+            view.grad = None
+        self.steps_taken += 1
+
+    # --- state: every state as a vector in local layout, so that it reshards like the parameters -------------
+    def _kinds(self) -> tuple[list[str], dict[str, str | None]]:
+        """(names of elementwise state, {name of scalar state: its tensor dtype, or None for a number}), from the
+        state the optimizer holds now."""
+        elementwise, scalar = [], {}
+        for view, _, _ in self.views:
+            for name, value in self.inner.state.get(view, {}).items():
+                if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                    scalar.setdefault(name, str(value.dtype).removeprefix("torch.")
+                                      if isinstance(value, torch.Tensor) else None)
+                elif value.shape == view.shape:
+                    elementwise.append(name) if name not in elementwise else None
+                else:
+                    raise NotElementwiseError(f"{type(self.inner).__name__} keeps state '{name}' of shape "
+                                              f"{tuple(value.shape)} for a parameter of shape {tuple(view.shape)}: "
+                                              "only elementwise or scalar optimizer state can be checkpointed")
+        return elementwise, scalar
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The master and every state as a vector in local layout (new tensors, but the master). A scalar state
+        (Adam's step) is spread over its parameter's elements, in float64 (exact for counts), so that any
+        rank of any layout finds the value of the parameters it holds."""
+        elementwise, scalar = self._kinds()
+        out = {"master": self.master}
+        for name in [*elementwise, *scalar]:
+            vec = torch.zeros(self.master.numel(), dtype=self.master.dtype if name in elementwise else torch.float64,
+                              device=self.master.device)
+            for view, a, b in self.views:
+                value = self.inner.state.get(view, {}).get(name)
+                if value is not None:
+                    vec[a:b] = value.reshape(-1) if name in elementwise else float(value)
+            out[name] = vec
+        return out
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The master and the optimizer's elementwise state tensors (scalars such as Adam's step are not counted)."""
+        held = [self.master]
+        for view, _, _ in self.views:
+            held += [v for v in self.inner.state.get(view, {}).values()
+                     if isinstance(v, torch.Tensor) and v.dim() > 0]
+        return held
+
+    def scalar_state(self) -> dict:
+        """How to rebuild the scalar states from their vectors: {name: tensor dtype, or None for a number}."""
+        return {"steps_taken": self.steps_taken, "scalars": self._kinds()[1]}
+
+    @torch.no_grad()
+    def load_state(self, tensors: dict[str, torch.Tensor], scalars: dict) -> None:
+        self.master.copy_(tensors["master"])
+        dtypes = scalars.get("scalars", {})
+        for view, a, b in self.views:
+            if a == b:
+                continue  # an empty piece of a group holds no state
+            state = self.inner.state[view]
+            for name, vec in tensors.items():
+                if name == "master":
+                    continue
+                if name in dtypes:
+                    value = float(vec[a])
+                    state[name] = torch.tensor(value, dtype=getattr(torch, dtypes[name])) if dtypes[name] else value
+                else:
+                    state[name] = vec[a:b].view_as(view).to(self.master.dtype).clone()
+        self.steps_taken = int(scalars.get("steps_taken", 0))

@@ -1,0 +1,261 @@
+"""The public API on models the project did not write: tiny Hugging Face Llama (tied and untied) and GPT-2,
+the user's own torch optimizer and loop, against plain single-process PyTorch (tests/hf_models.py), in float64.
+
+Each multi-rank test is one launch that runs many cases, so the interpreter and transformers start once."""
+from __future__ import annotations
+
+import functools
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import minitrain
+from minitrain.checkpoint import CheckpointError
+from minitrain.parallel.shard_optimizer import NotElementwiseError
+
+from .dist import run_ranks
+from .hf_models import (KINDS, OPTIMIZERS, batches, frozen_parameter, lm_loss, make_model, param_groups, reference_run,
+                        tied)
+
+pytest.importorskip("transformers")
+
+STEPS, MAX_NORM, TOL = 4, 0.5, 1e-10
+
+
+def _global_mean(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t) / dist.get_world_size()
+
+
+def _train(kind, optimizer, zero, steps, rank, world, micro=1):
+    """The user's loop on this rank's share of each global batch. Returns losses, norms, model, optimizer."""
+    model = make_model(kind)
+    frozen_before = frozen_parameter(model).detach().clone()
+    buffers_before = {n: (b.dtype, b.device, b.clone()) for n, b in model.named_buffers()}
+    model, opt = minitrain.prepare(model, OPTIMIZERS[optimizer], zero=zero, param_groups=param_groups(model))
+    losses, norms = [], []
+    for x in steps:
+        mine = x.chunk(world)[rank].chunk(micro)
+        total = 0.0
+        for i, part in enumerate(mine):
+            with minitrain.no_sync(model) if i < micro - 1 else _nothing():
+                loss = lm_loss(model, part) / micro
+                loss.backward()
+            total += loss.item()
+        norms.append(minitrain.clip_grad_norm_(model, MAX_NORM))
+        opt.step()
+        opt.zero_grad()
+        losses.append(_global_mean(total))
+    frozen = frozen_parameter(model)
+    assert torch.equal(frozen, frozen_before) and frozen.grad is None  # never changes, no gradient buffer
+    assert all(p is not frozen for group in opt.param_groups for p in group["params"])  # no optimizer state
+    for name, b in model.named_buffers():
+        dtype, device, value = buffers_before[name]
+        assert b.dtype == dtype and b.device == device and torch.equal(b, value), name
+    return losses, norms, model, opt
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _parity_cases(topo, cases, micro):
+    minitrain.init_distributed()
+    steps = batches(STEPS, 8)
+    out = {}
+    for kind, optimizer, zero in cases:
+        losses, norms, model, _ = _train(kind, optimizer, zero, steps, topo.rank, topo.world_size, micro)
+        if kind == "llama-tied":
+            assert tied(model), "the tied head must stay the embedding"
+        out[(kind, optimizer, zero)] = {"losses": losses, "norms": norms, "state": minitrain.full_state_dict(model)}
+    return out
+
+
+def _check_against_reference(results):
+    references = {}
+    for (kind, optimizer, zero), got in results.items():
+        ref = references.setdefault((kind, optimizer), reference_run(kind, optimizer, batches(STEPS, 8), MAX_NORM))
+        where = f"{kind} {optimizer} ZeRO-{zero}"
+        assert max(abs(a - b) for a, b in zip(got["losses"], ref["losses"])) <= TOL, where
+        assert max(abs(a - b) for a, b in zip(got["norms"], ref["norms"])) <= TOL, where
+        assert min(ref["norms"]) > MAX_NORM, "clipping must engage at every step"
+        assert got["state"].keys() == ref["state"].keys(), where
+        for key, value in ref["state"].items():
+            assert (got["state"][key] - value).abs().max().item() <= TOL, f"{where}: {key}"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_hugging_face_models_train_like_plain_pytorch_at_every_zero_stage(world):
+    """Llama (tied and untied) and GPT-2, AdamW and SGD with momentum, two param groups (no decay for biases
+    and norms), a frozen parameter, clipping every step: losses, norms and final parameters equal plain
+    PyTorch on the whole global batch to 1e-10 at ZeRO 0-3."""
+    cases = [(kind, opt, zero) for kind in KINDS for opt in OPTIMIZERS for zero in range(4)]
+    if world == 4:  # every stage and model again at 4 ranks; SGD's path is the same code as AdamW's
+        cases = [(kind, "adamw", zero) for kind in KINDS for zero in range(4)]
+    _check_against_reference(run_ranks(_parity_cases, world, cases, 1, timeout_s=240)[0])
+
+
+def test_accumulation_under_no_sync_equals_one_big_batch_at_every_stage():
+    cases = [("llama-tied", "adamw", zero) for zero in range(4)]
+    _check_against_reference(run_ranks(_parity_cases, 2, cases, 2, timeout_s=120)[0])
+
+
+# --- checkpoints -------------------------------------------------------------------------------------
+def _save_then_continue(topo, root, kind, zero):
+    """Steps 1-5, save at 5, steps 6-10; returns the states after each step 6..10."""
+    minitrain.init_distributed()
+    steps = batches(10, 8)
+    _, _, model, opt = _train(kind, "adamw", zero, steps[:5], topo.rank, topo.world_size)
+    minitrain.save_checkpoint(root, model, opt, 5, extra={"epoch": 0, "note": "after five"})
+    return _continue(model, opt, steps[5:], topo)
+
+
+def _continue(model, opt, steps, topo):
+    states = []
+    for x in steps:
+        part = x.chunk(topo.world_size)[topo.rank]
+        lm_loss(model, part).backward()
+        minitrain.clip_grad_norm_(model, MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+        states.append(minitrain.full_state_dict(model))
+    return states
+
+
+def _resume(topo, root, kind, zero):
+    minitrain.init_distributed()
+    model = make_model(kind, seed=123)  # different initial weights: all must come from the checkpoint
+    model, opt = minitrain.prepare(model, OPTIMIZERS["adamw"], zero=zero, param_groups=param_groups(model))
+    step, extra = minitrain.load_checkpoint(root, model, opt)
+    assert (step, extra) == (5, {"epoch": 0, "note": "after five"})
+    if kind == "llama-tied":
+        assert tied(model)
+    return _continue(model, opt, batches(10, 8)[5:], topo)
+
+
+def test_resume_is_bit_identical_and_reshards_across_world_size_and_stage(tmp_path):
+    root = tmp_path / "ckpt"
+    uninterrupted = run_ranks(_save_then_continue, 2, str(root), "llama-tied", 1)[0]
+    same = run_ranks(_resume, 2, str(root), "llama-tied", 1)[0]
+    assert (root / "latest").read_text().strip() == "step-000005"
+    assert sorted(p.name for p in (root / "step-000005").iterdir()) == [
+        "manifest.json", "rank-00000.safetensors", "rank-00001.safetensors"]
+    for a, b in zip(uninterrupted, same):  # fresh processes, same layout: bit for bit
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for world, zero in ((4, 3), (1, 0)):
+        moved = run_ranks(_resume, world, str(root), "llama-tied", zero)[0]
+        for a, b in zip(uninterrupted, moved):
+            assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-12, (world, zero)
+
+
+def _load_reads_only_its_pieces(topo, root):
+    """ZeRO-3 at 4 ranks: loading reads from each file only what this rank holds."""
+    from minitrain import checkpoint
+
+    minitrain.init_distributed()
+    model = make_model("llama-tied")
+    model, opt = minitrain.prepare(model, OPTIMIZERS["adamw"], zero=3, param_groups=param_groups(model))
+    strategy = minitrain.api._state_of(model).strategy
+    step_dir = checkpoint.resolve(root)
+    manifest = checkpoint.read_manifest(step_dir)
+    wanted = strategy.flat.pieces(strategy.shard_ranges)
+    read = sum(n for copies in checkpoint.plan_reads(manifest, "params", wanted).values() for _, _, n in copies)
+    return read, sum(b - a for a, b in strategy.shard_ranges), strategy.flat.logical_numel
+
+
+def test_loading_reads_only_the_pieces_a_rank_holds(tmp_path):
+    root = tmp_path / "ckpt"
+    run_ranks(_save_then_continue, 2, str(root), "llama-tied", 1)
+    rows = run_ranks(_load_reads_only_its_pieces, 4, str(root))
+    whole = rows[0][2]
+    assert sum(read for read, _, _ in rows) == whole  # together every element once, no rank all of them
+    assert all(read <= shard < whole for read, shard, _ in rows)
+
+
+def _save_on_rank0_only(topo, root):
+    minitrain.init_distributed(timeout_s=3)
+    model = make_model("gpt2")
+    model, opt = minitrain.prepare(model, OPTIMIZERS["sgd"], zero=2)
+    if topo.rank != 0:
+        time.sleep(6)  # busy elsewhere, as a rank that skipped the call would be
+        return "skipped"
+    start = time.perf_counter()
+    try:
+        minitrain.save_checkpoint(root, model, opt, 1)
+    except CheckpointError as e:
+        return str(e), time.perf_counter() - start
+    return "saved", 0.0
+
+
+def test_a_save_called_on_one_rank_fails_fast_naming_the_missing_ranks(tmp_path):
+    message, seconds = run_ranks(_save_on_rank0_only, 4, str(tmp_path / "ckpt"), timeout_s=60)[0]
+    assert "save_checkpoint is collective" in message and "1, 2, 3" in message, message
+    assert seconds < 6
+    assert not (tmp_path / "ckpt" / "latest").exists()
+
+
+def test_consolidated_checkpoint_loads_with_from_pretrained_and_gives_the_same_logits(tmp_path):
+    import transformers
+    from safetensors.torch import load_file
+
+    from minitrain.ckpt_tool import consolidate
+
+    root = tmp_path / "ckpt"
+    states = run_ranks(_save_then_continue, 2, str(root), "gpt2", 3)[0]
+    del states
+    export = tmp_path / "export"
+    export.mkdir()
+    consolidate(str(root), str(export / "model.safetensors"))
+    trained = make_model("gpt2")
+    state = load_file(str(export / "model.safetensors"))
+    assert state.keys() == trained.state_dict().keys()  # exactly the model's keys, tied head and frozen norm
+    trained.load_state_dict(state, strict=True)
+    trained.config.save_pretrained(export)
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(export, output_loading_info=True,
+                                                                     dtype=torch.float64)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    x = batches(1, 4, seed=7)[0]
+    assert torch.equal(loaded(input_ids=x).logits, trained(input_ids=x).logits)
+
+
+def test_refused_inputs_say_what_to_fix():
+    from minitrain.parallel.shard_optimizer import check_elementwise
+
+    with pytest.raises(NotElementwiseError, match="not elementwise|could not be run"):
+        check_elementwise(functools.partial(torch.optim.Adafactor, lr=1e-2), {})
+    check_elementwise(OPTIMIZERS["adamw"], {"weight_decay": 0.1})  # elementwise: accepted
+    model = make_model("gpt2")
+    with pytest.raises(NotElementwiseError):
+        minitrain.prepare(model, functools.partial(torch.optim.Adafactor, lr=1e-2), zero=1)
+    with pytest.raises(ValueError, match="in no param group"):
+        m = make_model("gpt2")
+        minitrain.prepare(m, OPTIMIZERS["sgd"], param_groups=param_groups(m)[:1])
+    with pytest.raises(ValueError, match="frozen"):
+        m = make_model("gpt2")
+        minitrain.prepare(m, OPTIMIZERS["sgd"], param_groups=[{"params": list(m.parameters())}])
+    with pytest.raises(ValueError, match="fp16 needs loss scaling"):
+        minitrain.prepare(make_model("gpt2"), OPTIMIZERS["sgd"], precision="fp16")
+    with pytest.raises(ValueError, match="not returned by minitrain.prepare"):
+        minitrain.clip_grad_norm_(make_model("gpt2"), 1.0)
+
+
+def test_zero0_gives_a_non_elementwise_optimizer_whole_parameters():
+    """Adafactor needs parameter shapes; at ZeRO-0 (one process) it sees them and matches plain PyTorch."""
+    fn = functools.partial(torch.optim.Adafactor, lr=1e-2)
+    ours, ref = make_model("gpt2"), make_model("gpt2")
+    ours, opt = minitrain.prepare(ours, fn, zero=0)
+    ref_opt = fn([p for p in ref.parameters() if p.requires_grad])
+    for x in batches(3, 4):
+        for model, o in ((ours, opt), (ref, ref_opt)):
+            lm_loss(model, x).backward()
+            o.step()
+            o.zero_grad()
+    for (key, a), b in zip(minitrain.full_state_dict(ours).items(), ref.state_dict().values()):
+        assert (a - b).abs().max().item() <= 1e-12, key

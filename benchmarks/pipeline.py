@@ -1,7 +1,7 @@
 """Our 1F1B pipeline against PyTorch's `torch.distributed.pipelining.Schedule1F1B` on the same model.
 
 Both split MiniGPT (`small` preset: 4 blocks, d_model 256, 8 heads, seq 128, vocab 256) into `--pp`
-stages with our `split_into_stage` (the same contiguous blocks, the embeddings on the first stage,
+stages with MiniGPT's plan (`minigpt_plan.pipeline_split`) (the same contiguous blocks, the embeddings on the first stage,
 the head on the last), from the same initial weights, and run one batch of 8 sequences cut into
 `--microbatches` micro-batches through the 1F1B schedule: ours with `Pipeline`, PyTorch's with a
 `PipelineStage` per rank and `Schedule1F1B` (its loss function is the same mean cross-entropy, and it
@@ -26,7 +26,8 @@ from minitrain.config import build_config
 from minitrain.data import ShardedLoader, load_corpus
 from minitrain.launch import launch
 from minitrain.model import MiniGPT
-from minitrain.parallel.pipeline import Pipeline, split_into_stage
+from minitrain.minigpt_plan import pipeline_split
+from minitrain.parallel.pipeline import Pipeline
 
 MODEL = {"model.preset": "small", "train.batch_size": 8, "data.synthetic_tokens": 1 << 18, "train.log_every": 0}
 WARMUP = 2
@@ -61,7 +62,8 @@ def worker(topo, pp_size: int, microbatches: int, impl: str, steps: int) -> dict
     cfg = build_config(cli_values={**MODEL, "dist.nproc": topo.world_size, "dist.pp": pp_size,
                                    "dist.microbatches": microbatches}).validate()
     torch.manual_seed(cfg.train.seed)
-    model = split_into_stage(MiniGPT(cfg.model), topo.pp.rank, pp_size)
+    model = MiniGPT(cfg.model)
+    pipeline_split(model, topo.pp.rank, pp_size)  # MiniGPT's plan: this rank's stage, in place
     if impl == "minitrain":
         pipeline = Pipeline(model, topo.pp, "1f1b", microbatches, cfg.model.d_model, torch.float32, topo.device,
                             contextlib.nullcontext, contextlib.nullcontext)

@@ -117,7 +117,7 @@ def worker(topo, name: str, steps: int) -> dict:
         topo.dp.barrier()
         times.append(time.perf_counter() - start)
         peaks.append(device_peak_bytes(topo.device) - baseline)
-        first_loss = first_loss if first_loss is not None else float(loss)
+        first_loss = first_loss if first_loss is not None else float(loss.detach())
     return {"step_s": statistics.median(times[WARMUP:]), "peak_bytes": max(peaks), "first_loss": first_loss}
 
 

@@ -24,7 +24,7 @@ from minitrain.config import build_config
 from minitrain.data import ShardedLoader, load_corpus
 from minitrain.launch import launch
 from minitrain.model import MiniGPT
-from minitrain.parallel.tensor import apply_tensor_parallel
+from minitrain.minigpt_plan import tensor_parallel
 
 MODEL = {"model.preset": "small", "train.batch_size": 8, "data.synthetic_tokens": 1 << 18, "train.log_every": 0}
 WARMUP = 2
@@ -58,7 +58,7 @@ def worker(topo, tp_size: int, impl: str, steps: int) -> dict:
     torch.manual_seed(cfg.train.seed)
     model = MiniGPT(cfg.model)
     if impl == "minitrain":
-        apply_tensor_parallel(model, topo.tp)
+        tensor_parallel(model, topo.tp)  # MiniGPT's plan
         context = torch.enable_grad
     else:
         from torch.distributed.tensor.parallel import loss_parallel

@@ -74,6 +74,11 @@ def _parity_cases(topo, cases, micro):
         losses, norms, model, _ = _train(kind, optimizer, zero, steps, topo.rank, topo.world_size, micro)
         if kind == "llama-tied":
             assert tied(model), "the tied head must stay the embedding"
+        # Memory at rest measured from the tensors' storages equals the math: params, grads, and the optimizer's
+        # state (m and v, or SGD's momentum) sharded by the stage; no master copy of full-precision parameters.
+        strategy = minitrain.api._state_of(model).strategy
+        assert strategy.memory_bytes() == strategy.expected_memory_bytes(), (kind, optimizer, zero)
+        assert strategy.master_is_params == (zero != 2)
         out[(kind, optimizer, zero)] = {"losses": losses, "norms": norms, "state": minitrain.full_state_dict(model)}
     return out
 
@@ -137,54 +142,45 @@ def _resume(topo, root, kind, zero):
     assert (step, extra) == (5, {"epoch": 0, "note": "after five"})
     if kind == "llama-tied":
         assert tied(model)
-    return _continue(model, opt, batches(10, 8)[5:], topo)
+    return _continue(model, opt, batches(10, 8)[5:], topo), _elements_read(model, root)
 
 
-def test_resume_is_bit_identical_and_reshards_across_world_size_and_stage(tmp_path):
+def _elements_read(model, root) -> tuple[int, int, int]:
+    """(parameter elements this rank's load read, elements in its shard, elements in the model)."""
+    from minitrain import checkpoint
+
+    strategy = minitrain.api._state_of(model).strategy
+    manifest = checkpoint.read_manifest(checkpoint.resolve(root))
+    wanted = strategy.flat.pieces(strategy.shard_ranges)
+    read = sum(n for copies in checkpoint.plan_reads(manifest, "params", wanted).values() for _, _, n in copies)
+    return read, sum(b - a for a, b in strategy.shard_ranges), strategy.flat.logical_numel
+
+
+def test_resume_is_bit_identical_reshards_and_reads_only_a_ranks_pieces(tmp_path):
     root = tmp_path / "ckpt"
     uninterrupted = run_ranks(_save_then_continue, 2, str(root), "llama-tied", 1)[0]
-    same = run_ranks(_resume, 2, str(root), "llama-tied", 1)[0]
+    same = run_ranks(_resume, 2, str(root), "llama-tied", 1)[0][0]
     assert (root / "latest").read_text().strip() == "step-000005"
     assert sorted(p.name for p in (root / "step-000005").iterdir()) == [
         "manifest.json", "rank-00000.safetensors", "rank-00001.safetensors"]
     for a, b in zip(uninterrupted, same):  # fresh processes, same layout: bit for bit
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     for world, zero in ((4, 3), (1, 0)):
-        moved = run_ranks(_resume, world, str(root), "llama-tied", zero)[0]
-        for a, b in zip(uninterrupted, moved):
+        ranks = run_ranks(_resume, world, str(root), "llama-tied", zero)
+        for a, b in zip(uninterrupted, ranks[0][0]):
             assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-12, (world, zero)
-
-
-def _load_reads_only_its_pieces(topo, root):
-    """ZeRO-3 at 4 ranks: loading reads from each file only what this rank holds."""
-    from minitrain import checkpoint
-
-    minitrain.init_distributed()
-    model = make_model("llama-tied")
-    model, opt = minitrain.prepare(model, OPTIMIZERS["adamw"], zero=3, param_groups=param_groups(model))
-    strategy = minitrain.api._state_of(model).strategy
-    step_dir = checkpoint.resolve(root)
-    manifest = checkpoint.read_manifest(step_dir)
-    wanted = strategy.flat.pieces(strategy.shard_ranges)
-    read = sum(n for copies in checkpoint.plan_reads(manifest, "params", wanted).values() for _, _, n in copies)
-    return read, sum(b - a for a, b in strategy.shard_ranges), strategy.flat.logical_numel
-
-
-def test_loading_reads_only_the_pieces_a_rank_holds(tmp_path):
-    root = tmp_path / "ckpt"
-    run_ranks(_save_then_continue, 2, str(root), "llama-tied", 1)
-    rows = run_ranks(_load_reads_only_its_pieces, 4, str(root))
-    whole = rows[0][2]
-    assert sum(read for read, _, _ in rows) == whole  # together every element once, no rank all of them
-    assert all(read <= shard < whole for read, shard, _ in rows)
+        if zero == 3:  # each rank read only its own shard's elements; together, every element once
+            reads = [r[1] for r in ranks]
+            assert sum(read for read, _, _ in reads) == reads[0][2]
+            assert all(read <= shard < whole for read, shard, whole in reads)
 
 
 def _save_on_rank0_only(topo, root):
-    minitrain.init_distributed(timeout_s=3)
+    minitrain.init_distributed(timeout_s=2)
     model = make_model("gpt2")
     model, opt = minitrain.prepare(model, OPTIMIZERS["sgd"], zero=2)
     if topo.rank != 0:
-        time.sleep(6)  # busy elsewhere, as a rank that skipped the call would be
+        time.sleep(4)  # busy elsewhere, as a rank that skipped the call would be
         return "skipped"
     start = time.perf_counter()
     try:
@@ -197,7 +193,7 @@ def _save_on_rank0_only(topo, root):
 def test_a_save_called_on_one_rank_fails_fast_naming_the_missing_ranks(tmp_path):
     message, seconds = run_ranks(_save_on_rank0_only, 4, str(tmp_path / "ckpt"), timeout_s=60)[0]
     assert "save_checkpoint is collective" in message and "1, 2, 3" in message, message
-    assert seconds < 6
+    assert seconds < 4
     assert not (tmp_path / "ckpt" / "latest").exists()
 
 
@@ -257,5 +253,25 @@ def test_zero0_gives_a_non_elementwise_optimizer_whole_parameters():
             lm_loss(model, x).backward()
             o.step()
             o.zero_grad()
+    for (key, a), b in zip(minitrain.full_state_dict(ours).items(), ref.state_dict().values()):
+        assert (a - b).abs().max().item() <= 1e-12, key
+
+
+def test_an_lr_scheduler_drives_the_prepared_optimizer_as_plain_pytorch():
+    """torch.optim.lr_scheduler works on what prepare returns (its param_groups are the user's groups)."""
+    def warmup(step):
+        return min(1.0, (step + 1) / 3)
+
+    ours, ref = make_model("llama"), make_model("llama")
+    ours, opt = minitrain.prepare(ours, OPTIMIZERS["adamw"], zero=1, param_groups=param_groups(ours))
+    ref_opt = OPTIMIZERS["adamw"](param_groups(ref))
+    schedules = [torch.optim.lr_scheduler.LambdaLR(o, warmup) for o in (opt, ref_opt)]
+    for x in batches(4, 4):
+        for model, o, schedule in zip((ours, ref), (opt, ref_opt), schedules):
+            lm_loss(model, x).backward()
+            o.step()
+            o.zero_grad()
+            schedule.step()
+    assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ref_opt.param_groups] == [1e-2, 1e-2]
     for (key, a), b in zip(minitrain.full_state_dict(ours).items(), ref.state_dict().values()):
         assert (a - b).abs().max().item() <= 1e-12, key

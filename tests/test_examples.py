@@ -39,6 +39,17 @@ def test_own_model_example_trains_saves_and_consolidates(tmp_path):
     assert torch.equal(model.temperature, torch.tensor(1.0))
 
 
+def test_the_readme_example_runs_as_written(tmp_path):
+    """The README's first code block, as a user would paste it into a file and run it in one process."""
+    pytest.importorskip("transformers")
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    code = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
+    (tmp_path / "script.py").write_text(code)
+    proc = subprocess.run([sys.executable, "script.py"], cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "runs" / "llama" / "latest").read_text().strip() == "step-000030"
+
+
 def test_hugging_face_llama_example_under_torchrun(tmp_path):
     pytest.importorskip("transformers")
     out = tmp_path / "llama"

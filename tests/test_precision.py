@@ -5,7 +5,7 @@ import torch
 
 from minitrain.config import ConfigError, build_config
 from minitrain.parallel.flat import same_state
-from minitrain.parallel.peers import PeerTrainer
+from minitrain.peers import PeerTrainer
 from minitrain.precision import LossScaler
 from minitrain.topology import Topology
 from minitrain.trainer import Trainer

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from minitrain.config import build_config
-from minitrain.parallel.peers import STAGE_OF, PeerTrainer
+from minitrain.peers import STAGE_OF, PeerTrainer
 from minitrain.topology import Topology
 from minitrain.trainer import Trainer
 

@@ -449,17 +449,7 @@ def verify(path: str | os.PathLike) -> tuple[Path, dict]:
     """Resolve PATH, check every file's size and sha256; return (step dir, manifest)."""
     step_dir = resolve(path)
     manifest = read_manifest(step_dir)
-    for entry in manifest["files"]:
-        f = step_dir / entry["name"]
-        if not f.is_file():
-            raise CheckpointError(f"checkpoint file {f} is missing")
-        size = f.stat().st_size
-        if size != entry["bytes"]:
-            raise CheckpointError(f"checkpoint file {f} has {size} bytes, manifest says {entry['bytes']}")
-        digest = sha256_of(f)
-        if digest != entry["sha256"]:
-            raise CheckpointError(f"checkpoint file {f} is corrupt: sha256 {digest[:16]}... "
-                                  f"does not match the manifest's {entry['sha256'][:16]}...")
+    verify_files(step_dir, manifest, [entry["name"] for entry in manifest["files"]])
     return step_dir, manifest
 
 
@@ -496,9 +486,9 @@ def read_tensor(path: Path, key: str) -> torch.Tensor:
 
 
 def verify_files(step_dir: Path, manifest: dict, names) -> None:
-    """Check the named files' sizes and sha256 against the manifest."""
+    """Check the named files' sizes and sha256 against the manifest, in the manifest's order."""
     entries = {e["name"]: e for e in manifest["files"]}
-    for name in sorted(set(names)):
+    for name in sorted(set(names), key=lambda n: list(entries).index(n) if n in entries else -1):
         entry = entries.get(name)
         f = step_dir / name
         if entry is None:

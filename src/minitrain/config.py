@@ -14,14 +14,14 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .data import check_corpus
+from .errors import ConfigError
+from .faults import KINDS
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised only on Python 3.10
     import tomli as tomllib
-
-
-class ConfigError(ValueError):
-    """Bad user input. The CLI prints the message on one line and exits 2."""
 
 
 def opt(default, help: str):
@@ -217,8 +217,6 @@ class RunConfig:
             raise ConfigError(f"train.spike_factor must be > 1 (or 0 to turn the check off), got {t.spike_factor}")
         _require_positive("train.spike_window", t.spike_window)
         _check_fault(self.fault, d.nproc)
-        from .data import check_corpus  # late import: data depends on this module
-
         check_corpus(self)
         return self
 
@@ -272,8 +270,6 @@ def _check_layout(cfg: RunConfig) -> None:
 
 
 def _check_fault(f: FaultConfig, nproc: int) -> None:
-    from .faults import KINDS  # late import: faults depends on this module
-
     _require_choice("fault.kind", f.kind, KINDS)
     if f.kind:
         _require_positive("fault.step", f.step)

@@ -17,11 +17,15 @@ from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from .config import ConfigError, RunConfig
+from .errors import ConfigError
+
+if TYPE_CHECKING:  # the type only: config imports this module to validate a run's corpus
+    from .config import RunConfig
 
 TEXT_CORPUS = "field_notes.txt"
 

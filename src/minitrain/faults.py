@@ -14,7 +14,10 @@ from __future__ import annotations
 import os
 import signal
 
-from .config import FaultConfig
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the type only: config imports this module for KINDS
+    from .config import FaultConfig
 
 KINDS = ("", "sigkill", "sigterm", "kill-in-save", "save-error", "lr-spike")
 

@@ -97,6 +97,10 @@ class FlatAdamW:
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in self.STATE_NAMES}
 
+    def elementwise_states(self) -> int:
+        """State tensors of the master's length besides the master: m and v."""
+        return 2
+
     def held_tensors(self) -> list[torch.Tensor]:
         """The tensors this optimizer keeps between steps (their storages are its memory)."""
         return list(self.state_tensors().values())

@@ -257,6 +257,9 @@ def check_resume(cfg: RunConfig) -> list[str]:
     cfg.ckpt.resume = str(path)
     step_dir, manifest = checkpoint.verify(path)
     saved = manifest["config"]
+    if "model" not in saved or "train" not in saved:
+        raise checkpoint.CheckpointError(f"checkpoint {step_dir} was saved by minitrain.save_checkpoint, not by "
+                                         "`minitrain train`: load it with minitrain.load_checkpoint")
     mine = cfg.to_dict()
     diff = [k for k in mine["model"] if k != "preset" and saved["model"].get(k) != mine["model"][k]]
     if diff:

@@ -19,6 +19,10 @@ class ParallelConfig:
     master_dtype: torch.dtype = torch.float32  # the optimizer's master weights and state
     reduce_dtype: torch.dtype = torch.float32  # what gradients are summed across ranks in
     grad_clip: float = 0.0  # clip the global gradient norm to this at every step (0: only when asked)
+    # Full precision at ZeRO-0/1: the optimizer updates the parameters this rank holds in place, as plain PyTorch
+    # does, instead of a master copy holding the same numbers (4 bytes per parameter, or per shard element,
+    # saved). The CLI keeps the copy (its memory profile and demo count K = 12 bytes of optimizer state).
+    master_is_params: bool = False
 
     def __post_init__(self):
         if self.zero not in ZERO_STAGES:

@@ -74,7 +74,8 @@ class ReplicatedStrategy(FlatStrategy):
         return self._reduced()
 
     def _publish(self) -> None:
-        self.flat.data.copy_(self.optimizer.master)  # rounds to the parameters' dtype in mixed precision
+        if not self.master_is_params:  # else the optimizer has updated the parameters themselves
+            self.flat.data.copy_(self.optimizer.master)  # rounds to the parameters' dtype in mixed precision
 
     def _end_step(self) -> None:
         self._synced = False

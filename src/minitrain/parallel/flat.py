@@ -93,8 +93,15 @@ class FlatStrategy:
             if not p.requires_grad:  # frozen: replicated as they are, never updated
                 comm.broadcast(p.data, src=0)
         self.shard_ranges = self.ranges_of(comm.rank)
-        # The master is in the master dtype even when the parameters are 16-bit (mixed precision).
-        master = take(self.flat.data, self.shard_ranges).to(pcfg.master_dtype)
+        # The master is in the master dtype even when the parameters are 16-bit (mixed precision). At ZeRO-0/1
+        # in full precision it may be the parameters themselves: the shard is one contiguous range of the buffer.
+        self.master_is_params = (pcfg.master_is_params and self.stage <= 1 and len(self.shard_ranges) == 1
+                                 and self.flat.dtype == pcfg.master_dtype)
+        if self.master_is_params:
+            start, stop = self.shard_ranges[0]
+            master = self.flat.data[start:stop]  # a view: the optimizer's update is the parameters' update
+        else:
+            master = take(self.flat.data, self.shard_ranges).to(pcfg.master_dtype)
         self.optimizer = make_optimizer(master, self.flat, self.shard_ranges)
         self.reduce_dtype = pcfg.reduce_dtype  # gradients are summed across ranks in this dtype
         self.tp = Comm()  # the tensor-parallel group, when the model is split (use_model_parallel)
@@ -229,7 +236,7 @@ class FlatStrategy:
         return peak
 
     def _memory_terms(self) -> dict[str, tuple[int, bool]]:
-        return memory_terms(self.stage, self.master_is_params)
+        return memory_terms(self.stage, self.master_is_params, self.optimizer.elementwise_states())
 
     def element_sizes(self) -> dict[str, int]:
         """Bytes per element of each kind: the parameters' dtype, the gradient tensor kept between

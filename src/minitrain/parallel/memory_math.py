@@ -8,13 +8,13 @@ import torch
 MEMORY_KINDS = ("params", "grads", "optimizer")
 
 
-def memory_terms(stage: int, master_is_params: bool) -> dict[str, tuple[int, bool]]:
-    """The memory math, per kind: (tensors of P elements, sharded over N?). 3 optimizer tensors
-    (master, m, v), 2 where the master is the parameter shard itself. Stage s shards the
-    optimizer state (s >= 1), gradients (s >= 2), parameters (s = 3). The strategies and the
-    planner both use this one rule."""
+def memory_terms(stage: int, master_is_params: bool, states: int = 2) -> dict[str, tuple[int, bool]]:
+    """The memory math, per kind: (tensors of P elements, sharded over N?). The optimizer holds `states`
+    elementwise tensors (Adam's m and v: 2; SGD's momentum: 1) plus its master, unless the master is the
+    parameters themselves. Stage s shards the optimizer state (s >= 1), gradients (s >= 2), parameters
+    (s = 3). The strategies and the planner both use this one rule."""
     return {"params": (1, stage >= 3), "grads": (1, stage >= 2),
-            "optimizer": (2 if master_is_params else 3, stage >= 1)}
+            "optimizer": (states + (0 if master_is_params else 1), stage >= 1)}
 
 
 def padded_numel(unit_sizes: list[int], world_size: int) -> int:

@@ -161,6 +161,10 @@ class TorchShardOptimizer:
             out[name] = vec
         return out
 
+    def elementwise_states(self) -> int:
+        """State tensors per element besides the master (AdamW: 2, SGD with momentum: 1), once it has stepped."""
+        return len(self._kinds()[0])
+
     def held_tensors(self) -> list[torch.Tensor]:
         """The master and the optimizer's elementwise state tensors (scalars such as Adam's step are not counted)."""
         held = [self.master]

@@ -47,7 +47,7 @@ class ShardedStrategy(FlatStrategy):
     def _publish(self) -> None:
         """Make the updated master shard the parameters every rank computes with (in mixed
         precision, gathering the master rounded to the parameters' dtype: half the bytes)."""
-        master = self.optimizer.master
+        master = self.optimizer.master  # at ZeRO-1 it may be this rank's chunk of flat.data: gathered in place
         source = master if master.dtype == self.flat.dtype else master.to(self.flat.dtype)
         if source is not master:
             self.ledger.hold("params", source)

@@ -26,12 +26,12 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..config import RunConfig
-from ..data import ShardedLoader, load_corpus
-from ..model import MiniGPT
-from ..optim import lr_at
-from ..precision import autocast, compute_dtype, reduce_dtype
-from ..topology import Topology
+from .config import RunConfig
+from .data import ShardedLoader, load_corpus
+from .model import MiniGPT
+from .optim import lr_at
+from .precision import autocast, compute_dtype, reduce_dtype
+from .topology import Topology
 
 PEERS = ("ddp", "zero-redundancy", "fsdp2-zero2", "fsdp2")
 STAGE_OF = {"ddp": 0, "zero-redundancy": 1, "fsdp2-zero2": 2, "fsdp2": 3}

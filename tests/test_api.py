@@ -275,3 +275,34 @@ def test_an_lr_scheduler_drives_the_prepared_optimizer_as_plain_pytorch():
     assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ref_opt.param_groups] == [1e-2, 1e-2]
     for (key, a), b in zip(minitrain.full_state_dict(ours).items(), ref.state_dict().values()):
         assert (a - b).abs().max().item() <= 1e-12, key
+
+
+def _lab_names(topo):
+    """The seed labs' calls: is_main_process, barrier, wrap_for_ddp with a plain torch optimizer."""
+    rank, world = minitrain.init_distributed()
+    torch.manual_seed(rank)  # different weights per rank: DDP must start them from rank 0's
+    model = minitrain.wrap_for_ddp(torch.nn.Linear(3, 1).double())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.arange(12, dtype=torch.float64).view(4, 3)[rank::world]
+    model(x).square().mean().backward()
+    opt.step()
+    minitrain.barrier()
+    return minitrain.is_main_process(), [p.detach().clone() for p in model.parameters()]
+
+
+def test_the_labs_names_work():
+    results = run_ranks(_lab_names, 2)
+    assert [main for main, _ in results] == [True, False]
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(3, 1).double()
+    torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.arange(12, dtype=torch.float64).view(4, 3)
+    # rank r holds rows r::2: the mean of the two ranks' mean losses is the mean over all rows
+    loss = sum(ref(x[r::2]).square().mean() for r in range(2)) / 2
+    loss.backward()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= 0.1 * p.grad
+    for _, params in results:
+        for a, b in zip(params, ref.parameters()):
+            assert (a - b).abs().max().item() <= 1e-12

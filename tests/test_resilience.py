@@ -77,8 +77,8 @@ def test_background_save_holds_the_snapshot_and_moves_latest_only_once_durable(t
     trainer.train_step()
     at_save = {k: v.clone() for k, v in trainer.strategy.state_shards().items()}
 
-    release, real_save_file = threading.Event(), checkpoint.save_file
-    monkeypatch.setattr(checkpoint, "save_file", lambda *a, **k: (release.wait(30), real_save_file(*a, **k)))
+    release, real_save_file = threading.Event(), checkpoint.writing.save_file
+    monkeypatch.setattr(checkpoint.writing, "save_file", lambda *a, **k: (release.wait(30), real_save_file(*a, **k)))
     pending = trainer.start_async_save(root)
     trainer.train_step()  # training goes on while the write is held back...
     trainer.train_step()

@@ -137,9 +137,10 @@ class Topology:
     def from_initialized(cls) -> "Topology":
         """The process group this process has already joined (e.g. by its launcher), as a Topology."""
         rank, world = dist.get_rank(), dist.get_world_size()
-        backend = dist.get_backend()
+        backend = str(dist.get_backend())  # "gloo", "nccl", or a per-device list such as "cpu:gloo,cuda:nccl"
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+        device = torch.device("cuda", local_rank) if "nccl" in backend else torch.device("cpu")
+        backend = "nccl" if "nccl" in backend else "gloo"
         return cls(rank, world, local_rank, backend, device, Comm(rank, world, dist.group.WORLD, device))
 
     def close(self) -> None:

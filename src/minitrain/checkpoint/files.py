@@ -1,0 +1,204 @@
+"""The checkpoint format's files: names, the manifest, durable writes, sha256 checks, random-number states,
+and finding the newest complete checkpoint. (What the format holds: checkpoint/__init__.py.)"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import SafetensorError, safe_open
+
+FORMAT = "minitrain-checkpoint/3"
+MANIFEST = "manifest.json"
+LATEST = "latest"
+
+
+class CheckpointError(Exception):
+    """A checkpoint is missing, incomplete, corrupt or does not fit this run."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def step_of(step_dir: Path) -> int:
+    """The step a step directory's name says (step-000010 -> 10)."""
+    return int(step_dir.name.removeprefix("step-"))
+
+
+def shard_file_name(rank: int) -> str:
+    return f"rank-{rank:05d}.safetensors"
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: Path, text: str) -> None:
+    """Write text to path via a temporary file, fsync and rename: all or nothing."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+# --- random number generators ----------------------------------------------------------------
+RNG_KEYS = ("rng.torch", "rng.python", "rng.python_gauss", "rng.numpy", "rng.numpy_gauss")
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    """This process's torch, python and numpy generator states as tensors (safetensors holds
+    nothing else). Mersenne Twister words fit int64; a cached Gaussian, if any, is a float64."""
+    _, words, gauss = random.getstate()
+    _, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"rng.torch": torch.get_rng_state(),
+            "rng.python": torch.tensor(words, dtype=torch.int64),
+            "rng.python_gauss": torch.tensor([] if gauss is None else [gauss], dtype=torch.float64),
+            "rng.numpy": torch.tensor([*keys.tolist(), pos, has_gauss], dtype=torch.int64),
+            "rng.numpy_gauss": torch.tensor([cached], dtype=torch.float64)}
+
+
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["rng.torch"])
+    gauss = state["rng.python_gauss"].tolist()
+    random.setstate((3, tuple(state["rng.python"].tolist()), gauss[0] if gauss else None))
+    *keys, pos, has_gauss = state["rng.numpy"].tolist()
+    np.random.set_state(("MT19937", np.array(keys, dtype=np.uint32), pos, has_gauss,
+                         float(state["rng.numpy_gauss"][0])))
+
+
+# --- find and verify ----------------------------------------------------------------------
+def resolve(path: str | os.PathLike) -> Path:
+    """A step directory from PATH: the directory itself if it has a manifest, else
+    the one its `latest` pointer names (PATH may be a checkpoints/ or run directory)."""
+    p = Path(path)
+    for base in (p, p / "checkpoints"):
+        if (base / MANIFEST).is_file():
+            return base
+        pointer = base / LATEST
+        if pointer.is_file():
+            name = pointer.read_text().strip()
+            target = base / name
+            if not name or "/" in name or not (target / MANIFEST).is_file():
+                raise CheckpointError(f"{pointer} names '{name}', which is not a complete checkpoint directory")
+            return target
+    if not p.exists():
+        raise CheckpointError(f"checkpoint path {p} does not exist")
+    raise CheckpointError(f"no checkpoint at {p}: expected a step directory with {MANIFEST}, "
+                          f"or a directory with a '{LATEST}' pointer")
+
+
+def complete_steps(root: Path) -> list[Path]:
+    """Step directories under root that have a manifest, newest first (temporaries excluded)."""
+    dirs = [d for d in root.glob("step-*") if (d / MANIFEST).is_file()]
+    return sorted(dirs, key=lambda d: d.name, reverse=True)
+
+
+def find_latest(out_dir: str | os.PathLike, warnings: list[str] | None = None) -> Path | None:
+    """For --resume auto: the newest checkpoint under OUT/checkpoints that verifies (manifest and
+    every sha256), or None if none was saved. A corrupt one is skipped, with a line naming the bad
+    file appended to `warnings`, and the next older one is tried."""
+    root = Path(out_dir) / "checkpoints"
+    candidates = complete_steps(root) if root.is_dir() else []
+    if (root / LATEST).exists():
+        try:
+            named = resolve(root)
+            candidates = [named] + [d for d in candidates if d != named]
+        except CheckpointError as e:
+            if warnings is not None:
+                warnings.append(f"{e}; looking for an older checkpoint")
+    for step_dir in candidates:
+        try:
+            verify(step_dir)
+            return step_dir
+        except CheckpointError as e:
+            if warnings is not None:
+                warnings.append(f"skipping {step_dir.name}: {e}")
+    if candidates:
+        raise CheckpointError(f"no checkpoint under {root} verifies; see the warnings above")
+    return None
+
+
+def prune(root: str | os.PathLike, keep_last: int) -> list[Path]:
+    """Delete all but the newest keep_last complete checkpoints (never the one `latest` names)."""
+    root = Path(root)
+    keep = set(complete_steps(root)[:keep_last])
+    if (root / LATEST).exists():
+        keep.add(root / (root / LATEST).read_text().strip())
+    doomed = [d for d in complete_steps(root) if d not in keep]
+    for d in doomed:
+        shutil.rmtree(d)
+    return doomed
+
+
+def read_manifest(step_dir: Path) -> dict:
+    path = step_dir / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing: not a complete checkpoint") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a {FORMAT} manifest")
+    return manifest
+
+
+def verify(path: str | os.PathLike) -> tuple[Path, dict]:
+    """Resolve PATH, check every file's size and sha256; return (step dir, manifest)."""
+    step_dir = resolve(path)
+    manifest = read_manifest(step_dir)
+    verify_files(step_dir, manifest, [entry["name"] for entry in manifest["files"]])
+    return step_dir, manifest
+
+
+def read_tensor(path: Path, key: str) -> torch.Tensor:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.get_tensor(key)
+    except (SafetensorError, OSError, KeyError) as e:
+        raise CheckpointError(f"cannot read '{key}' from {path}: {e}") from None
+
+
+def verify_files(step_dir: Path, manifest: dict, names) -> None:
+    """Check the named files' sizes and sha256 against the manifest, in the manifest's order."""
+    entries = {e["name"]: e for e in manifest["files"]}
+    for name in sorted(set(names), key=lambda n: list(entries).index(n) if n in entries else -1):
+        entry = entries.get(name)
+        f = step_dir / name
+        if entry is None:
+            raise CheckpointError(f"checkpoint {step_dir}: the manifest lists no file {name}")
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint file {f} is missing")
+        size = f.stat().st_size
+        if size != entry["bytes"]:
+            raise CheckpointError(f"checkpoint file {f} has {size} bytes, manifest says {entry['bytes']}")
+        digest = sha256_of(f)
+        if digest != entry["sha256"]:
+            raise CheckpointError(f"checkpoint file {f} is corrupt: sha256 {digest[:16]}... "
+                                  f"does not match the manifest's {entry['sha256'][:16]}...")

@@ -1,0 +1,146 @@
+"""Loading a checkpoint: each rank reads, from whichever files hold them, only the pieces it holds."""
+from __future__ import annotations
+
+import os
+from bisect import bisect_right
+from collections import defaultdict
+from itertools import accumulate
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from ..parallel.flat import FlatStrategy
+from ..topology import Topology
+from .files import (RNG_KEYS, CheckpointError, read_manifest, read_tensor, resolve, set_rng_state, shard_file_name,
+                    verify_files)
+
+# --- load -------------------------------------------------------------------------------
+def assemble_flat(step_dir: Path, manifest: dict) -> dict[str, torch.Tensor]:
+    """Every flat vector (params, optimizer state) as one full logical tensor,
+    put together from the pieces in whichever files hold them."""
+    numel = manifest["flat"]["numel"]
+    full: dict[str, torch.Tensor] = {}
+    covered: dict[str, torch.Tensor] = {}  # which logical elements some piece filled
+    for t in manifest["tensors"]:
+        if "pieces" not in t:
+            continue
+        value = read_tensor(step_dir / t["file"], t["key"])
+        dest = full.setdefault(t["key"], torch.zeros(numel, dtype=value.dtype))
+        for at, lo, hi in t["pieces"]:
+            if not (0 <= lo < hi <= numel and 0 <= at and at + hi - lo <= value.numel()):
+                raise CheckpointError(f"checkpoint {step_dir}: piece {[at, lo, hi]} of '{t['key']}' in {t['file']} "
+                                      "lies outside the tensor or the parameter vector")
+            dest[lo:hi].copy_(value[at:at + hi - lo])
+            covered.setdefault(t["key"], torch.zeros(numel, dtype=torch.bool))[lo:hi] = True
+    for key, mask in covered.items():
+        if not mask.all():
+            raise CheckpointError(f"checkpoint {step_dir} covers {int(mask.sum())} of {numel} elements of '{key}'")
+    return full
+
+
+def plan_reads(manifest: dict, key: str, wanted: list[list[int]]) -> dict[str, list[tuple[int, int, int]]]:
+    """Where to read a local vector's elements from: {file: [(at in the stored tensor, at in the local vector,
+    count), ...]} for the wanted pieces [at, lo, hi] (local elements [at, at + hi - lo) are logical [lo, hi))."""
+    stored = sorted((lo, hi, at, t["file"]) for t in manifest["tensors"] if t["key"] == key
+                    for at, lo, hi in t.get("pieces", []))
+    reach = list(accumulate((p[1] for p in stored), max))  # the furthest any piece so far extends
+    reads: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
+    for want_at, want_lo, want_hi in wanted:
+        i = bisect_right(reach, want_lo)  # the first stored piece that may extend past want_lo
+        while i < len(stored) and stored[i][0] < want_hi:
+            lo, hi, at, file = stored[i]
+            a, b = max(lo, want_lo), min(hi, want_hi)
+            if a < b:
+                reads[file].append((at + a - lo, want_at + a - want_lo, b - a))
+            i += 1
+    return reads
+
+
+def read_local(step_dir: Path, manifest: dict, key: str, wanted: list[list[int]], length: int) -> torch.Tensor:
+    """This rank's local vector of `key` (params, optim.*), read piece by piece from whichever files hold
+    them: only the elements it holds are read. Padding stays zero; an uncovered element is an error."""
+    entry = next(t for t in manifest["tensors"] if t["key"] == key)
+    out = torch.zeros(length, dtype=getattr(torch, entry["dtype"]))
+    covered = torch.zeros(length, dtype=torch.bool)
+    for file, copies in plan_reads(manifest, key, wanted).items():
+        try:
+            with safe_open(str(step_dir / file), framework="pt") as f:
+                stored = f.get_slice(key)
+                size = stored.get_shape()[0]
+                for at, local_at, n in copies:
+                    if at + n > size:
+                        raise CheckpointError(f"checkpoint {step_dir}: a piece of '{key}' lies outside {file}")
+                    out[local_at:local_at + n] = stored[at:at + n]
+                    covered[local_at:local_at + n] = True
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"cannot read '{key}' from {step_dir / file}: {e}") from None
+    needed = sum(hi - lo for _, lo, hi in wanted)
+    if int(covered.sum()) != needed:
+        raise CheckpointError(f"checkpoint {step_dir} covers {int(covered.sum())} of the {needed} elements of "
+                              f"'{key}' this rank holds")
+    return out
+
+
+def _check_same_model(step_dir: Path, manifest: dict, strategy: FlatStrategy) -> None:
+    """This rank's parameters (all of them, a pipeline stage's, tensor-parallel slices) must be the whole
+    model's, where the checkpoint has them."""
+    theirs = {s["name"]: (s["shape"], s["offset"]) for s in manifest["flat"]["segments"]}
+    diff = next((f"{s.name} {list(s.full_shape or s.shape)} at {s.logical} vs {theirs.get(s.name, 'absent')}"
+                 for s in strategy.flat.segments if theirs.get(s.name) != (list(s.full_shape or s.shape), s.logical)),
+                None)
+    if diff is None and manifest["flat"]["numel"] != strategy.flat.logical_numel:
+        diff = f"{strategy.flat.logical_numel} vs {manifest['flat']['numel']} trainable parameters"
+    if diff is not None:
+        raise CheckpointError(f"checkpoint {step_dir} holds a different model (this run vs checkpoint: {diff})")
+
+
+def load(path: str | os.PathLike, topo: Topology, strategy: FlatStrategy) -> dict:
+    """Verify the files this rank reads, then restore its parameters, optimizer state, frozen parameters and
+    buffers and (same world size) its RNG, reading only what it holds. Collective at ZeRO-1/2 (the full
+    parameters are gathered from the shards). Returns the saved training state (step, loader position, ...)."""
+    step_dir = resolve(path)
+    manifest = read_manifest(step_dir)
+    _check_same_model(step_dir, manifest, strategy)
+    flat = strategy.flat
+    wanted = flat.pieces(strategy.shard_ranges)
+    length = sum(b - a for a, b in strategy.shard_ranges)
+    keys = sorted({t["key"] for t in manifest["tensors"] if "pieces" in t})
+    mine = {"params": flat.dtype, "optim.master": strategy.optimizer.master.dtype}
+    stored = {m["key"]: m for m in manifest["state_dict"]}
+    absent = [key for key in strategy.model.state_dict() if key not in stored]
+    if absent:
+        raise CheckpointError(f"checkpoint {step_dir} has no entry for {', '.join(absent[:5])}"
+                              f"{' ...' if len(absent) > 5 else ''} of this model's state_dict")
+    extras = {key: value for key, value in strategy.model.state_dict(keep_vars=True).items()
+              if stored.get(key, {}).get("tensor")}
+    files = {file for key in keys for file in plan_reads(manifest, key, wanted)}
+    extra_files = {t["key"]: t["file"] for t in manifest["tensors"] if t["key"].startswith("model.")}
+    files |= {extra_files[stored[key]["tensor"]] for key in extras if stored[key]["tensor"] in extra_files}
+    same_world = manifest["world_size"] == topo.world_size
+    if same_world:
+        files.add(shard_file_name(topo.rank))
+    verify_files(step_dir, manifest, files)
+    for key, dtype in mine.items():
+        theirs = next((t["dtype"] for t in manifest["tensors"] if t["key"] == key), None)
+        if theirs != str(dtype).removeprefix("torch."):
+            raise CheckpointError(f"checkpoint {step_dir} stores {key} in {theirs}, this run keeps them in "
+                                  f"{str(dtype).removeprefix('torch.')} (resume with the dtype and precision it "
+                                  "was saved with)")
+    local = {key: read_local(step_dir, manifest, key, wanted, length) for key in keys}
+    train_state = manifest["train_state"]
+    strategy.load_local(local, train_state.get("optimizer_scalars") or {"steps_taken": train_state["optimizer_steps"]})
+    with torch.no_grad():
+        for key, value in extras.items():
+            name = stored[key]["tensor"]
+            if name not in extra_files:
+                raise CheckpointError(f"checkpoint {step_dir} has no tensor for '{key}'")
+            saved = read_tensor(step_dir / extra_files[name], name)
+            if saved.shape != value.shape:
+                raise CheckpointError(f"checkpoint {step_dir}: '{key}' has shape {list(saved.shape)}, the model's "
+                                      f"is {list(value.shape)}")
+            value.copy_(saved)  # in place: the tensor keeps its dtype and device
+    if same_world:  # each rank continues its own random streams
+        shard = step_dir / shard_file_name(topo.rank)
+        set_rng_state({key: read_tensor(shard, key) for key in RNG_KEYS})
+    return train_state

@@ -1,0 +1,251 @@
+"""Saving a checkpoint: every rank writes its shard, rank 0 the manifest, `latest` moves last."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from ..parallel.flat import FlatStrategy
+from ..topology import Topology
+from .files import (FORMAT, LATEST, MANIFEST, CheckpointError, _fsync_dir, _fsync_file, _write_durably, rng_state,
+                    sha256_of, shard_file_name, step_dir_name)
+
+# --- save -------------------------------------------------------------------------------
+# A save has three phases. begin (collective): rank 0 makes the temporary directory. write
+# (local, may run in a background thread): this rank's shard file, fsynced, and its size and
+# sha256. commit (collective): every rank's outcome gathered; rank 0 writes the manifest and
+# renames the directory into place, then moves `latest`. A failed write on any rank makes
+# commit raise on every rank, and nothing is renamed.
+class PeerSaveError(CheckpointError):
+    """Another rank's part of a save failed (that rank reports the cause)."""
+
+    caused_by_peer = True  # the launcher shows the failing rank's error first
+
+
+def model_entries(strategy: FlatStrategy) -> tuple[list[list[str]], dict[str, torch.Tensor]]:
+    """(for every key of the model's state_dict: [key, "param", trainable parameter name] or [key, "tensor",
+    stored name]; the tensors to store: frozen parameters and persistent buffers, as `model.<key>`)."""
+    flat_names = {id(strategy.flat.param_named(n)): n for n in strategy.flat.names()}
+    mapping, tensors = [], {}
+    for key, value in strategy.model.state_dict(keep_vars=True).items():
+        name = flat_names.get(id(value))
+        if name is not None:
+            mapping.append([key, "param", name])
+        else:
+            mapping.append([key, "tensor", f"model.{key}"])
+            tensors[f"model.{key}"] = value.detach()
+    return mapping, tensors
+
+
+class ShardWrite:
+    """One rank's part of one save: the snapshot to write and, once written, its outcome."""
+
+    def __init__(self, root: Path, step: int, topo: Topology, strategy: FlatStrategy, train_state: dict,
+                 run_config: dict, copy: bool, after_written: Callable[[int], None] | None = None):
+        self.root, self.step, self.topo, self.strategy = root, step, topo, strategy
+        self.train_state, self.run_config, self.after_written = train_state, run_config, after_written
+        self.final, self.tmp = root / step_dir_name(step), root / f".tmp-{step_dir_name(step)}"
+        self.path = self.tmp / shard_file_name(topo.rank)
+        # A background write needs a copy: training goes on changing the live buffers.
+        self.state_dict_map, extras = model_entries(strategy)
+        if topo.dp.rank != 0 or topo.tp.rank != 0:
+            extras = {}  # replicated: the stage's first replica writes them
+        shards = {k: v.detach().to("cpu", copy=copy).contiguous()
+                  for k, v in {**strategy.state_shards(), **extras}.items()}
+        self.shards = {**shards, **rng_state()}
+        self.keys = list(self.shards)
+        self.row: list[int] | None = None  # [bytes, sha256 as 4 int64 words] once written
+        self.error: str | None = None
+
+    def write(self) -> None:
+        """Write, fsync, hash. Never raises: the outcome is exchanged at commit."""
+        try:
+            save_file(self.shards, str(self.path))
+            _fsync_file(self.path)
+            if self.after_written is not None:
+                self.after_written(self.step)
+            digest = bytes.fromhex(sha256_of(self.path))
+            self.row = [self.path.stat().st_size] + [int.from_bytes(digest[i:i + 8], "big", signed=True)
+                                                     for i in range(0, 32, 8)]
+        except Exception as e:  # noqa: BLE001 - a disk error is reported by commit, on every rank
+            self.error = f"{type(e).__name__}: {e}"
+        finally:
+            self.shards = {}  # the snapshot's memory goes back as soon as it is on disk
+
+    @property
+    def written(self) -> bool:
+        return self.row is not None or self.error is not None
+
+
+def begin(root: str | os.PathLike, step: int, topo: Topology) -> None:
+    """Collective: rank 0 sweeps crashed saves' leftovers and makes this save's temporary directory."""
+    root = Path(root)
+    tmp = root / f".tmp-{step_dir_name(step)}"
+    if topo.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(".tmp-step-*"):  # left by saves that crashed: never checkpoints
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+    topo.everyone.barrier()
+
+
+def commit(job: ShardWrite) -> Path:
+    """Collective: agree on every rank's outcome; if all wrote, make the checkpoint complete and
+    point `latest` at it. Returns the final step directory; raises CheckpointError on every rank
+    if any rank's write failed (the temporary directory stays, and is swept by the next save)."""
+    topo = job.topo
+    row = torch.tensor([0 if job.error is None else 1] + (job.row or [0] * 5), dtype=torch.int64)
+    rows = topo.everyone.gather_rows(row).tolist()
+    # Which logical pieces each rank's file holds: only the rank knows its own (a pipeline stage's
+    # parameters are its own), so each says, and rank 0 writes them all into the manifest.
+    ranges = job.strategy.checkpoint_ranges(topo.dp.rank)
+    pieces = job.strategy.flat.pieces(ranges) if ranges else []
+    held = _gather_ragged(topo.everyone, [sum(b - a for a, b in ranges)] + [v for piece in pieces for v in piece])
+    # The whole model's parameters and state_dict keys: each rank knows those of its own part.
+    flat = job.strategy.flat
+    described = _gather_json(topo.everyone, {
+        "segments": [[s.name, s.logical, list(s.full_shape or s.shape)] for s in flat.segments],
+        "state_dict": job.state_dict_map})
+    failed = [rank for rank, r in enumerate(rows) if r[0]]
+    if failed:
+        where = f"step {job.step}: writing {job.path}"
+        if job.error is not None:
+            raise CheckpointError(f"{where} failed on rank {topo.rank}: {job.error}; `latest` still names the "
+                                  "previous checkpoint")
+        raise PeerSaveError(f"step {job.step}: checkpoint not saved: rank(s) {failed} could not write their shard")
+    if topo.is_main:
+        root, final, tmp = job.root, job.final, job.tmp
+        manifest = _manifest(job.step, topo, job.strategy, job.train_state, job.run_config, job.keys,
+                             [r[1:] for r in rows], held, described)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        _fsync_file(tmp / MANIFEST)
+        _fsync_dir(tmp)
+        old = _move_aside(root, final) if final.exists() else None
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        _write_durably(root / LATEST, final.name + "\n")
+        if old is not None:
+            shutil.rmtree(old)
+    topo.everyone.barrier()
+    return job.final
+
+
+def _gather_ragged(comm, values: list[int]) -> list[list[int]]:
+    """Every rank's list of ints, of any length, on every rank (two fixed-size gathers)."""
+    lengths = comm.gather_rows(torch.tensor([len(values)], dtype=torch.int64))[:, 0].tolist()
+    padded = torch.zeros(max(lengths), dtype=torch.int64)
+    padded[:len(values)] = torch.tensor(values, dtype=torch.int64)
+    return [row[:n] for row, n in zip(comm.gather_rows(padded).tolist(), lengths)]
+
+
+def _gather_json(comm, obj) -> list:
+    """Every rank's JSON-able `obj`, on every rank (as UTF-8 bytes: no pickles between ranks either)."""
+    return [json.loads(bytes(row).decode()) for row in _gather_ragged(comm, list(json.dumps(obj).encode()))]
+
+
+def save(root: str | os.PathLike, step: int, topo: Topology, strategy: FlatStrategy,
+         train_state: dict, run_config: dict, after_written: Callable[[int], None] | None = None) -> Path:
+    """Collective: every rank calls it. Returns the final step directory."""
+    begin(root, step, topo)
+    job = ShardWrite(Path(root), step, topo, strategy, train_state, run_config, copy=False,
+                     after_written=after_written)
+    job.write()
+    return commit(job)
+
+
+class AsyncSave:
+    """A save whose file writes run in a background thread from a CPU snapshot of the shards.
+    `begin` and the snapshot happen at construction (collective); `commit()` (collective) waits for
+    the write, and only then is the checkpoint renamed into place and `latest` moved."""
+
+    def __init__(self, root: str | os.PathLike, step: int, topo: Topology, strategy: FlatStrategy,
+                 train_state: dict, run_config: dict, after_written: Callable[[int], None] | None = None):
+        begin(root, step, topo)
+        self.job = ShardWrite(Path(root), step, topo, strategy, train_state, run_config, copy=True,
+                              after_written=after_written)
+        self._thread = threading.Thread(target=self.job.write, name=f"checkpoint-step-{step}", daemon=True)
+        self._thread.start()
+
+    @property
+    def written(self) -> bool:
+        """This rank's file is written (or failed): commit would not wait."""
+        return self.job.written
+
+    def commit(self) -> Path:
+        self._thread.join()
+        return commit(self.job)
+
+
+def _move_aside(root: Path, final: Path) -> Path:
+    """Re-saving a step that exists (a resumed run passing it again): move the old copy
+    aside. Directories cannot be swapped atomically, so if `latest` names this step it is
+    pointed at the old copy until the new one is in place: it always names a complete one."""
+    old = root / f".old-{final.name}"
+    shutil.rmtree(old, ignore_errors=True)
+    os.replace(final, old)
+    _fsync_dir(root)
+    if (root / LATEST).exists() and (root / LATEST).read_text().strip() == final.name:
+        _write_durably(root / LATEST, old.name + "\n")
+    return old
+
+
+def _manifest(step, topo, strategy, train_state, run_config, keys, rows, held, described) -> dict:
+    """rows: each rank's [file bytes, sha256 words]; held: each rank's [length of its stored vectors,
+    then its pieces' at, lo, hi, ...] (empty pieces: it stores none); described: each rank's segments and
+    state_dict map (model_entries)."""
+    flat = strategy.flat
+    # Parameters in their dtype, optimizer state in the master's (they differ in mixed precision).
+    dtypes = {"params": flat.dtype, **{f"optim.{k}": t.dtype for k, t in strategy.optimizer.state_tensors().items()}}
+    files, tensors = [], []
+    for rank, (size, *digest_words) in enumerate(rows):
+        name = shard_file_name(rank)
+        digest = b"".join(w.to_bytes(8, "big", signed=True) for w in digest_words).hex()
+        files.append({"name": name, "rank": rank, "bytes": size, "sha256": digest})
+        local, *flat_pieces = held[rank]
+        if flat_pieces:
+            pieces = [flat_pieces[i:i + 3] for i in range(0, len(flat_pieces), 3)]
+            for key in keys:
+                if key.startswith(("params", "optim.")):
+                    tensors.append({"key": key, "file": name, "dtype": str(dtypes[key]).removeprefix("torch."),
+                                    "shape": [local], "pieces": pieces})
+        tensors += [{"key": key, "file": name, "rank": rank} for key in keys if key.startswith("rng.")]
+    segments, state_dict, stored = {}, {}, {}
+    for rank, part in enumerate(described):
+        for seg_name, offset, shape in part["segments"]:
+            segments.setdefault(seg_name, {"name": seg_name, "offset": offset, "shape": shape})
+        for key, kind, source in part["state_dict"]:
+            state_dict.setdefault(key, {"key": key, kind: source})
+            if kind == "tensor" and rank == _extras_writer(topo, rank):
+                stored.setdefault(source, shard_file_name(rank))
+    tensors += [{"key": key, "file": file} for key, file in stored.items()]
+    return {
+        "format": FORMAT,
+        "step": step,
+        "world_size": topo.world_size,
+        "layout": {"dp": topo.dp.world_size, "tp": topo.tp.world_size, "pp": topo.pp.world_size},
+        "strategy": strategy.name,
+        "zero": strategy.stage,
+        "model": run_config.get("model"),
+        # The whole model's logical vector. Padding and units are rank 0's (with pipeline stages, its stage's).
+        "flat": {"numel": flat.logical_numel, "padded_numel": flat.padded_numel, "padding": flat.padding,
+                 "segments": sorted(segments.values(), key=lambda s: s["offset"]),
+                 "units": [{"name": u.name, "padded_numel": u.stop - u.start} for u in flat.units]},
+        "state_dict": list(state_dict.values()),
+        "files": files,
+        "tensors": tensors,
+        "train_state": train_state,
+        "config": run_config,
+    }
+
+
+def _extras_writer(topo: Topology, rank: int) -> int:
+    """The rank that stores `rank`'s stage's frozen parameters and buffers: its stage's first replica and
+    tensor-parallel rank (layout: rank = (pp_rank * dp + dp_rank) * tp + tp_rank)."""
+    per_stage = topo.dp.world_size * topo.tp.world_size
+    return rank // per_stage * per_stage

@@ -47,8 +47,17 @@ def _train(kind, optimizer, zero, steps, rank, world, micro=1):
             total += loss.item()
         norms.append(minitrain.clip_grad_norm_(model, MAX_NORM))
         opt.step()
+        strategy = minitrain.api._state_of(model).strategy
+        after_step = strategy.memory_bytes()
         opt.zero_grad()
         losses.append(_global_mean(total))
+    # Memory at rest after a step, measured from the tensors' storages, equals the math: params, grads, and the
+    # optimizer's state (m and v, or SGD's momentum) sharded by the stage; no master copy of full-precision
+    # parameters at ZeRO 0, 1 and 3. zero_grad() (set_to_none, torch's default) then gives back ZeRO-2/3's
+    # gradient shard, as FSDP2 frees its sharded gradients.
+    assert after_step == strategy.expected_memory_bytes(), (kind, optimizer, zero)
+    assert strategy.memory_bytes()["grads"] == (0 if zero >= 2 else after_step["grads"])
+    assert strategy.master_is_params == (zero != 2)
     frozen = frozen_parameter(model)
     assert torch.equal(frozen, frozen_before) and frozen.grad is None  # never changes, no gradient buffer
     assert all(p is not frozen for group in opt.param_groups for p in group["params"])  # no optimizer state
@@ -74,11 +83,6 @@ def _parity_cases(topo, cases, micro):
         losses, norms, model, _ = _train(kind, optimizer, zero, steps, topo.rank, topo.world_size, micro)
         if kind == "llama-tied":
             assert tied(model), "the tied head must stay the embedding"
-        # Memory at rest measured from the tensors' storages equals the math: params, grads, and the optimizer's
-        # state (m and v, or SGD's momentum) sharded by the stage; no master copy of full-precision parameters.
-        strategy = minitrain.api._state_of(model).strategy
-        assert strategy.memory_bytes() == strategy.expected_memory_bytes(), (kind, optimizer, zero)
-        assert strategy.master_is_params == (zero != 2)
         out[(kind, optimizer, zero)] = {"losses": losses, "norms": norms, "state": minitrain.full_state_dict(model)}
     return out
 

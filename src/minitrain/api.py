@@ -267,9 +267,11 @@ class PreparedOptimizer(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradients in place (they are views of minitrain's flat buffer; set_to_none is ignored)."""
+        """Zero the gradients for the next step. They live in minitrain's buffers, so they are zeroed in place;
+        with set_to_none (torch's default) ZeRO-2/3 also give back their gradient shard's memory until the next
+        backward, as FSDP2 frees its sharded gradients."""
         self._prepared.max_norm = None
-        self._strategy.zero_grad()
+        self._strategy.zero_grad(release=set_to_none)
 
     def add_param_group(self, param_group: dict) -> None:
         raise NotImplementedError("groups are fixed by prepare(param_groups=...); prepare a new model to change them")

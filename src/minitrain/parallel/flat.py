@@ -150,7 +150,9 @@ class FlatStrategy:
             return [(0, self.flat.padded_numel)]
         return [u.chunk(rank, self.comm.world_size) for u in self.flat.units]
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, release: bool = False) -> None:
+        """Zero the gradients for the next step. release: also give back the memory of gradients kept only
+        between steps where the strategy can (ZeRO-2/3's shard), as torch's zero_grad(set_to_none=True) does."""
         self.flat.grad.zero_()
 
     def no_sync(self):

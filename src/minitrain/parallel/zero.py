@@ -137,10 +137,20 @@ class Zero2(ShardedStrategy):
     def held_grads(self) -> torch.Tensor:
         return self.grad_shard
 
-    def zero_grad(self) -> None:
-        self.grad_shard.zero_()
+    def zero_grad(self, release: bool = False) -> None:
+        if release:  # the shard's storage goes back; the first reduction of the next backward brings it again
+            self.grad_shard.untyped_storage().resize_(0)
+        else:
+            self.grad_shard.zero_()
         self._reduced = set()
         self._intervals = []
+
+    def _ensure_grad_shard(self) -> None:
+        """The gradient shard holds memory (zeros, if zero_grad released it): its views are valid again."""
+        storage = self.grad_shard.untyped_storage()
+        if storage.nbytes() == 0 and self.grad_shard.numel():
+            storage.resize_(self.grad_shard.numel() * self.grad_shard.element_size())
+            self.grad_shard.zero_()
 
     @torch.no_grad()
     def _grad_ready(self, i: int, seg: Segment, p: nn.Parameter) -> None:
@@ -169,6 +179,7 @@ class Zero2(ShardedStrategy):
         while len(self._inflight) >= MAX_INFLIGHT:
             self._retire_oldest()
         buffer = self._buffers.pop(i)
+        self._ensure_grad_shard()
         if i in self._reduced:  # a later micro-batch: reduce beside the shard, then add
             chunk = torch.empty_like(self._shard_views[i])
             self.ledger.hold("grads", chunk)
@@ -211,4 +222,5 @@ class Zero2(ShardedStrategy):
             self._intervals = []
 
     def _gradient_shard(self) -> torch.Tensor:
+        self._ensure_grad_shard()  # a step with no backward since a releasing zero_grad: a zero gradient
         return self.grad_shard

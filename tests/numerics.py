@@ -3,7 +3,7 @@ import torch
 
 from minitrain.config import build_config
 from minitrain.model import MiniGPT
-from minitrain.parallel.flat import FlatParameters
+from minitrain.parallel.layout import FlatParameters
 
 
 def key_bias_mask(numel: int) -> torch.Tensor:

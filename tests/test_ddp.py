@@ -7,7 +7,7 @@ from minitrain.config import TrainConfig, build_config
 from minitrain.optim import flat_adamw_factory
 from minitrain.parallel.config import ParallelConfig
 from minitrain.parallel.ddp import BucketedDataParallel, plan_buckets
-from minitrain.parallel.flat import Segment
+from minitrain.parallel.layout import Segment
 from minitrain.topology import Topology
 from minitrain.trainer import Trainer
 

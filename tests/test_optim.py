@@ -5,7 +5,7 @@ import torch
 from minitrain.config import PRESETS, ModelConfig, TrainConfig
 from minitrain.model import MiniGPT
 from minitrain.optim import FlatAdamW, clip_coefficient, lr_at
-from minitrain.parallel.flat import FlatParameters
+from minitrain.parallel.layout import FlatParameters
 
 
 def test_flat_adamw_matches_torch_adamw_in_float64():

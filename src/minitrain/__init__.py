@@ -8,12 +8,11 @@ Bring your own model, optimizer and loop (see api.py):
 """
 
 from .api import (PreparedOptimizer, barrier, cleanup, clip_grad_norm_, full_state_dict, init_distributed,
-                  is_main_process, load_checkpoint, no_sync, prepare, save_checkpoint, settings_of, wrap_for_ddp)
+                  is_main_process, load_checkpoint, no_sync, prepare, save_checkpoint, wrap_for_ddp)
 from .parallel.model_plan import ModelPlan
 
 __version__ = "0.1.0"
 
 __all__ = ["ModelPlan", "PreparedOptimizer", "barrier", "cleanup", "clip_grad_norm_", "full_state_dict",
            "init_distributed",
-           "is_main_process", "load_checkpoint", "no_sync", "prepare", "save_checkpoint", "settings_of",
-           "wrap_for_ddp", "__version__"]
+           "is_main_process", "load_checkpoint", "no_sync", "prepare", "save_checkpoint", "wrap_for_ddp", "__version__"]

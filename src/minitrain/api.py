@@ -255,7 +255,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = {}, {}
 
     @torch.no_grad()
-    def step(self, closure=None) -> None:
+    def step(self, closure=None):
         """One update of every rank's parameters (collective). A step whose gradients hold NaN/Inf on any rank
         is skipped on every rank (parameters and optimizer state unchanged)."""
         loss = None
@@ -364,11 +364,5 @@ def load_checkpoint(directory: str | Path, model: nn.Module, optimizer: Prepared
     return train_state["step"], train_state.get("extra")
 
 
-def settings_of(model: nn.Module) -> dict:
-    """The settings prepare was called with (zero, precision, ...)."""
-    return dict(_state_of(model).settings)
-
-
 __all__ = ["PreparedOptimizer", "barrier", "cleanup", "clip_grad_norm_", "full_state_dict", "init_distributed",
-           "is_main_process",
-           "load_checkpoint", "no_sync", "prepare", "save_checkpoint", "settings_of", "wrap_for_ddp"]
+           "is_main_process", "load_checkpoint", "no_sync", "prepare", "save_checkpoint", "wrap_for_ddp"]

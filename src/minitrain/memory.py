@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from .metrics import format_table, human_bytes
-from .parallel.flat import MEMORY_KINDS, FlatStrategy
+from .parallel.flat import FlatStrategy
+from .parallel.memory_math import MEMORY_KINDS
 
 @contextmanager
 def saved_activation_bytes(model: nn.Module) -> Iterator[dict[str, int]]:

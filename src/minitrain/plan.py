@@ -40,7 +40,7 @@ import torch
 
 from .config import ConfigError, ModelConfig
 from .optim import FlatAdamW
-from .parallel.flat import memory_terms, padded_numel
+from .parallel.memory_math import memory_terms, padded_numel
 
 GB = 1e9
 

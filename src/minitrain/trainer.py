@@ -30,7 +30,7 @@ from .model import MiniGPT
 from .optim import flat_adamw_factory, lr_at
 from .parallel import Pipeline, cast_parameters, parallelize
 from .parallel.config import ParallelConfig
-from .parallel.flat import MEMORY_KINDS
+from .parallel.memory_math import MEMORY_KINDS
 from .precision import autocast, compute_dtype, make_loss_scaler, master_dtype, reduce_dtype
 from .resilience import SpikeGuard, StopRequest
 from .topology import Topology

@@ -187,12 +187,14 @@ def read_tensor(path: Path, key: str) -> torch.Tensor:
 
 def verify_files(step_dir: Path, manifest: dict, names) -> None:
     """Check the named files' sizes and sha256 against the manifest, in the manifest's order."""
-    entries = {e["name"]: e for e in manifest["files"]}
-    for name in sorted(set(names), key=lambda n: list(entries).index(n) if n in entries else -1):
-        entry = entries.get(name)
-        f = step_dir / name
-        if entry is None:
-            raise CheckpointError(f"checkpoint {step_dir}: the manifest lists no file {name}")
+    names = set(names)
+    unknown = names - {e["name"] for e in manifest["files"]}
+    if unknown:
+        raise CheckpointError(f"checkpoint {step_dir}: the manifest lists no file {sorted(unknown)[0]}")
+    for entry in manifest["files"]:
+        if entry["name"] not in names:
+            continue
+        f = step_dir / entry["name"]
         if not f.is_file():
             raise CheckpointError(f"checkpoint file {f} is missing")
         size = f.stat().st_size

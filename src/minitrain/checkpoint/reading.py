@@ -57,13 +57,14 @@ def plan_reads(manifest: dict, key: str, wanted: list[list[int]]) -> dict[str, l
     return reads
 
 
-def read_local(step_dir: Path, manifest: dict, key: str, wanted: list[list[int]], length: int) -> torch.Tensor:
-    """This rank's local vector of `key` (params, optim.*), read piece by piece from whichever files hold
-    them: only the elements it holds are read. Padding stays zero; an uncovered element is an error."""
+def read_local(step_dir: Path, manifest: dict, key: str, reads: dict[str, list[tuple[int, int, int]]],
+               wanted: list[list[int]], length: int) -> torch.Tensor:
+    """This rank's local vector of `key` (params, optim.*), read piece by piece as `reads` (plan_reads) says:
+    only the elements it holds are read. Padding stays zero; an uncovered element is an error."""
     entry = next(t for t in manifest["tensors"] if t["key"] == key)
     out = torch.zeros(length, dtype=getattr(torch, entry["dtype"]))
     covered = torch.zeros(length, dtype=torch.bool)
-    for file, copies in plan_reads(manifest, key, wanted).items():
+    for file, copies in reads.items():
         try:
             with safe_open(str(step_dir / file), framework="pt") as f:
                 stored = f.get_slice(key)
@@ -113,8 +114,9 @@ def load(path: str | os.PathLike, topo: Topology, strategy: FlatStrategy) -> dic
         raise CheckpointError(f"checkpoint {step_dir} has no entry for {', '.join(absent[:5])}"
                               f"{' ...' if len(absent) > 5 else ''} of this model's state_dict")
     extras = {key: value for key, value in strategy.model.state_dict(keep_vars=True).items()
-              if stored.get(key, {}).get("tensor")}
-    files = {file for key in keys for file in plan_reads(manifest, key, wanted)}
+              if "tensor" in stored[key]}
+    reads = {key: plan_reads(manifest, key, wanted) for key in keys}
+    files = {file for per_key in reads.values() for file in per_key}
     extra_files = {t["key"]: t["file"] for t in manifest["tensors"] if t["key"].startswith("model.")}
     files |= {extra_files[stored[key]["tensor"]] for key in extras if stored[key]["tensor"] in extra_files}
     same_world = manifest["world_size"] == topo.world_size
@@ -127,9 +129,9 @@ def load(path: str | os.PathLike, topo: Topology, strategy: FlatStrategy) -> dic
             raise CheckpointError(f"checkpoint {step_dir} stores {key} in {theirs}, this run keeps them in "
                                   f"{str(dtype).removeprefix('torch.')} (resume with the dtype and precision it "
                                   "was saved with)")
-    local = {key: read_local(step_dir, manifest, key, wanted, length) for key in keys}
+    local = {key: read_local(step_dir, manifest, key, reads[key], wanted, length) for key in keys}
     train_state = manifest["train_state"]
-    strategy.load_local(local, train_state.get("optimizer_scalars") or {"steps_taken": train_state["optimizer_steps"]})
+    strategy.load_local(local, train_state["optimizer_scalars"])
     with torch.no_grad():
         for key, value in extras.items():
             name = stored[key]["tensor"]

@@ -32,7 +32,8 @@ import torch.nn as nn
 
 from ..comm import Comm, PendingCollective
 from .config import ParallelConfig
-from .flat import FlatStrategy, OptimizerFactory, Segment, sync_summary
+from .flat import FlatStrategy, OptimizerFactory, sync_summary
+from .layout import Segment
 
 
 class ReplicatedStrategy(FlatStrategy):

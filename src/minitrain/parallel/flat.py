@@ -19,9 +19,8 @@ import torch.nn as nn
 from ..comm import Comm
 from ..optim import clip_coefficient, sum_of_squares
 from .config import ParallelConfig
-from .layout import (FlatParameters, Ranges, Segment, TensorSlice, WholeModel, local_views, logical_layout,  # noqa: F401
-                     slice_runs, take)
-from .memory_math import MEMORY_KINDS, MemoryLedger, memory_terms, padded_numel  # noqa: F401
+from .layout import FlatParameters, Ranges, WholeModel, local_views, take
+from .memory_math import MEMORY_KINDS, MemoryLedger, memory_terms
 
 # (master, flat parameters, this rank's shard ranges) -> an optimizer over the shard (see FlatStrategy)
 OptimizerFactory = Callable[[torch.Tensor, FlatParameters, Ranges], object]
@@ -76,7 +75,6 @@ class FlatStrategy:
 
     name = "flat"
     stage = 0
-    master_is_params = False  # the optimizer's master vector is the parameters this rank holds (ZeRO-3, full precision)
 
     def __init__(self, model: nn.Module, comm: Comm, pcfg: ParallelConfig, make_optimizer: OptimizerFactory,
                  units: list[tuple[str, list[str]]] | None = None, keep_grad: bool = True,

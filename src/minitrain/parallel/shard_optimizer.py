@@ -138,7 +138,8 @@ class TorchShardOptimizer:
                     scalar.setdefault(name, str(value.dtype).removeprefix("torch.")
                                       if isinstance(value, torch.Tensor) else None)
                 elif value.shape == view.shape:
-                    elementwise.append(name) if name not in elementwise else None
+                    if name not in elementwise:
+                        elementwise.append(name)
                 else:
                     raise NotElementwiseError(f"{type(self.inner).__name__} keeps state '{name}' of shape "
                                               f"{tuple(value.shape)} for a parameter of shape {tuple(view.shape)}: "

@@ -31,7 +31,8 @@ import torch.nn as nn
 
 from ..comm import Comm, PendingCollective
 from .config import ParallelConfig
-from .flat import FlatStrategy, OptimizerFactory, Segment, local_views, sync_summary
+from .flat import FlatStrategy, OptimizerFactory, sync_summary
+from .layout import Segment, local_views
 from .units import module_units, unit_layout
 
 MAX_INFLIGHT = 1  # unit reduce-scatters in flight before the oldest is waited for (bounds gradient memory)

@@ -33,7 +33,8 @@ from torch.utils._pytree import tree_leaves
 
 from ..comm import Comm, PendingCollective
 from .config import ParallelConfig
-from .flat import OptimizerFactory, local_views, take
+from .flat import OptimizerFactory
+from .layout import local_views, take
 from .zero import Zero2
 
 

@@ -1,9 +1,10 @@
-"""Data parallel and ZeRO-1 against each other and against one process.
+"""Data parallel and ZeRO-1 against each other and against plain PyTorch in one process.
 
 The data order makes the global batch independent of the world size, and the
 loss is averaged over the global token count, so N ranks with batch b must
 follow the single-process run with batch N*b. In float64 every difference is
-reduction-order rounding, so the bound is 1e-12.
+reduction-order rounding, so the bound is 1e-12. The reference is tests/reference.py:
+torch.optim.AdamW, clip_grad_norm_ and the schedule written out, no minitrain code.
 """
 import pytest
 import torch
@@ -14,6 +15,7 @@ from minitrain.trainer import Trainer
 
 from .dist import run_ranks
 from .numerics import key_bias_mask
+from .reference import assert_close_to, assert_exercises_the_loop, plain_run
 
 STEPS = 5
 
@@ -22,6 +24,9 @@ def _config(world, zero, dtype, batch_size=4, grad_accum=1):
     return build_config(cli_values={
         "train.zero": zero, "train.dtype": dtype, "train.steps": STEPS, "train.batch_size": batch_size,
         "train.grad_accum": grad_accum, "dist.nproc": world, "train.lr": 1e-2, "train.log_every": 0,
+        # float64 runs are held to the plain PyTorch reference: 1.5 lies between the steps' gradient norms,
+        # so clipping acts on some steps and not on others.
+        "train.grad_clip": 1.5 if dtype == "float64" else 1.0,
     }).validate()
 
 
@@ -42,6 +47,11 @@ def _reference(dtype, batch_size):
     return _run(Topology.single(), 0, dtype, batch_size)
 
 
+def _plain(world, batch_size=4, grad_accum=1):
+    """Plain PyTorch in one process on the same global batch."""
+    return plain_run(_config(world, 0, "float64", batch_size, grad_accum), STEPS)
+
+
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
 
@@ -49,15 +59,15 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_zero1_equals_dp_equals_single_process_float64(world):
     results = run_ranks(_both_strategies, world, "float64")
-    ref = _reference("float64", 4 * world)
+    ref = _plain(world)
+    assert_exercises_the_loop(ref)
     for zero in (0, 1):
         ranks = [r[zero] for r in results]
         # Every rank holds bit-identical parameters.
         assert all(torch.equal(r["params"], ranks[0]["params"]) for r in ranks)
-        assert _max_diff(ranks[0]["params"], ref["params"]) <= 1e-12, f"zero={zero} vs single process"
-        assert max(abs(a - b) for a, b in zip(ranks[0]["losses"], ref["losses"])) <= 1e-12
+        assert_close_to(ref, 1e-12, f"ZeRO-{zero} at {world} ranks", losses=ranks[0]["losses"],
+                        grad_norms=ranks[0]["grad_norms"], params=ranks[0]["params"])
     assert _max_diff(results[0][1]["params"], results[0][0]["params"]) <= 1e-12
-    assert ref["losses"][-1] < ref["losses"][0]  # it trained
 
 
 def test_zero1_equals_dp_float32():
@@ -75,9 +85,10 @@ def test_zero1_equals_dp_float32():
 def test_gradient_accumulation_equals_one_big_batch_float64():
     # 2 ranks x 2 micro-batches x batch 2 = the same 8 examples per step as one process with batch 8.
     results = run_ranks(_both_strategies, 2, "float64", 2, 2)
-    ref = _reference("float64", 8)
+    ref = _plain(2, 2, 2)
     for zero in (0, 1):
-        assert _max_diff(results[0][zero]["params"], ref["params"]) <= 1e-12
+        assert_close_to(ref, 1e-12, f"ZeRO-{zero}", losses=results[0][zero]["losses"],
+                        grad_norms=results[0][zero]["grad_norms"], params=results[0][zero]["params"])
 
 
 def test_optimizer_memory_is_12p_over_n_exactly():

@@ -23,6 +23,7 @@ from minitrain.topology import Topology
 from minitrain.trainer import Trainer
 
 from .dist import run_main, run_ranks
+from .reference import assert_exercises_the_loop, plain_run
 
 TOL = 1e-12
 STEPS = 4
@@ -68,7 +69,9 @@ MODEL = {"model.n_layer": 4, "model.d_model": 32, "model.n_head": 4, "model.voca
 def _config(world, pp, microbatches=1, schedule="1f1b", zero=0, **values):
     return build_config(cli_values={"train.dtype": "float64", "train.zero": zero, "dist.nproc": world,
                                     "dist.pp": pp, "dist.microbatches": microbatches, "dist.schedule": schedule,
-                                    "train.batch_size": 12, "train.log_every": 0, **MODEL, **values}).validate()
+                                    "train.batch_size": 12, "train.log_every": 0,
+                                    # between the steps' gradient norms: steps 1-2 unclipped, 3-4 clipped
+                                    "train.grad_clip": 2.0, **MODEL, **values}).validate()
 
 
 def _run(trainer):
@@ -89,7 +92,11 @@ def _pipelined(topo, pp, runs):
 
 
 def _unpipelined():
-    return _run(Trainer(_config(1, 1), Topology.single()))
+    """Plain PyTorch in one process: the losses of STEPS steps and the first step's gradients by name."""
+    ref = plain_run(_config(1, 1), STEPS)
+    assert_exercises_the_loop(ref)
+    first = plain_run(_config(1, 1), 1)
+    return ref.losses, first.by_name(first.grads), None
 
 
 RUNS = [(name, m) for name in SCHEDULES for m in (1, 2, 4, 12)]  # M < P, = P, > P; 12: one sequence per micro-batch

@@ -1,5 +1,6 @@
 """Tensor parallelism: each split layer equals its full counterpart (outputs and gradients), and
-training split across 2 or 4 ranks follows the single-process run to float64 rounding."""
+training split across 2 or 4 ranks follows plain PyTorch in one process (tests/reference.py) to float64
+rounding."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +13,7 @@ from minitrain.topology import Topology, layout_groups
 from minitrain.trainer import Trainer
 
 from .dist import run_main, run_ranks
+from .reference import assert_close_to, assert_exercises_the_loop, plain_run
 
 TOL = 1e-12
 
@@ -88,29 +90,32 @@ MID = {"model.n_layer": 2, "model.d_model": 32, "model.n_head": 4, "model.vocab_
 
 def _config(world, tp, zero=0, batch_size=4, **values):
     return build_config(cli_values={"train.dtype": "float64", "train.zero": zero, "dist.nproc": world, "dist.tp": tp,
-                                    "train.batch_size": batch_size, "train.log_every": 0, **values}).validate()
+                                    "train.batch_size": batch_size, "train.log_every": 0,
+                                    # between the steps' gradient norms: some steps clipped, others not
+                                    "train.grad_clip": 1.5, **values}).validate()
 
 
-def _losses(topo, tp, zero, values):
+STEPS = 5
+
+
+def _run(topo, tp, zero, values):
     trainer = Trainer(_config(topo.world_size, tp, zero, **values), topo.with_layout(tp, 1))
-    return [trainer.train_step().loss for _ in range(5)]
-
-
-def _single(batch_size, values):
-    trainer = Trainer(_config(1, 1, batch_size=batch_size, **values), Topology.single())
-    return [trainer.train_step().loss for _ in range(5)]
+    records = [trainer.train_step() for _ in range(STEPS)]
+    # A rank holds slices of the layers; the global parameter norm after every step stands for the whole.
+    return {"losses": [r.loss for r in records], "grad_norms": [r.grad_norm for r in records],
+            "param_norms": [r.param_norm for r in records]}
 
 
 @pytest.mark.parametrize("world,tp,zero,values", [
     (2, 2, 0, {}), (4, 4, 0, {}),  # tensor parallel alone
-    (4, 2, 0, {}), (4, 2, 1, {}),  # with data parallel (dp 2) and ZeRO-1 over it
-    (2, 2, 0, MID),  # tied embedding and head share one vocabulary slice
+    (4, 2, 0, {}), (4, 2, 1, {}), (4, 2, 2, {}), (4, 2, 3, {}),  # with data parallel (dp 2) and ZeRO over it
+    (2, 2, 0, MID), (4, 2, 3, MID),  # tied embedding and head share one vocabulary slice
 ])
 def test_tensor_parallel_training_follows_one_process(world, tp, zero, values):
-    reference = _single(4 * (world // tp), values)  # the same global batch
-    for rank, losses in enumerate(run_ranks(_losses, world, tp, zero, values)):
-        assert max(abs(a - b) for a, b in zip(losses, reference)) <= TOL, rank
-    assert reference[-1] < reference[0]
+    reference = plain_run(_config(world, tp, batch_size=4, **values), STEPS)  # the same global batch
+    assert_exercises_the_loop(reference)
+    for rank, got in enumerate(run_ranks(_run, world, tp, zero, values)):
+        assert_close_to(reference, TOL, f"rank {rank}", **got)
 
 
 def test_layout_puts_tensor_parallel_innermost_and_pipeline_outermost():

@@ -11,20 +11,21 @@ reports:
 Ratios are to `none` measured in the same repeat; each figure is median [min-max] over repeats,
 every repeat running the modes in rotated order.
 
-    .venv/bin/python benchmarks/activation_checkpointing.py [--steps 6] [--repeats 3] [--out runs/bench-ac]
+    .venv/bin/python benchmarks/activation_checkpointing.py [--steps 6] [--repeats 3] [--out FILE]
+
+Writes benchmarks/results/activation_checkpointing.json (or --out: command, machine, every figure).
 """
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 from ranges import fmt_range, median_range  # benchmarks/ranges.py
+from record import RESULTS, write_result  # benchmarks/record.py
 
 from minitrain.config import build_config
 from minitrain.launch import launch
@@ -59,7 +60,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default="runs/bench-ac")
+    parser.add_argument("--out", default=str(RESULTS / "activation_checkpointing.json"), help="the result file")
     args = parser.parse_args(argv)
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))  # read by the fork server at its start
     runs = []
@@ -78,14 +79,12 @@ def main(argv=None) -> int:
         rows.append([mode, human_bytes(entry["stored_bytes"][0]), fmt_range(entry["stored_ratio"], "{:.2f}"),
                      human_bytes(entry["peak_bytes"][0]), fmt_range(entry["peak_ratio"], "{:.2f}"),
                      f"{entry['step_ms'][0]:.0f}", fmt_range(entry["time_ratio"], "{:.2f}")])
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "activation_checkpointing.json").write_text(json.dumps(
-        {"model": MODEL, "steps": args.steps, "warmup": WARMUP, "repeats": args.repeats,
-         "format": "each figure is [median, min, max] over repeats", "results": report}, indent=1))
+    out = write_result(args.out, __file__, argv,
+                       {"model": MODEL, "steps": args.steps, "warmup": WARMUP, "repeats": args.repeats,
+                        "format": "each figure is [median, min, max] over repeats", "results": report})
     print(format_table(["mode", "stored activations", "vs none", "peak in step", "vs none", "step ms", "vs none"],
                        rows, "<>>>>>>"))
-    print(f"wrote {out / 'activation_checkpointing.json'}")
+    print(f"wrote {out}")
     return 0
 
 

@@ -2,14 +2,14 @@
 (tensor_parallel.py, pipeline.py)."""
 from __future__ import annotations
 
-import json
+import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 from ranges import fmt_range, median_range  # benchmarks/ranges.py
+from record import write_result  # benchmarks/record.py
 
 from minitrain.metrics import format_table
 
@@ -48,12 +48,12 @@ def compare(run_one: Callable[[str], dict], peer: str, repeats: int) -> tuple[di
     return report, median_range([run["minitrain"]["step_s"] / run[peer]["step_s"] for run in runs])
 
 
-def write_and_print(path: Path, settings: dict, report: dict, ratio: tuple, title: str, peer_name: str) -> None:
-    """The JSON (settings, results, ratio) and the table with the ratio line."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+def write_and_print(path: str | os.PathLike, script: str, argv: list[str] | None, settings: dict, report: dict, ratio: tuple,
+                    title: str, peer_name: str) -> None:
+    """The result file (command, machine, settings, results, ratio) and the table with the ratio line."""
     peer = next(impl for impl in report if impl != "minitrain")
-    path.write_text(json.dumps({**settings, "format": "each figure is [median, min, max] over repeats",
-                                "results": report, f"minitrain_over_{peer}": ratio}, indent=1))
+    path = write_result(path, script, argv, {**settings, "format": "each figure is [median, min, max] over repeats",
+                                             "results": report, f"minitrain_over_{peer}": ratio})
     rows = [[impl, fmt_range(r["step_ms"], "{:.0f}"), f"{r['first_loss']:.6f}"] for impl, r in report.items()]
     print(format_table([title, "forward+backward ms", "first loss"], rows, "<>>"))
     print(f"minitrain / {peer_name} step time: {fmt_range(ratio, '{:.2f}')}")

@@ -12,18 +12,19 @@ gradients is one bucket, which cannot start before backward ends). The
 machine's ceiling for that efficiency is measured too: two independent single
 processes at once, no communication, against one alone.
 
-    .venv/bin/python benchmarks/ddp_modes.py [--steps 12] [--repeats 3] [--out runs/bench-ddp]
+    .venv/bin/python benchmarks/ddp_modes.py [--steps 12] [--repeats 3] [--out FILE]
+
+Writes benchmarks/results/ddp_modes.json (or --out: command, machine, every figure) and prints the table.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import threading
-from pathlib import Path
 
 from ranges import fmt_range, median_range  # benchmarks/ranges.py
+from record import RESULTS, write_result  # benchmarks/record.py
 
 from minitrain.config import build_config
 from minitrain.launch import launch
@@ -66,7 +67,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default="runs/bench-ddp")
+    parser.add_argument("--out", default=str(RESULTS / "ddp_modes.json"), help="the result file")
     args = parser.parse_args(argv)
     report, rows = {}, []
     for model in MODELS:
@@ -93,14 +94,12 @@ def main(argv=None) -> int:
             rows.append([model, mode, f"{entry['step_ms'][0]:.1f}", fmt_range(entry["ratio_to_torch"], "{:.2f}"),
                          fmt_range(entry["scaling_efficiency_2v1"], "{:.0%}")])
         rows.append([model, "(machine ceiling)", "", "", fmt_range(report[model]["ceiling_2v1"], "{:.0%}")])
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "ddp_modes.json").write_text(json.dumps({"steps": args.steps, "repeats": args.repeats,
-                                                     "format": "each figure is [median, min, max] over repeats",
-                                                     "results": report}, indent=1))
+    out = write_result(args.out, __file__, argv, {"steps": args.steps, "repeats": args.repeats,
+                                                   "format": "each figure is [median, min, max] over repeats",
+                                                   "results": report})
     print(format_table(["model", "mode", "step_ms (2 ranks)", "vs torch", "2-vs-1 efficiency"], rows, "<<>>>"))
     print("\nmedian [min-max] over repeats; machine ceiling = one process alone vs. two independent ones at once")
-    print(f"wrote {out / 'ddp_modes.json'}")
+    print(f"wrote {out}")
     return 0
 
 

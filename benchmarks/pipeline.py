@@ -10,17 +10,19 @@ is pipeline work), barrier to barrier over the pipeline group, median over steps
 first loss of both is printed as a check that they compute the same thing. Ratio = ours / PyTorch's
 within each repeat; repeats alternate which goes first.
 
-    .venv/bin/python benchmarks/pipeline.py [--pp 2] [--microbatches 4] [--steps 8] [--repeats 3]
+    .venv/bin/python benchmarks/pipeline.py [--pp 2] [--microbatches 4] [--steps 8] [--repeats 3] [--out FILE]
+
+Writes benchmarks/results/pipeline_pp{P}_m{M}.json (or --out: command, machine, every figure).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from against_peer import compare, time_steps, write_and_print  # benchmarks/against_peer.py
+from record import RESULTS  # benchmarks/record.py
 
 from minitrain.config import build_config
 from minitrain.data import ShardedLoader, load_corpus
@@ -82,12 +84,13 @@ def main(argv=None) -> int:
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default="runs/bench-pp")
+    parser.add_argument("--out", help="the result file (default benchmarks/results/pipeline_pp{P}_m{M}.json)")
     args = parser.parse_args(argv)
+    out = args.out or RESULTS / f"pipeline_pp{args.pp}_m{args.microbatches}.json"
     # The loss lives on the last stage: take that rank's result.
     report, ratio = compare(lambda impl: launch(worker, args.pp, args.pp, args.microbatches, impl, args.steps,
                                                 backend="gloo", timeout_s=1800)[-1], "torch", args.repeats)
-    write_and_print(Path(args.out) / "pipeline.json",
+    write_and_print(out, __file__, argv,
                     {"model": MODEL, "pp": args.pp, "microbatches": args.microbatches, "schedule": "1f1b",
                      "steps": args.steps, "warmup": WARMUP, "repeats": args.repeats},
                     report, ratio, "1F1B pipeline", "torch.distributed.pipelining")

@@ -11,24 +11,22 @@ AdamW step, zero_grad), gloo on CPU, one thread per rank. Each repeat runs every
 a repeat and reported as median [min-max] over repeats. Peak memory per rank is the process's resident high-water
 mark above what it held before the model was built (as benchmarks/zero_stages.py measures it).
 
-    .venv/bin/python benchmarks/prepare_vs_peers.py [--world 2] [--steps 6] [--repeats 3]
+    .venv/bin/python benchmarks/prepare_vs_peers.py [--world 2] [--steps 6] [--repeats 3] [--out FILE]
 
-Writes benchmarks/results/prepare_vs_peers.json (machine, command, every figure) and prints the table.
+Writes benchmarks/results/prepare_vs_peers.json (or --out: command, machine, every figure) and prints the table.
 """
 from __future__ import annotations
 
 import argparse
 import functools
 import gc
-import json
 import os
-import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
 from ranges import fmt_range, median_range  # benchmarks/ranges.py
+from record import RESULTS, write_result  # benchmarks/record.py
 
 from minitrain.launch import launch
 from minitrain.memory import device_peak_bytes, reset_device_peak
@@ -126,7 +124,7 @@ def main(argv=None) -> int:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "prepare_vs_peers.json"))
+    parser.add_argument("--out", default=str(RESULTS / "prepare_vs_peers.json"), help="the result file")
     args = parser.parse_args(argv)
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))  # inherited by the ranks: RSS follows tensors
     runs = []
@@ -154,20 +152,14 @@ def main(argv=None) -> int:
         rows.append([ours, peer, f"{entry[ours]['step_ms'][0]:.0f}", f"{entry[peer]['step_ms'][0]:.0f}",
                      fmt_range(entry["time_ratio"], "{:.2f}"), human_bytes(entry[ours]["peak_bytes"][0]),
                      human_bytes(entry[peer]["peak_bytes"][0]), fmt_range(entry["memory_ratio"], "{:.2f}")])
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    import torch
     import transformers
 
     params = sum(p.numel() for p in transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2)).parameters())
-    out.write_text(json.dumps({
-        "command": "python benchmarks/prepare_vs_peers.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                    "transformers": transformers.__version__, "python": platform.python_version()},
+    out = write_result(args.out, __file__, argv, {
         "model": {"gpt2_config": GPT2, "parameters": params}, "batch_per_rank": BATCH, "seq": SEQ,
         "world": args.world, "steps": args.steps, "warmup": WARMUP, "repeats": args.repeats,
         "format": "each figure is [median, min, max] over repeats; ratios are ours / peer within a repeat",
-        "results": results}, indent=1))
+        "results": results}, transformers=transformers.__version__)
     print(format_table(["ours", "peer", "ours ms", "peer ms", "time ratio", "ours peak", "peer peak", "memory ratio"],
                        rows, "<<>>>>>>"))
     print(f"GPT-2 {params / 1e6:.1f}M parameters, {args.world} ranks; wrote {out}")

@@ -10,15 +10,17 @@ q, k and v of its heads (the same computation as ours). Timed: forward + backwar
 median over steps after warmup; the first loss of both is printed as a check that they compute
 the same thing. Ratio = ours / DTensor within each repeat; repeats alternate which goes first.
 
-    .venv/bin/python benchmarks/tensor_parallel.py [--tp 2] [--steps 8] [--repeats 3] [--out runs/bench-tp]
+    .venv/bin/python benchmarks/tensor_parallel.py [--tp 2] [--steps 8] [--repeats 3] [--out FILE]
+
+Writes benchmarks/results/tensor_parallel_tp{T}.json (or --out: command, machine, every figure).
 """
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import torch
 from against_peer import compare, time_steps, write_and_print  # benchmarks/against_peer.py
+from record import RESULTS  # benchmarks/record.py
 
 from minitrain.config import build_config
 from minitrain.data import ShardedLoader, load_corpus
@@ -80,11 +82,12 @@ def main(argv=None) -> int:
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default="runs/bench-tp")
+    parser.add_argument("--out", help="the result file (default benchmarks/results/tensor_parallel_tp{T}.json)")
     args = parser.parse_args(argv)
+    out = args.out or RESULTS / f"tensor_parallel_tp{args.tp}.json"
     report, ratio = compare(lambda impl: launch(worker, args.tp, args.tp, impl, args.steps, backend="gloo",
                                                 timeout_s=1800)[0], "dtensor", args.repeats)
-    write_and_print(Path(args.out) / "tensor_parallel.json",
+    write_and_print(out, __file__, argv,
                     {"model": MODEL, "tp": args.tp, "steps": args.steps, "warmup": WARMUP, "repeats": args.repeats},
                     report, ratio, "tensor parallel", "dtensor")
     return 0

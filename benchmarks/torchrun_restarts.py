@@ -9,16 +9,19 @@ rendezvous and `--standalone` (c10d), each with and without TORCH_DISABLE_SHARE_
 (workers build their own store instead of sharing the agent's).
 
     .venv/bin/python benchmarks/torchrun_restarts.py [--trials 10] [--out runs/bench-restarts]
+
+Every trial's run directory is kept under --out, with results.json (command, machine, every trial).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from record import write_result  # benchmarks/record.py
 
 from minitrain.launch import free_port
 from minitrain.metrics import format_table
@@ -79,7 +82,7 @@ def main() -> None:
     rows = [[name, f"{sum(r['passed'] for r in rs)}/{len(rs)}", sorted({str(r['rc']) for r in rs}),
              f"{sorted(r['wall_s'] for r in rs)[len(rs) // 2]:.1f}"] for name, rs in results.items()]
     print(format_table(["setting", "passed", "exit codes", "median wall s"], rows, "<>>>"))
-    (root / "results.json").write_text(json.dumps(results, indent=1))
+    write_result(root / "results.json", __file__, None, {"trials": args.trials, "results": results})
 
 
 if __name__ == "__main__":

@@ -16,20 +16,21 @@ told to return every freed block above 64 KiB to the system at once
 of keeping freed memory of an earlier configuration. For our stages the
 model-state peak from the strategy's ledger is reported too.
 
-    .venv/bin/python benchmarks/zero_stages.py [--worlds 2 4] [--steps 8] [--repeats 3] [--out runs/bench-zero]
+    .venv/bin/python benchmarks/zero_stages.py [--worlds 2 4] [--steps 8] [--repeats 3] [--out FILE]
+
+Writes benchmarks/results/zero_stages.json (or --out: command, machine, every figure) and prints the table.
 """
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 from ranges import fmt_range, median_range  # benchmarks/ranges.py
+from record import RESULTS, write_result  # benchmarks/record.py
 
 from minitrain.config import build_config
 from minitrain.launch import launch
@@ -80,7 +81,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=CONFIGS,
                         help="a subset to measure (ratios need the peer in the subset too)")
-    parser.add_argument("--out", default="runs/bench-zero")
+    parser.add_argument("--out", default=str(RESULTS / "zero_stages.json"), help="the result file")
     args = parser.parse_args(argv)
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))  # inherited by the spawned ranks
     report, rows = {}, []
@@ -113,16 +114,14 @@ def main(argv=None) -> int:
                          human_bytes(entry["model_state_peak_bytes"][0]) if peer else "",
                          peer or "", fmt_range(entry["time_ratio"], "{:.2f}") if peer else "",
                          fmt_range(entry["memory_ratio"], "{:.2f}") if peer else ""])
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "zero_stages.json").write_text(json.dumps({
+    out = write_result(args.out, __file__, argv, {
         "model": MODEL, "steps": args.steps, "warmup": WARMUP, "repeats": args.repeats,
-        "format": "each figure is [median, min, max] over repeats", "results": report}, indent=1))
+        "format": "each figure is [median, min, max] over repeats", "results": report})
     print(format_table(["ranks", "config", "step_ms", "peak/rank", "model state", "peer", "time vs peer",
                         "memory vs peer"], rows, "><>>><>>"))
     print("\npeak/rank: process high-water mark above its pre-model baseline (largest rank); model state: "
           "our ledger's peak of params + grads + optimizer; ratios median [min-max] over repeats")
-    print(f"wrote {out / 'zero_stages.json'}")
+    print(f"wrote {out}")
     return 0
 
 

@@ -1,0 +1,215 @@
+"""The README's benchmark tables, rendered from the result files in benchmarks/results/.
+
+    python benchmarks/tables.py          # rewrite README.md's generated tables in place
+    python benchmarks/tables.py --check  # exit 1, one line per stale table, if README.md differs from the files
+
+A generated table sits in README.md between `<!-- table: NAME -->` and `<!-- /table -->`: the markdown
+table and one line naming the result files, the command that wrote them and the machine. NAME picks
+the result files and the function that renders them (TABLES at the end). Text outside the markers is
+prose and is left alone, so a benchmark rerun changes the figures here and nowhere by hand.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+from ranges import fmt_range  # benchmarks/ranges.py
+from record import RESULTS  # benchmarks/record.py
+
+ROOT = RESULTS.parent.parent
+README = ROOT / "README.md"
+BLOCK = re.compile(r"<!-- table: (\S+) -->\n(.*?)<!-- /table -->", re.DOTALL)
+
+
+def _mib(stats) -> str:
+    return f"{stats[0] / 2**20:.1f} MiB"
+
+
+def _ms(stats) -> str:
+    return f"{stats[0]:.0f}"
+
+
+def _ratio(stats, reference: bool = False) -> str:
+    # A row measured against itself has the ratio 1 in every repeat: no range to show.
+    return "1.00" if reference else fmt_range(stats, "{:.2f}")
+
+
+def _percent(stats) -> str:
+    median, low, high = (100 * x for x in stats)
+    return f"{median:.0f}% [{low:.0f}-{high:.0f}%]"
+
+
+def _table(header: list[str], align: str, rows: list[list[str]]) -> list[str]:
+    """Markdown table lines; align has one '<' (left) or '>' (right) per column."""
+    def line(cells):
+        return "|" + "|".join(f" {c} " if c else " " for c in cells) + "|"
+
+    return [line(header), "|" + "|".join("---:" if a == ">" else "---" for a in align) + "|",
+            *(line(row) for row in rows)]
+
+
+def _machine(machine: dict) -> str:
+    words = {"cpus": "{} CPUs", "torch": "torch {}", "transformers": "transformers {}", "python": "Python {}"}
+    return ", ".join(words.get(key, "{}").format(value) for key, value in machine.items())
+
+
+def source_line(docs: list[dict]) -> str:
+    """Which files the table comes from, by what command, on what machine; files that do not record
+    their command or machine say so rather than have one guessed for them."""
+    groups: list[tuple[str | None, list[str]]] = []  # consecutive files on the same machine share it
+    for doc in docs:
+        machine = _machine(doc["machine"]) if "machine" in doc else None
+        part = f"`{doc['path']}`" + (f" from `{doc['command']}`" if "command" in doc else "")
+        if groups and groups[-1][0] == machine:
+            groups[-1][1].append(part)
+        else:
+            groups.append((machine, [part]))
+    texts = []
+    for machine, parts in groups:
+        if machine:
+            texts.append(f"{', '.join(parts)} on {machine}")
+        else:
+            recorded = any(" from `" in part for part in parts)
+            texts.append(f"{', '.join(parts)} ({'machine' if recorded else 'command and machine'} not recorded)")
+    return "Source: " + "; ".join(texts) + "."
+
+
+def prepare_vs_peers(docs: list[dict]) -> list[str]:
+    peers = {"ddp": "DDP + AdamW", "zero-redundancy": "DDP + ZeroRedundancyOptimizer",
+             "fsdp2-zero2": "FSDP2 (`reshard_after_forward=False`)", "fsdp2": "FSDP2"}
+    rows = []
+    for ours, entry in docs[0]["results"].items():
+        mine, peer = entry[ours], entry[entry["peer"]]
+        rows.append([f"ZeRO-{ours[-1]}", peers[entry["peer"]], _ms(mine["step_ms"]), _ms(peer["step_ms"]),
+                     _ratio(entry["time_ratio"]), _mib(mine["peak_bytes"]), _mib(peer["peak_bytes"]),
+                     _ratio(entry["memory_ratio"])])
+    return _table(["ours", "PyTorch peer", "ours ms", "peer ms", "time ratio", "ours peak", "peer peak",
+                   "memory ratio"], "<<>><>><", rows)
+
+
+def zero_stages(docs: list[dict]) -> list[str]:
+    peers = {"ddp": "DDP", "zero-redundancy": "ZeroRedundancyOptimizer", "fsdp2-zero2": "FSDP2, no reshard",
+             "fsdp2": "FSDP2"}
+    rows = []
+    for world, configs in sorted(docs[0]["results"].items(), key=lambda item: int(item[0])):
+        for name, entry in configs.items():
+            if "peer" not in entry:
+                continue  # a peer's own figures appear in its stage's row
+            peer = configs[entry["peer"]]
+            # ZeRO-3 is the stage the goals are stated for (README: "Against the goals").
+            bold = "**{}**" if name == "zero3" else "{}"
+            label = "ZeRO-0 (data parallel)" if name == "zero0" else f"ZeRO-{name[-1]}"
+            rows.append([world, bold.format(label), _ms(entry["step_ms"]), _mib(entry["peak_bytes"]),
+                         _mib(entry["model_state_peak_bytes"]),
+                         f"{peers[entry['peer']]} ({_ms(peer['step_ms'])} ms, {_mib(peer['peak_bytes'])})",
+                         bold.format(_ratio(entry["time_ratio"])), bold.format(_ratio(entry["memory_ratio"]))])
+    return _table(["ranks", "config", "step ms", "peak/rank", "model state peak", "peer", "time vs peer",
+                   "peak memory vs peer"], "><>>><>>", rows)
+
+
+def ddp_modes(docs: list[dict]) -> list[str]:
+    labels = {"torch": "torch (PyTorch DDP)", "bucketed": "bucketed (ours)",
+              "bucketed-2mb": "bucketed, 2 MiB buckets", "naive": "naive"}
+    rows = []
+    for model, entry in docs[0]["results"].items():
+        for mode, label in labels.items():
+            figures = entry[mode]
+            rows.append([model, label, f"{figures['step_ms'][0]:.1f}",
+                         _ratio(figures["ratio_to_torch"], reference=mode == "torch"),
+                         _percent(figures["scaling_efficiency_2v1"])])
+        rows.append([model, "machine ceiling", "", "", _percent(entry["ceiling_2v1"])])
+    return _table(["model", "mode", "step ms (2 ranks)", "vs torch DDP", "2-vs-1 efficiency"], "<<>>>", rows)
+
+
+def activation_checkpointing(docs: list[dict]) -> list[str]:
+    rows = []
+    for mode, entry in docs[0]["results"].items():
+        none = mode == "none"
+        rows.append([mode, _mib(entry["stored_bytes"]), _ratio(entry["stored_ratio"], none),
+                     _mib(entry["peak_bytes"]), _ratio(entry["peak_ratio"], none),
+                     _ms(entry["step_ms"]), _ratio(entry["time_ratio"], none)])
+    return _table(["mode", "stored activations", "vs none", "peak in step", "vs none", "step ms", "vs none"],
+                  "<>>>>>>", rows)
+
+
+def tensor_parallel(docs: list[dict]) -> list[str]:
+    rows = [[str(doc["tp"]), fmt_range(doc["results"]["minitrain"]["step_ms"], "{:.0f}"),
+             fmt_range(doc["results"]["dtensor"]["step_ms"], "{:.0f}"), _ratio(doc["minitrain_over_dtensor"])]
+            for doc in sorted(docs, key=lambda doc: doc["tp"])]
+    return _table(["tp", "minitrain ms", "DTensor ms", "minitrain / DTensor"], ">>>>", rows)
+
+
+def pipeline(docs: list[dict]) -> list[str]:
+    rows = [[str(doc["pp"]), str(doc["microbatches"]), fmt_range(doc["results"]["minitrain"]["step_ms"], "{:.0f}"),
+             fmt_range(doc["results"]["torch"]["step_ms"], "{:.0f}"), _ratio(doc["minitrain_over_torch"])]
+            for doc in sorted(docs, key=lambda doc: (doc["pp"], doc["microbatches"]))]
+    return _table(["pp", "micro-batches", "minitrain ms", "PyTorch ms", "minitrain / PyTorch"], ">>>>>", rows)
+
+
+# Table name -> (result files, renderer). Benchmarks run at several sizes write one file per size.
+TABLES = {
+    "prepare_vs_peers": ("prepare_vs_peers.json", prepare_vs_peers),
+    "zero_stages": ("zero_stages.json", zero_stages),
+    "ddp_modes": ("ddp_modes.json", ddp_modes),
+    "activation_checkpointing": ("activation_checkpointing.json", activation_checkpointing),
+    "tensor_parallel": ("tensor_parallel_tp*.json", tensor_parallel),
+    "pipeline": ("pipeline_pp*_m*.json", pipeline),
+}
+
+
+def load(name: str) -> list[dict]:
+    """The result files of one table, each with its path from the repository root as "path"."""
+    paths = sorted(RESULTS.glob(TABLES[name][0]))
+    if not paths:
+        raise FileNotFoundError(f"no result file {RESULTS.relative_to(ROOT) / TABLES[name][0]}")
+    return [{**json.loads(path.read_text()), "path": path.relative_to(ROOT).as_posix()} for path in paths]
+
+
+def render(name: str) -> str:
+    """What belongs between table NAME's markers."""
+    docs = load(name)
+    return "\n".join([*TABLES[name][1](docs), "", source_line(docs), ""])
+
+
+def generate(text: str) -> str:
+    """`text` (the README) with every known table rendered afresh."""
+    return BLOCK.sub(lambda m: m.group(0) if m.group(1) not in TABLES else
+                     f"<!-- table: {m.group(1)} -->\n{render(m.group(1))}<!-- /table -->", text)
+
+
+def stale(text: str) -> list[str]:
+    """One line per table of `text` (the README) that the result files would render differently."""
+    found = {m.group(1): m.group(2) for m in BLOCK.finditer(text)}
+    problems = [f"README.md: unknown table {name!r} (known: {', '.join(TABLES)})" for name in found
+                if name not in TABLES]
+    for name in TABLES:
+        if name not in found:
+            problems.append(f"README.md: no <!-- table: {name} --> block")
+        elif found[name] != render(name):
+            problems.append(f"README.md: table {name} differs from {RESULTS.relative_to(ROOT) / TABLES[name][0]};"
+                            f" run python benchmarks/tables.py")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a table is stale")
+    args = parser.parse_args(argv)
+    text = README.read_text()
+    if args.check:
+        problems = stale(text)
+        for line in problems:
+            print(line, file=sys.stderr)
+        return 1 if problems else 0
+    new = generate(text)
+    if new != text:
+        README.write_text(new)
+    print(f"{'rewrote' if new != text else 'unchanged:'} {README.relative_to(ROOT)} "
+          f"({len(BLOCK.findall(new))} generated tables)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,4 +1,4 @@
-# Two entry points for a fresh machine: `make demo` and `make test`.
+# Two entry points for a fresh machine: `make demo` and `make test`. `make mutate` is a developer check.
 # torch is installed first and pinned, so the package's `torch>=2.4` range is
 # already satisfied and installing minitrain never replaces it. Which build of
 # torch arrives is up to the index: on a CPU-only Linux box pointed at PyPI, add
@@ -8,9 +8,10 @@ PYTHON ?= python3
 VENV   ?= .venv
 TORCH  ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
+MUTATE_ARGS ?=
 BIN    := $(VENV)/bin
 
-.PHONY: demo test install clean
+.PHONY: demo test mutate install clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +29,12 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# Do the tests catch the bugs they exist for? Each one-line bug in tools/mutations.toml is applied alone
+# to a scratch copy and its tests must fail there. Slow (minutes), so not part of `make test`;
+# MUTATE_ARGS="--only ID ..." runs some, MUTATE_ARGS=--list shows them.
+mutate: install
+	$(BIN)/python tools/mutate.py $(MUTATE_ARGS)
 
 clean:
 	rm -rf $(VENV) runs build src/*.egg-info

@@ -56,6 +56,7 @@ class ReferenceRun:
     clipped: list[bool] = field(default_factory=list)
     skipped: list[bool] = field(default_factory=list)  # fp16: the scaled gradient overflowed
     scales: list[float] = field(default_factory=list)  # fp16: the loss scale each step used
+    initial_params: torch.Tensor | None = None  # every parameter before the first step, same order
     params: torch.Tensor | None = None  # every parameter, flattened in registration order
     grads: torch.Tensor | None = None  # the last step's unscaled, unclipped gradient, same order
     exp_avg: torch.Tensor | None = None
@@ -91,7 +92,7 @@ def plain_run(cfg: RunConfig, steps: int | None = None, loss_scale: float | None
     seq = cfg.model.seq_len
     data_parallel = d.nproc // (d.tp * d.pp)
     num_examples = (len(tokens) - 1) // seq
-    out, clean = ReferenceRun(), 0
+    out, clean = ReferenceRun(initial_params=_flat(params).clone()), 0
     for step in range(t.steps if steps is None else steps):
         ids = torch.from_numpy(step_examples(num_examples, t.batch_size * data_parallel, t.grad_accum, t.seed, step))
         window = tokens[ids[:, None] * seq + torch.arange(seq + 1)]

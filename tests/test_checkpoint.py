@@ -4,6 +4,7 @@ import pickle
 from pathlib import Path
 
 import pytest
+import torch
 
 from minitrain import checkpoint
 from minitrain.checkpoint import CheckpointError
@@ -162,7 +163,6 @@ def _draws() -> tuple:
     import random
 
     import numpy as np
-    import torch
 
     return random.random(), random.gauss(0, 1), float(np.random.rand()), float(np.random.randn()), \
         float(torch.rand(1))
@@ -175,11 +175,11 @@ def test_python_numpy_and_torch_random_streams_continue_after_resume(tmp_path):
 
     trainer = Trainer(_config(1), Topology.single())
     trainer.train_step()
-    random.seed(5), np.random.seed(6)
+    random.seed(5), np.random.seed(6), torch.manual_seed(7)  # streams the trainer's own seeding did not set
     random.gauss(0, 1), np.random.randn()  # leaves a cached Gaussian in both generators
     path = trainer.save_checkpoint(tmp_path)
     expected = _draws()
-    random.seed(99), np.random.seed(99)  # anything else in between
+    random.seed(99), np.random.seed(99), torch.manual_seed(99)  # anything else in between
     Trainer(_config(1), Topology.single()).load_checkpoint(path)
     assert _draws() == expected
     manifest = json.loads((path / "manifest.json").read_text())

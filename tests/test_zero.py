@@ -3,6 +3,8 @@
 Stage 0 (data parallel), 1, 2 and 3 must follow plain PyTorch in one process with the
 same global batch (tests/reference.py): in float64 every difference is reduction-order rounding.
 """
+import gc
+
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ from minitrain.trainer import Trainer
 from .dist import run_ranks
 from .numerics import key_bias_mask
 from .reference import assert_close_to, assert_exercises_the_loop, plain_run
+from .storage import sampled_step
 
 STAGES = (0, 1, 2, 3)
 STEPS = 5
@@ -129,6 +132,44 @@ def test_zero3_gathers_one_block_at_a_time_and_prefetch_changes_nothing_but_memo
     # ZeRO-2: never a full gradient buffer (data parallel holds one all step).
     assert z2["peak"]["grads"] < 4 * z2["numel"] <= dp["peak"]["grads"] == 4 * dp["padded"]
     assert _max_diff(z3["params"], dp["params"]) <= 1e-6
+
+
+def _measured_memory(topo):
+    """Storage census (tests/storage.py) through one step of the 6-block model at each stage."""
+    out = {}
+    for zero, prefetch in ((0, True), (2, True), (3, True), (3, False)):
+        # Leave the interpreter's objects so far out of the walks: they hold no tensor of this trainer. That
+        # includes the previous trainers: a dropped strategy outlives its trainer (the hooks it put on the
+        # parameters close over it, a cycle through C++ that gc does not follow).
+        gc.collect()
+        gc.freeze()
+        trainer = Trainer(_config(topo.world_size, zero, "float32", **{"model.n_layer": 6, "train.prefetch": prefetch}),
+                          topo)
+        trainer.train_step()  # the second step is measured: the first allocates what every step reuses
+        s = trainer.strategy
+        out[(zero, prefetch)] = {"samples": sampled_step(trainer), "ledger_peak": s.peak_memory_bytes(),
+                                 "numel": s.flat.numel, "padded": s.flat.padded_numel,
+                                 "largest_unit": max(u.stop - u.start for u in s.flat.units)}
+        del trainer, s
+    return out
+
+
+def test_zero2_and_zero3_memory_read_from_real_storage_through_a_step():
+    r = run_ranks(_measured_memory, 2)[0]
+    most = {key: {kind: max(sample[kind] for sample in m["samples"]) for kind in ("params", "grads_and_other")}
+            for key, m in r.items()}
+    numel, padded, largest = r[(3, True)]["numel"], r[(3, True)]["padded"], 4 * r[(3, True)]["largest_unit"]
+    full, shard = 4 * numel, 4 * padded // 2  # float32 bytes of the whole model, and of one rank's half
+    # Data parallel holds the full gradient buffer from start to end of the step.
+    assert min(sample["grads_and_other"] for sample in r[(0, True)]["samples"]) >= full
+    # ZeRO-2: the gradient shard, plus the full gradient of at most two blocks (one filling, one reducing).
+    assert shard < most[(2, True)]["grads_and_other"] <= shard + 2 * largest < full
+    # ZeRO-3: the parameter shard, plus one gathered block (two while the next one is prefetched).
+    assert most[(3, False)]["params"] == shard + largest
+    assert shard + largest <= most[(3, True)]["params"] <= shard + 2 * largest < full
+    assert all(sample["params"] == full for sample in r[(2, True)]["samples"])  # ZeRO-2 keeps full parameters
+    for key in ((3, True), (3, False)):  # and the strategy's own ledger saw no less than the storages held
+        assert most[key]["params"] <= r[key]["ledger_peak"]["params"], key
 
 
 def _tied(topo):

@@ -148,6 +148,36 @@ def pipeline(docs: list[dict]) -> list[str]:
     return _table(["pp", "micro-batches", "minitrain ms", "PyTorch ms", "minitrain / PyTorch"], ">>>>>", rows)
 
 
+def comm(docs: list[dict]) -> list[str]:
+    docs = sorted(docs, key=lambda doc: doc["world_size"])
+    largest = {doc["world_size"]: next(iter(doc["ops"].values()))["sizes_bytes"][-1] for doc in docs}
+    header = ["op", *(f"alpha, {doc['world_size']} ranks" for doc in docs),
+              *(f"beta, {doc['world_size']} ranks" for doc in docs),
+              *(f"{largest[doc['world_size']] / 2**20:.0f} MiB busbw, {doc['world_size']} ranks" for doc in docs)]
+    rows = []
+    for op in docs[0]["ops"]:
+        figures = [doc["ops"][op] for doc in docs]
+        rows.append([op, *(f"{1e6 * f['alpha_s']:.0f} us" for f in figures),
+                     *(f"{f['beta_Bps'] / 1e9:.2f} GB/s" for f in figures),
+                     *(f"{f['busbw_Bps'][-1] / 1e9:.2f} GB/s" for f in figures)])
+    return _table(header, "<" + ">" * (3 * len(docs)), rows)
+
+
+def precision_memory(docs: list[dict]) -> list[str]:
+    results = docs[0]["results"]
+
+    def formula(entry) -> str:
+        return " / ".join(entry["formula"][kind].replace("*", "") for kind in ("params", "grads", "optimizer"))
+
+    rows = []
+    for zero in range(4):
+        fp32, bf16 = results[f"fp32/zero{zero}"], results[f"bf16/zero{zero}"]
+        rows.append([str(zero), formula(fp32), formula(bf16),
+                     f"{sum(fp32['bytes'].values()) / 1e6:.1f} MB -> {sum(bf16['bytes'].values()) / 1e6:.1f} MB"])
+    return _table(["ZeRO", "fp32: params / grads / optimizer", "bf16 (reduce fp32): params / grads / optimizer",
+                   "total fp32 -> bf16"], "<<<<", rows)
+
+
 # Table name -> (result files, renderer). Benchmarks run at several sizes write one file per size.
 TABLES = {
     "prepare_vs_peers": ("prepare_vs_peers.json", prepare_vs_peers),
@@ -156,6 +186,8 @@ TABLES = {
     "activation_checkpointing": ("activation_checkpointing.json", activation_checkpointing),
     "tensor_parallel": ("tensor_parallel_tp*.json", tensor_parallel),
     "pipeline": ("pipeline_pp*_m*.json", pipeline),
+    "comm": ("comm_n*.json", comm),
+    "precision_memory": ("precision_memory.json", precision_memory),
 }
 
 

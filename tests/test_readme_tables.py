@@ -7,11 +7,13 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))  # the benchmarks import each other as top-level modules
 import tables
 
-# What the renderers read from each kind of result file, besides the settings every file has.
-COMMON = {"steps", "repeats", "format", "results"}
-KEYS = {"prepare_vs_peers": {"world", "warmup"}, "zero_stages": {"model", "warmup"}, "ddp_modes": set(),
-        "activation_checkpointing": {"model", "warmup"}, "tensor_parallel": {"tp", "minitrain_over_dtensor"},
-        "pipeline": {"pp", "microbatches", "minitrain_over_torch"}}
+# What the renderers read from each kind of result file. Timed benchmarks also record their steps and repeats.
+TIMED = {"steps", "repeats", "format", "results"}
+KEYS = {"prepare_vs_peers": TIMED | {"world", "warmup"}, "zero_stages": TIMED | {"model", "warmup"},
+        "ddp_modes": TIMED, "activation_checkpointing": TIMED | {"model", "warmup"},
+        "tensor_parallel": TIMED | {"tp", "minitrain_over_dtensor"},
+        "pipeline": TIMED | {"pp", "microbatches", "minitrain_over_torch"},
+        "comm": {"world_size", "backend", "ops"}, "precision_memory": {"world_size", "preset", "results"}}
 MACHINE = {"platform", "cpus", "torch", "python"}
 
 
@@ -37,7 +39,7 @@ def test_every_result_file_belongs_to_a_table_and_has_its_keys():
     assert paths and set(paths) == set(kinds), "a result file no table reads"
     for path in paths:
         doc = json.loads(path.read_text())
-        missing = (COMMON | KEYS[kinds[path]]) - doc.keys()
+        missing = KEYS[kinds[path]] - doc.keys()
         assert not missing, f"{path.name} lacks {sorted(missing)}"
         # Older files recorded neither; a file that records one records both.
         assert ("command" in doc) == ("machine" in doc), path.name

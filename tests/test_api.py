@@ -166,7 +166,7 @@ def test_resume_is_bit_identical_reshards_and_reads_only_a_ranks_pieces(tmp_path
     same = run_ranks(_resume, 2, str(root), "llama-tied", 1)[0][0]
     assert (root / "latest").read_text().strip() == "step-000005"
     assert sorted(p.name for p in (root / "step-000005").iterdir()) == [
-        "manifest.json", "rank-00000.safetensors", "rank-00001.safetensors"]
+        "manifest.json", "manifest.sha256", "rank-00000.safetensors", "rank-00001.safetensors"]
     for a, b in zip(uninterrupted, same):  # fresh processes, same layout: bit for bit
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     for world, zero in ((4, 3), (1, 0)):

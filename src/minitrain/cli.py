@@ -15,7 +15,7 @@ from . import __version__, checkpoint
 from .bench.comm import OPS as COMM_OPS
 from .config import ConfigError, RunConfig, build_config, field_specs, load_toml, parse_bool
 from .parallel.schedules import SCHEDULES, render_timeline
-from .launch import LaunchTimeoutError, RankFailedError, launch, run_under_torchrun
+from .launch import LaunchTimeoutError, RankFailedError, check_local_ranks, launch, run_under_torchrun
 from .topology import under_torchrun
 
 # Short spellings for the settings people change most; every field also has --section.name.
@@ -328,6 +328,8 @@ def cmd_train(args) -> int:
     from .run import check_resume, train_worker
 
     cfg = resolve_config(args)
+    if not under_torchrun():
+        check_local_ranks(cfg.dist.nproc)
     speaks = not under_torchrun() or os.environ["RANK"] == "0"
     for note in check_resume(cfg):
         if speaks:

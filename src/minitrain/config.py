@@ -8,6 +8,7 @@ defaults < preset (model section only) < TOML file (`--config`) < command line.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 import typing
@@ -165,6 +166,10 @@ class RunConfig:
 
     def validate(self) -> "RunConfig":
         m, t, d = self.model, self.train, self.dist
+        for key, kind, _, _ in field_specs():  # NaN passes every comparison below; inf overflows later
+            value = _get(self, key)
+            if kind is float and not math.isfinite(value):
+                raise ConfigError(f"{key} must be a finite number, got {value}")
         if m.preset not in PRESETS:
             raise ConfigError(f"unknown preset '{m.preset}'; choose one of: {', '.join(PRESETS)}")
         for name in ("n_layer", "d_model", "n_head", "vocab_size", "seq_len"):
@@ -366,6 +371,11 @@ def build_config(file_values: dict[str, object] | None = None,
         for key, value in values.items():
             _set(cfg, key, coerce(key, specs[key], value))
     return cfg
+
+
+def _get(cfg: RunConfig, key: str):
+    section, _, name = key.rpartition(".")
+    return getattr(getattr(cfg, section) if section else cfg, name)
 
 
 def _set(cfg: RunConfig, key: str, value) -> None:

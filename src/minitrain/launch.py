@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 
 from .comm import CollectiveError
+from .errors import ConfigError
 from .resilience import STOP_SIGNALS
 
 # After the first failure, collect reports this long: the root cause usually
@@ -141,6 +142,17 @@ def _rank_main(fn, args, rank, nproc, port, backend, pg_timeout_s, threads, conn
     if topo is not None:
         topo.close()
     conn.close()
+
+
+LOCAL_RANKS_PER_CPU = 8  # beyond this, a machine spends its time switching between ranks, and runs out of them
+
+
+def check_local_ranks(nproc: int) -> None:
+    """ConfigError unless this machine can start `nproc` ranks of its own (torchrun's ranks are not counted)."""
+    limit = LOCAL_RANKS_PER_CPU * (os.cpu_count() or 1)
+    if nproc > limit:
+        raise ConfigError(f"--nproc {nproc} ranks on one machine with {os.cpu_count()} CPUs is more than {limit} "
+                          f"({LOCAL_RANKS_PER_CPU} per CPU); use fewer, or torchrun across machines")
 
 
 def launch(fn, nproc: int, *args, backend: str = "auto", pg_timeout_s: float = 300.0,

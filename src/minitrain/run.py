@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from . import checkpoint, memory
-from .config import ConfigError, RunConfig
+from .config import ConfigError, RunConfig, build_config, field_specs
 from .data import num_examples
 from .metrics import MetricsWriter, sync_report
 from .resilience import SpikeError, StopRequest
@@ -246,6 +246,28 @@ def resume_path(cfg: RunConfig, warnings: list[str] | None = None) -> Path | Non
 SCHEDULE_FIELDS = ("steps", "warmup_steps", "lr", "min_lr_ratio")
 
 
+def saved_run_config(step_dir: Path, saved: dict) -> dict:
+    """The run config a `minitrain train` checkpoint recorded, every section and field present and of its
+    type (as a config file's would be), as to_dict() gives it; CheckpointError naming what is wrong."""
+    if "prepare" in saved:
+        raise checkpoint.CheckpointError(f"checkpoint {step_dir} was saved by minitrain.save_checkpoint, not by "
+                                         "`minitrain train`: load it with minitrain.load_checkpoint")
+    flat: dict[str, object] = {}
+    for section, values in saved.items():
+        if isinstance(values, dict) and section != "out":
+            flat.update({f"{section}.{key}": value for key, value in values.items()})
+        else:
+            flat[section] = values
+    missing = sorted({key for key, _, _, _ in field_specs() if key.startswith(("model.", "train."))} - set(flat))
+    try:
+        if missing:
+            raise ConfigError(f"'{missing[0]}' is missing")
+        return build_config(file_values=flat).to_dict()
+    except ConfigError as e:
+        raise checkpoint.CheckpointError(f"checkpoint {step_dir}: the run config in its manifest is unusable: {e}") \
+            from None
+
+
 def check_resume(cfg: RunConfig) -> list[str]:
     """Before any rank starts: refuse a resume checkpoint that is corrupt or does not fit
     this run (ConfigError / CheckpointError, one line each); return notes worth printing.
@@ -256,10 +278,7 @@ def check_resume(cfg: RunConfig) -> list[str]:
         return notes
     cfg.ckpt.resume = str(path)
     step_dir, manifest = checkpoint.verify(path)
-    saved = manifest["config"]
-    if "model" not in saved or "train" not in saved:
-        raise checkpoint.CheckpointError(f"checkpoint {step_dir} was saved by minitrain.save_checkpoint, not by "
-                                         "`minitrain train`: load it with minitrain.load_checkpoint")
+    saved = saved_run_config(step_dir, manifest["config"])
     mine = cfg.to_dict()
     diff = [k for k in mine["model"] if k != "preset" and saved["model"].get(k) != mine["model"][k]]
     if diff:

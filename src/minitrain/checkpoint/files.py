@@ -13,8 +13,9 @@ import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
-FORMAT = "minitrain-checkpoint/3"
+FORMAT = "minitrain-checkpoint/4"
 MANIFEST = "manifest.json"
+MANIFEST_SHA = "manifest.sha256"  # written after the manifest, before the directory is renamed into place
 LATEST = "latest"
 
 
@@ -27,12 +28,20 @@ def step_dir_name(step: int) -> str:
 
 
 def step_of(step_dir: Path) -> int:
-    """The step a step directory's name says (step-000010 -> 10)."""
+    """The step a step directory's name says (step-000010 -> 10; step-1000000 -> 1000000)."""
     return int(step_dir.name.removeprefix("step-"))
 
 
 def shard_file_name(rank: int) -> str:
     return f"rank-{rank:05d}.safetensors"
+
+
+WRITTEN_BY = "minitrain.written_by"  # the one metadata key of a shard's safetensors header
+
+
+def written_by(rank: int, step: int) -> str:
+    """The shard header's record of who wrote it: "rank 1, step 10"."""
+    return f"rank {rank}, step {step}"
 
 
 def sha256_of(path: Path) -> str:
@@ -114,9 +123,9 @@ def resolve(path: str | os.PathLike) -> Path:
 
 
 def complete_steps(root: Path) -> list[Path]:
-    """Step directories under root that have a manifest, newest first (temporaries excluded)."""
-    dirs = [d for d in root.glob("step-*") if (d / MANIFEST).is_file()]
-    return sorted(dirs, key=lambda d: d.name, reverse=True)
+    """Step directories under root that have a manifest, newest (highest step) first; temporaries excluded."""
+    dirs = [d for d in root.glob("step-*") if d.name[len("step-"):].isdigit() and (d / MANIFEST).is_file()]
+    return sorted(dirs, key=step_of, reverse=True)
 
 
 def find_latest(out_dir: str | os.PathLike, warnings: list[str] | None = None) -> Path | None:
@@ -157,15 +166,32 @@ def prune(root: str | os.PathLike, keep_last: int) -> list[Path]:
 
 
 def read_manifest(step_dir: Path) -> dict:
+    """The step directory's manifest, once its own sha256 (manifest.sha256) matches and every field checks
+    out (schema.check_manifest); CheckpointError otherwise."""
+    from .schema import check_manifest  # schema.py imports this module's names
+
     path = step_dir / MANIFEST
+    if step_dir.is_symlink():
+        raise CheckpointError(f"checkpoint {step_dir} is a symlink; a checkpoint's files live in its own directory")
     try:
-        manifest = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing: not a complete checkpoint") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raw = path.read_bytes()
+        recorded = (step_dir / MANIFEST_SHA).read_text().strip()
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{e.filename} is missing: not a complete checkpoint") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot read it ({e})") from None
+    if hashlib.sha256(raw).hexdigest() != recorded:
+        raise CheckpointError(f"{path} does not match {MANIFEST_SHA}: the manifest was changed after the save")
+    try:
+        manifest = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is not a {FORMAT} manifest")
+        found = manifest.get("format") if isinstance(manifest, dict) else None
+        older = isinstance(found, str) and found.startswith("minitrain-checkpoint/")
+        raise CheckpointError(f"{path} is not a {FORMAT} manifest" + (
+            f" ({found}: written by an older minitrain, which can still read it)" if older else ""))
+    check_manifest(step_dir, manifest)
     return manifest
 
 
@@ -186,15 +212,19 @@ def read_tensor(path: Path, key: str) -> torch.Tensor:
 
 
 def verify_files(step_dir: Path, manifest: dict, names) -> None:
-    """Check the named files' sizes and sha256 against the manifest, in the manifest's order."""
+    """Check the named files' sizes, sha256 and safetensors headers against the manifest, in its order."""
+    from .schema import check_shard_header  # schema.py imports this module's names
+
     names = set(names)
     unknown = names - {e["name"] for e in manifest["files"]}
     if unknown:
-        raise CheckpointError(f"checkpoint {step_dir}: the manifest lists no file {sorted(unknown)[0]}")
+        raise CheckpointError(f"checkpoint {step_dir}: the manifest lists no file {min(unknown)}")
     for entry in manifest["files"]:
         if entry["name"] not in names:
             continue
         f = step_dir / entry["name"]
+        if f.is_symlink():
+            raise CheckpointError(f"checkpoint file {f} is a symlink; a checkpoint's files live in its own directory")
         if not f.is_file():
             raise CheckpointError(f"checkpoint file {f} is missing")
         size = f.stat().st_size
@@ -204,3 +234,4 @@ def verify_files(step_dir: Path, manifest: dict, names) -> None:
         if digest != entry["sha256"]:
             raise CheckpointError(f"checkpoint file {f} is corrupt: sha256 {digest[:16]}... "
                                   f"does not match the manifest's {entry['sha256'][:16]}...")
+        check_shard_header(step_dir, manifest, entry["name"])

@@ -1,6 +1,7 @@
 """Saving a checkpoint: every rank writes its shard, rank 0 the manifest, `latest` moves last."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -13,8 +14,9 @@ from safetensors.torch import save_file
 
 from ..parallel.flat import FlatStrategy
 from ..topology import Topology
-from .files import (FORMAT, LATEST, MANIFEST, CheckpointError, _fsync_dir, _fsync_file, _write_durably, rng_state,
-                    sha256_of, shard_file_name, step_dir_name)
+from .files import (FORMAT, LATEST, MANIFEST, MANIFEST_SHA, WRITTEN_BY, CheckpointError, _fsync_dir, _fsync_file,
+                    _write_durably, rng_state, sha256_of, shard_file_name, step_dir_name, written_by)
+
 
 # --- save -------------------------------------------------------------------------------
 # A save has three phases. begin (collective): rank 0 makes the temporary directory. write
@@ -66,7 +68,18 @@ class ShardWrite:
     def write(self) -> None:
         """Write, fsync, hash. Never raises: the outcome is exchanged at commit."""
         try:
-            save_file(self.shards, str(self.path))
+            # A NaN or Inf in the parameters or the optimizer's state would resume nothing: such a save fails
+            # (on every rank, at commit) rather than become the checkpoint `latest` names. Buffers may hold
+            # infinities on purpose (a -inf attention mask), so only the flat state is checked.
+            bad = next((key for key, t in self.shards.items() if key.startswith(("params", "optim."))
+                        and t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
+            if bad is not None:
+                raise ValueError(f"'{bad}' holds NaN or Inf values; a checkpoint of them would resume nothing "
+                                 "(lower --lr, or resume from an earlier checkpoint)")
+            # The header says whose shard this is: a file moved to another rank's name (even with its sha256
+            # updated in the manifest) is refused by schema.check_shard_header. One key: safetensors writes
+            # metadata in hash order, and two keys would make equal saves differ byte for byte.
+            save_file(self.shards, str(self.path), metadata={WRITTEN_BY: written_by(self.topo.rank, self.step)})
             _fsync_file(self.path)
             if self.after_written is not None:
                 self.after_written(self.step)
@@ -123,8 +136,11 @@ def commit(job: ShardWrite) -> Path:
         root, final, tmp = job.root, job.final, job.tmp
         manifest = _manifest(job.step, topo, job.strategy, job.train_state, job.run_config, job.keys,
                              [r[1:] for r in rows], held, described)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        text = json.dumps(manifest, indent=1)
+        (tmp / MANIFEST).write_text(text)
         _fsync_file(tmp / MANIFEST)
+        (tmp / MANIFEST_SHA).write_text(hashlib.sha256(text.encode()).hexdigest() + "\n")
+        _fsync_file(tmp / MANIFEST_SHA)
         _fsync_dir(tmp)
         old = _move_aside(root, final) if final.exists() else None
         os.replace(tmp, final)

@@ -20,7 +20,8 @@ from record import RESULTS  # benchmarks/record.py
 
 ROOT = RESULTS.parent.parent
 README = ROOT / "README.md"
-BLOCK = re.compile(r"<!-- table: (\S+) -->\n(.*?)<!-- /table -->", re.DOTALL)
+# A block may be indented (a table inside a list item): its lines carry the marker's indentation.
+BLOCK = re.compile(r"^( *)<!-- table: (\S+) -->\n(.*?)^\1<!-- /table -->", re.DOTALL | re.MULTILINE)
 
 
 def _mib(stats) -> str:
@@ -178,6 +179,25 @@ def precision_memory(docs: list[dict]) -> list[str]:
                    "total fp32 -> bf16"], "<<<<", rows)
 
 
+def torchrun_restarts(docs: list[dict]) -> list[str]:
+    docs = sorted(docs, key=lambda doc: doc["label"] == "now")  # the code as it was first, then as it is
+    settings = {"static (default)": ("static (the default)", ""),
+                "static, no shared store": ("static", "`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`"),
+                "c10d --standalone": ("c10d, `--standalone`", ""),
+                "c10d --standalone, no shared store": ("c10d, `--standalone`", "`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`")}
+
+    def cell(trials: list[dict]) -> str:
+        hung = sum(t["rc"] == "timeout" for t in trials)
+        return f"{sum(t['passed'] for t in trials)}/{len(trials)}" + (f" ({hung} hung to the limit)" if hung else "")
+
+    def column(label: str) -> str:
+        return "now" if label == "now" else f"{label.split('-')[0]} (`{label.split('-', 1)[1]}`)"
+
+    rows = [[rendezvous, env, *(cell(doc["results"][name]) for doc in docs)]
+            for name, (rendezvous, env) in settings.items()]
+    return _table(["torchrun rendezvous", "env", *(column(doc["label"]) for doc in docs)], "<<" + ">" * len(docs), rows)
+
+
 # Table name -> (result files, renderer). Benchmarks run at several sizes write one file per size.
 TABLES = {
     "prepare_vs_peers": ("prepare_vs_peers.json", prepare_vs_peers),
@@ -188,6 +208,7 @@ TABLES = {
     "pipeline": ("pipeline_pp*_m*.json", pipeline),
     "comm": ("comm_n*.json", comm),
     "precision_memory": ("precision_memory.json", precision_memory),
+    "torchrun_restarts": ("torchrun_restarts_*.json", torchrun_restarts),
 }
 
 
@@ -199,27 +220,33 @@ def load(name: str) -> list[dict]:
     return [{**json.loads(path.read_text()), "path": path.relative_to(ROOT).as_posix()} for path in paths]
 
 
-def render(name: str) -> str:
-    """What belongs between table NAME's markers."""
+def render(name: str, indent: str = "") -> str:
+    """What belongs between table NAME's markers (each non-empty line indented by `indent`)."""
     docs = load(name)
-    return "\n".join([*TABLES[name][1](docs), "", source_line(docs), ""])
+    return "".join(f"{indent}{line}\n" if line else "\n"
+                   for line in [*TABLES[name][1](docs), "", source_line(docs)])
 
 
 def generate(text: str) -> str:
     """`text` (the README) with every known table rendered afresh."""
-    return BLOCK.sub(lambda m: m.group(0) if m.group(1) not in TABLES else
-                     f"<!-- table: {m.group(1)} -->\n{render(m.group(1))}<!-- /table -->", text)
+    def fresh(m: re.Match) -> str:
+        indent, name = m.group(1), m.group(2)
+        if name not in TABLES:
+            return m.group(0)
+        return f"{indent}<!-- table: {name} -->\n{render(name, indent)}{indent}<!-- /table -->"
+
+    return BLOCK.sub(fresh, text)
 
 
 def stale(text: str) -> list[str]:
     """One line per table of `text` (the README) that the result files would render differently."""
-    found = {m.group(1): m.group(2) for m in BLOCK.finditer(text)}
+    found = {m.group(2): (m.group(1), m.group(3)) for m in BLOCK.finditer(text)}
     problems = [f"README.md: unknown table {name!r} (known: {', '.join(TABLES)})" for name in found
                 if name not in TABLES]
     for name in TABLES:
         if name not in found:
             problems.append(f"README.md: no <!-- table: {name} --> block")
-        elif found[name] != render(name):
+        elif found[name][1] != render(name, found[name][0]):
             problems.append(f"README.md: table {name} differs from {RESULTS.relative_to(ROOT) / TABLES[name][0]};"
                             f" run python benchmarks/tables.py")
     return problems

@@ -8,21 +8,25 @@ checkpoint is byte-equal to an uninterrupted run's. Settings: torchrun's default
 rendezvous and `--standalone` (c10d), each with and without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 (workers build their own store instead of sharing the agent's).
 
-    .venv/bin/python benchmarks/torchrun_restarts.py [--trials 10] [--out runs/bench-restarts]
+    .venv/bin/python benchmarks/torchrun_restarts.py [--trials 10] [--label now] [--out runs/bench-restarts]
 
-Every trial's run directory is kept under --out, with results.json (command, machine, every trial).
+Every trial's run directory is kept under --out; benchmarks/results/torchrun_restarts_{label}.json gets the
+command, the machine, which minitrain ran (a column of the README's table per label: an older commit's
+src/ on PYTHONPATH measures the code as it was) and every trial.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from record import write_result  # benchmarks/record.py
+from record import RESULTS, write_result  # benchmarks/record.py
 
+import minitrain
 from minitrain.launch import free_port
 from minitrain.metrics import format_table
 
@@ -48,14 +52,35 @@ def final_files(out: Path) -> dict[str, bytes]:
     return {f.name: f.read_bytes() for f in sorted(step.glob("rank-*.safetensors"))} if step.is_dir() else {}
 
 
+TRIAL_MARK = "MINITRAIN_RESTART_TRIAL"
+
+
+def _kill_marked(mark: str) -> None:
+    """SIGKILL every process whose environment carries TRIAL_MARK=mark."""
+    needle = f"{TRIAL_MARK}={mark}".encode()
+    for proc_dir in Path("/proc").iterdir():
+        try:
+            if proc_dir.name.isdigit() and needle in (proc_dir / "environ").read_bytes().split(b"\0"):
+                os.kill(int(proc_dir.name), signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass  # gone already, or not ours to read
+
+
 def trial(rdzv: list[str], env: dict, out: Path, reference: dict[str, bytes]) -> dict:
     start = time.monotonic()
+    # torchrun starts each rank in a session of its own, and a rank can outlive it (holding the output pipe,
+    # so waiting for the output would never end): a hung trial's processes are found by a mark in their
+    # environment and killed, all of them.
+    mark = f"{os.getpid()}-{out.name}"
+    proc = subprocess.Popen(torchrun_cmd(rdzv, out), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **env, TRIAL_MARK: mark})
     try:
-        proc = subprocess.run(torchrun_cmd(rdzv, out), capture_output=True, text=True, timeout=TRIAL_TIMEOUT_S, check=False,
-                              env={**os.environ, **env}, start_new_session=True)
-        rc, text = proc.returncode, proc.stdout + proc.stderr
+        text, _ = proc.communicate(timeout=TRIAL_TIMEOUT_S)
+        rc = proc.returncode
     except subprocess.TimeoutExpired:
-        rc, text = "timeout", ""
+        _kill_marked(mark)
+        text, _ = proc.communicate()
+        rc = "timeout"
     resumed = "resumed from" in text and "step-000005 at step 5" in text
     identical = bool(reference) and final_files(out) == reference
     return {"rc": rc, "resumed_from_5": resumed, "bit_identical": identical, "passed": rc == 0 and resumed and identical,
@@ -65,9 +90,10 @@ def trial(rdzv: list[str], env: dict, out: Path, reference: dict[str, bytes]) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=10)
+    parser.add_argument("--label", default="now", help="names the result file and the README column (default now)")
     parser.add_argument("--out", default="runs/bench-restarts")
     args = parser.parse_args()
-    root = Path(args.out)
+    root = Path(args.out) / args.label
     ref_out = root / "reference"
     subprocess.run([sys.executable, "-m", "minitrain", *TRAIN, "--nproc", "2", "--out", str(ref_out)], check=True,
                    capture_output=True)
@@ -82,7 +108,10 @@ def main() -> None:
     rows = [[name, f"{sum(r['passed'] for r in rs)}/{len(rs)}", sorted({str(r['rc']) for r in rs}),
              f"{sorted(r['wall_s'] for r in rs)[len(rs) // 2]:.1f}"] for name, rs in results.items()]
     print(format_table(["setting", "passed", "exit codes", "median wall s"], rows, "<>>>"))
-    write_result(root / "results.json", __file__, None, {"trials": args.trials, "results": results})
+    src = Path(minitrain.__file__).resolve().parent.parent
+    path = write_result(RESULTS / f"torchrun_restarts_{args.label}.json", __file__, None,
+                        {"label": args.label, "minitrain_src": str(src), "trials": args.trials, "results": results})
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ KEYS = {"prepare_vs_peers": TIMED | {"world", "warmup"}, "zero_stages": TIMED | 
         "ddp_modes": TIMED, "activation_checkpointing": TIMED | {"model", "warmup"},
         "tensor_parallel": TIMED | {"tp", "minitrain_over_dtensor"},
         "pipeline": TIMED | {"pp", "microbatches", "minitrain_over_torch"},
-        "comm": {"world_size", "backend", "ops"}, "precision_memory": {"world_size", "preset", "results"}}
+        "comm": {"world_size", "backend", "ops"}, "precision_memory": {"world_size", "preset", "results"},
+        "torchrun_restarts": {"label", "minitrain_src", "trials", "results"}}
 MACHINE = {"platform", "cpus", "torch", "python"}
 
 

@@ -54,10 +54,11 @@ def run_cli(*argv: str, cwd=None, timeout_s: float = DEFAULT_TIMEOUT_S, torchrun
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def run_cli_and_signal(*argv: str, signum: int, after_line: str,
-                       timeout_s: float = DEFAULT_TIMEOUT_S) -> subprocess.CompletedProcess:
+def run_cli_and_signal(*argv: str, signum: int, after_line: str, timeout_s: float = DEFAULT_TIMEOUT_S,
+                       to_group: bool = False) -> subprocess.CompletedProcess:
     """`minitrain ARGV...`; once a stdout line contains `after_line`, send `signum` to the
-    minitrain process itself (as a scheduler would), and wait until its output closes, i.e.
+    minitrain process itself (as a scheduler would), or with `to_group` to its whole process group (as
+    `timeout`, `kill -- -PGID` and Slurm's job cancellation do), and wait until its output closes, i.e.
     until it and every rank it started are gone. A hard timeout kills the process group."""
     cmd = [sys.executable, "-m", "minitrain", *argv]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -77,7 +78,10 @@ def run_cli_and_signal(*argv: str, signum: int, after_line: str,
         for line in proc.stdout:
             seen.append(line)
             if after_line in line:
-                proc.send_signal(signum)
+                if to_group:
+                    os.killpg(proc.pid, signum)
+                else:
+                    proc.send_signal(signum)
                 break
         out, err = proc.communicate()
     finally:

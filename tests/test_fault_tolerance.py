@@ -94,6 +94,20 @@ def test_sigusr1_to_the_launcher_reaches_every_rank(tmp_path):
     assert 5 <= step < 100000 and _latest(out) == checkpoint.step_dir_name(step)
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_a_stop_signal_to_the_whole_process_group_still_saves(tmp_path, signum):
+    # The launcher, its fork server and every rank get the signal at once; the ranks agree on a step,
+    # save it and exit 0, and nothing half-written is left.
+    out = tmp_path / "run"
+    proc = run_cli_and_signal("train", "--nproc", "2", "--steps", "100000", "--ckpt-every-steps", "50",
+                              "--out", str(out), signum=signum, after_line=" 5/100000 ", to_group=True)
+    assert proc.returncode == 0, proc.stderr
+    assert f"{signal.Signals(signum).name} received by rank [0, 1]" in proc.stdout
+    step = checkpoint.verify(out / "checkpoints")[1]["step"]
+    assert 5 <= step < 50 and _latest(out) == checkpoint.step_dir_name(step)
+    assert not list((out / "checkpoints").glob(".tmp-*"))
+
+
 @pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
 def test_a_failed_shard_write_fails_the_run_naming_rank_and_step(tmp_path, background):
     out = tmp_path / "run"

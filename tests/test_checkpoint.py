@@ -183,3 +183,25 @@ def test_python_numpy_and_torch_random_streams_continue_after_resume(tmp_path):
     assert _draws() == expected
     manifest = json.loads((path / "manifest.json").read_text())
     assert {t["key"] for t in manifest["tensors"] if "rank" in t} == set(checkpoint.RNG_KEYS)
+
+
+def test_a_full_disk_while_moving_latest_is_one_clean_error(tmp_path, monkeypatch):
+    import errno
+
+    from minitrain.checkpoint import files
+
+    trainer = Trainer(_config(1, zero=0), Topology.single())
+    trainer.train_step()
+    first = trainer.save_checkpoint(tmp_path)
+    real_replace = os.replace
+
+    def full_disk(src, dst):
+        if Path(dst).name == "latest":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(files.os, "replace", full_disk)
+    trainer.train_step()
+    with pytest.raises(CheckpointError, match="writing .*latest failed: No space left on device"):
+        trainer.save_checkpoint(tmp_path)
+    assert (tmp_path / "latest").read_text().strip() == first.name and not (tmp_path / "latest.tmp").exists()

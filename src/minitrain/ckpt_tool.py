@@ -93,6 +93,9 @@ def consolidate(path: str, out: str) -> str:
         raise ConfigError(f"output {target} should end in .safetensors")
     if not target.parent.is_dir():
         raise ConfigError(f"output directory {target.parent} does not exist")
+    step_dir = checkpoint.resolve(path)
+    if target.resolve().parent == step_dir.resolve():
+        raise ConfigError(f"output {target} is inside the checkpoint {step_dir}; write it elsewhere")
     state = consolidated_state_dict(path)
     tmp = target.with_name(target.name + ".tmp")
     save_file(state, str(tmp), metadata={"format": "pt"})  # the metadata Hugging Face's loader expects

@@ -225,6 +225,42 @@ def prepare_out_dir(path: str) -> Path:
     return out
 
 
+def refuse_a_used_out_dir(out: Path) -> None:
+    """A run without --resume starts from step 0: refuse an --out that holds another run's metrics or
+    checkpoints rather than overwrite the one and mix two models in the other."""
+    checkpoints = out / "checkpoints"
+    saved = any(checkpoints.glob("step-*")) or os.path.lexists(checkpoints / "latest")  # not a crashed save's .tmp
+    used = [name for name, there in (("metrics.jsonl", (out / "metrics.jsonl").exists()), ("checkpoints", saved))
+            if there]
+    if used:
+        raise ConfigError(f"--out {out} already holds a run ({' and '.join(used)}); continue it with --resume auto, "
+                          "or choose an empty --out")
+
+
+def lock_out_dir(out: Path) -> None:
+    """Hold an exclusive lock on OUT/.lock for the life of this process (the kernel drops it when the process
+    ends, however it ends): two runs writing one --out would interleave their metrics and checkpoints."""
+    import fcntl
+
+    handle = open(out / ".lock", "a+")  # noqa: SIM115 - kept open on purpose: the lock lives as long as it
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise ConfigError(f"--out {out} is in use by another minitrain run ({holder}); wait for it, or choose "
+                          "another --out") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()}\n")
+    handle.flush()
+    _held_locks.append(handle)
+
+
+_held_locks: list = []  # open lock files: closing one would release its lock
+
+
 def cmd_demo(args) -> int:
     from .demo import DemoOptions, check_demo_dir, run_demo
 
@@ -325,16 +361,26 @@ def resolve_config(args) -> RunConfig:
 
 
 def cmd_train(args) -> int:
-    from .run import check_resume, train_worker
+    from .run import RunFinished, check_resume, train_worker
 
     cfg = resolve_config(args)
     if not under_torchrun():
         check_local_ranks(cfg.dist.nproc)
     speaks = not under_torchrun() or os.environ["RANK"] == "0"
-    for note in check_resume(cfg):
+    try:  # everything that may refuse the run reads only: a refused run writes nothing
+        notes = check_resume(cfg)
+    except RunFinished as done:
+        if speaks:
+            print(f"minitrain train: {done}")
+        return 0
+    if not cfg.ckpt.resume:
+        refuse_a_used_out_dir(Path(cfg.out))
+    out = prepare_out_dir(cfg.out)
+    if speaks:  # one process per run holds the lock: the launcher, or torchrun's rank 0
+        lock_out_dir(out)
+    for note in notes:
         if speaks:
             print(f"minitrain train: note: {note}", file=sys.stderr)
-    prepare_out_dir(cfg.out)
     if under_torchrun():
         result = run_under_torchrun(train_worker, cfg, backend=cfg.dist.backend,
                                     pg_timeout_s=cfg.dist.timeout_s, threads_per_rank=cfg.dist.threads_per_rank)

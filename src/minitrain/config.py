@@ -222,6 +222,8 @@ class RunConfig:
             raise ConfigError(f"train.spike_factor must be > 1 (or 0 to turn the check off), got {t.spike_factor}")
         _require_positive("train.spike_window", t.spike_window)
         _check_fault(self.fault, d.nproc)
+        if not self.out.strip():
+            raise ConfigError("--out is empty; name the directory the run writes to (e.g. --out runs/mine)")
         check_corpus(self)
         return self
 

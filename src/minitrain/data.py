@@ -15,6 +15,7 @@ dropped for that epoch.
 """
 from __future__ import annotations
 
+import hashlib
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -83,6 +84,11 @@ def load_corpus(cfg: RunConfig) -> np.ndarray:
     return bin_corpus(d.corpus)
 
 
+def corpus_fingerprint(tokens: np.ndarray) -> str:
+    """sha256 of the corpus's tokens as they are trained on: a resume must continue on the same data."""
+    return hashlib.sha256(memoryview(np.ascontiguousarray(tokens))).hexdigest()
+
+
 def _corpus_facts(cfg: RunConfig) -> tuple[int, int]:
     """(tokens in the corpus, vocabulary it needs), or ConfigError if it cannot be read."""
     d = cfg.data
@@ -96,7 +102,10 @@ def _corpus_facts(cfg: RunConfig) -> tuple[int, int]:
     if not path.is_file():
         raise ConfigError(f"corpus '{d.corpus}' is neither 'synthetic', 'text' nor an existing .bin file")
     size = path.stat().st_size
-    if size < 4 or size % 2:
+    if size % 2:
+        raise ConfigError(f"corpus file {path} has an odd number of bytes ({size}); a token corpus is uint16, two "
+                          "bytes a token (text goes through a tokenizer first)")
+    if size < 4:
         raise ConfigError(f"corpus file {path} has {size} bytes; expected at least two uint16 tokens")
     try:
         tokens = bin_corpus(path)

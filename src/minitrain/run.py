@@ -19,7 +19,7 @@ import torch
 
 from . import checkpoint, memory
 from .config import ConfigError, RunConfig, build_config, field_specs
-from .data import num_examples
+from .data import corpus_fingerprint, load_corpus, num_examples
 from .metrics import MetricsWriter, sync_report
 from .resilience import SpikeError, StopRequest
 from .topology import Topology
@@ -243,7 +243,15 @@ def resume_path(cfg: RunConfig, warnings: list[str] | None = None) -> Path | Non
     return checkpoint.resolve(cfg.ckpt.resume)
 
 
-SCHEDULE_FIELDS = ("steps", "warmup_steps", "lr", "min_lr_ratio")
+# Settings that change the arithmetic of the steps still to come but not what the checkpoint holds: a
+# resume with other values continues as a warm restart (said in a note), not a bit-identical continuation.
+# The model, the dtypes and the data (corpus, seed, examples per micro-batch) must match: refused otherwise.
+WARM_RESTART_FIELDS = ("steps", "warmup_steps", "lr", "min_lr_ratio", "grad_accum", "weight_decay", "beta1",
+                       "beta2", "eps", "grad_clip", "loss_scale_window")
+
+
+class RunFinished(Exception):
+    """--resume auto found the run already at its last step: nothing to do (exit 0)."""
 
 
 def saved_run_config(step_dir: Path, saved: dict) -> dict:
@@ -273,6 +281,7 @@ def check_resume(cfg: RunConfig) -> list[str]:
     this run (ConfigError / CheckpointError, one line each); return notes worth printing.
     With --resume auto the checkpoint chosen here is pinned in cfg, so every rank loads it."""
     notes: list[str] = []
+    auto = cfg.ckpt.resume == "auto"
     path = resume_path(cfg, notes)
     if path is None:
         return notes
@@ -289,8 +298,17 @@ def check_resume(cfg: RunConfig) -> list[str]:
         if theirs != mine["train"][key]:
             raise checkpoint.CheckpointError(f"checkpoint {step_dir} was trained with --{key} {theirs}, "
                                              f"this run uses --{key} {mine['train'][key]}")
+    if manifest["step"] == cfg.train.steps and auto:
+        raise RunFinished(f"the run in {cfg.out} already finished: its checkpoint {step_dir.name} is at step "
+                          f"{cfg.train.steps} of --steps {cfg.train.steps}; nothing to do (ask for more --steps to "
+                          "continue it)")
     if manifest["step"] >= cfg.train.steps:
         raise ConfigError(f"checkpoint {step_dir} is at step {manifest['step']}; ask for more --steps to continue")
+    ours = corpus_fingerprint(load_corpus(cfg))
+    if manifest["train_state"]["corpus_sha256"] != ours:
+        raise ConfigError(f"checkpoint {step_dir} was trained on another corpus (sha256 "
+                          f"{manifest['train_state']['corpus_sha256'][:12]}..., this run's {ours[:12]}...); resume "
+                          "with the same --corpus and --data.corpus_seed")
     loader = manifest["train_state"]["loader"]
     dp = cfg.dist.nproc // (cfg.dist.tp * cfg.dist.pp)  # data-parallel replicas: each reads its own batch
     global_batch = cfg.train.batch_size * dp
@@ -306,10 +324,10 @@ def check_resume(cfg: RunConfig) -> list[str]:
     if loader["num_examples"] != num_examples(cfg):
         raise ConfigError(f"checkpoint {step_dir} was trained on a corpus of {loader['num_examples']} examples, "
                           f"this run's corpus has {num_examples(cfg)}; resume with the same --corpus")
-    changed = [f"{k} {saved['train'][k]} -> {mine['train'][k]}" for k in SCHEDULE_FIELDS
+    changed = [f"{k} {saved['train'][k]} -> {mine['train'][k]}" for k in WARM_RESTART_FIELDS
                if saved["train"][k] != mine["train"][k]]
     if changed:
-        notes.append(f"learning-rate schedule differs from the checkpoint's run ({', '.join(changed)}): "
+        notes.append(f"settings differ from the checkpoint's run ({', '.join(changed)}): "
                      "training continues as a warm restart, not a bit-identical continuation")
     return notes
 

@@ -22,7 +22,7 @@ import torch
 from . import checkpoint
 from .comm import CollectiveError, OpStats
 from .config import RunConfig
-from .data import ShardedLoader, load_corpus
+from .data import ShardedLoader, corpus_fingerprint, load_corpus
 from .faults import Faults
 from .memory import device_peak_bytes, reset_device_peak
 from .minigpt_plan import MINIGPT_PLAN
@@ -99,6 +99,7 @@ class Trainer:
             self.model, topo, parallel_config(cfg), flat_adamw_factory(cfg.train), MINIGPT_PLAN,
             cfg.train.activation_checkpointing, self._pipeline_builder())
         # Data is split over data-parallel replicas only: a tensor-parallel group shares its batch.
+        self._corpus_sha256: str | None = None  # computed at the first save (train_state)
         self.loader = ShardedLoader(load_corpus(cfg), cfg.model.seq_len, cfg.train.batch_size,
                                     topo.dp.rank, topo.dp.world_size, cfg.train.seed)
         self.step = 0  # training steps completed (a skipped step counts: its data was consumed)
@@ -263,7 +264,10 @@ class Trainer:
         return False
 
     def train_state(self) -> dict:
+        if self._corpus_sha256 is None and self.topo.is_main:  # the manifest's copy is rank 0's
+            self._corpus_sha256 = corpus_fingerprint(self.loader.tokens)
         return {"step": self.step, "optimizer_steps": self.strategy.optimizer.steps_taken,
+                "corpus_sha256": self._corpus_sha256,
                 "optimizer_scalars": self.strategy.optimizer.scalar_state(),
                 "tokens_seen": self.tokens_seen, "loader": self.loader.state_dict(),
                 "recent_losses": self.spikes.state(),

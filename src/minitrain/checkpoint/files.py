@@ -66,14 +66,19 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _write_durably(path: Path, text: str) -> None:
-    """Write text to path via a temporary file, fsync and rename: all or nothing."""
+    """Write text to path via a temporary file, fsync and rename: all or nothing (CheckpointError, and no
+    temporary left, if the disk refuses)."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"writing {path} failed: {e.strerror or e}; it still says what it said before") from None
 
 
 # --- random number generators ----------------------------------------------------------------
@@ -110,11 +115,14 @@ def resolve(path: str | os.PathLike) -> Path:
         if (base / MANIFEST).is_file():
             return base
         pointer = base / LATEST
+        if pointer.is_symlink():  # written by rename, never a link: and a link's target is nobody's business here
+            raise CheckpointError(f"{pointer} is a symlink; `latest` is a file naming a step directory")
         if pointer.is_file():
-            name = pointer.read_text().strip()
+            name = pointer.read_text(errors="replace").strip()
             target = base / name
             if not name or "/" in name or not (target / MANIFEST).is_file():
-                raise CheckpointError(f"{pointer} names '{name}', which is not a complete checkpoint directory")
+                shown = name if len(name) <= 40 and name.isprintable() else repr(name[:40]) + "..."
+                raise CheckpointError(f"{pointer} names '{shown}', which is not a complete checkpoint directory")
             return target
     if not p.exists():
         raise CheckpointError(f"checkpoint path {p} does not exist")
@@ -134,7 +142,8 @@ def find_latest(out_dir: str | os.PathLike, warnings: list[str] | None = None) -
     file appended to `warnings`, and the next older one is tried."""
     root = Path(out_dir) / "checkpoints"
     candidates = complete_steps(root) if root.is_dir() else []
-    if (root / LATEST).exists():
+    pointer = os.path.lexists(root / LATEST)  # even a dangling symlink: something was saved here
+    if pointer:
         try:
             named = resolve(root)
             candidates = [named] + [d for d in candidates if d != named]
@@ -148,8 +157,9 @@ def find_latest(out_dir: str | os.PathLike, warnings: list[str] | None = None) -
         except CheckpointError as e:
             if warnings is not None:
                 warnings.append(f"skipping {step_dir.name}: {e}")
-    if candidates:
-        raise CheckpointError(f"no checkpoint under {root} verifies; see the warnings above")
+    if candidates or pointer:  # a run was saved here: starting over would overwrite it
+        raise CheckpointError(f"no checkpoint under {root} verifies; see the warnings above (to start over, "
+                              f"move {Path(out_dir)} aside)")
     return None
 
 

@@ -72,6 +72,7 @@ MANIFEST_SCHEMA = {
                         "properties": {
                             "step": _count, "optimizer_steps": _count, "optimizer_scalars": {"type": "object", "properties": {"steps_taken": _count}},
                             "tokens_seen": _count,
+                            "corpus_sha256": {"type": "string", "pattern": "^[0-9a-f]{64}$"},
                             "loader": {"type": "object",
                                        "required": ["epoch", "cursor", "seed", "global_batch", "num_examples"],
                                        "properties": {"epoch": _count, "cursor": _count, "seed": {"type": "integer"},
@@ -87,7 +88,7 @@ MANIFEST_SCHEMA = {
     # minitrain.save_checkpoint records the prepare() settings and the user's optimizer's own scalars.
     "if": {"properties": {"config": {"required": ["train"]}}},
     "then": {"properties": {"train_state": {
-        "required": ["tokens_seen", "loader", "recent_losses", "loss_scaler"],
+        "required": ["tokens_seen", "corpus_sha256", "loader", "recent_losses", "loss_scaler"],
         "properties": {"optimizer_scalars": {"required": ["steps_taken"]}}}}},
 }
 _VALIDATOR = jsonschema.Draft202012Validator(MANIFEST_SCHEMA)

@@ -160,6 +160,7 @@ def test_a_replaced_shard_with_its_checksum_updated_is_refused_by_its_header(run
     (lambda m: m["tensors"][0].update(pieces=[[0, 0, 10 ** 9]]), r"field tensors\[0\]\.pieces has"),
     (lambda m: m["flat"]["segments"][0].update(shape=[10 ** 6, 10 ** 6]), r"field flat\.segments\[0\] .* ends past"),
     (lambda m: m["train_state"]["loader"].pop("cursor"), r"field train_state\.loader is invalid"),
+    (lambda m: m["flat"]["segments"][1].update(shape=[8, 32]), r"field flat\.segments\[2\]\.offset is 2560; .* start at 2304"),
     (lambda m: m["state_dict"][0].update(tensor="x"), r"field state_dict\[0\] is invalid"),
 ])
 def test_a_malformed_manifest_is_refused_naming_the_field(run, edit, match):

@@ -139,3 +139,13 @@ def test_an_empty_out_and_an_odd_length_corpus_are_refused(tmp_path, argv, messa
     proc = run_main("train", *argv, cwd=tmp_path)
     _refused(proc, message)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["odd.bin"]
+
+
+def test_keep_last_after_resuming_from_an_older_step_drops_the_abandoned_line(run):
+    proc = run_main("train", "--steps", "3", "--ckpt-every-steps", "2", "--keep-last", "1", "--train.log_every", "0",
+                    "--resume", str(run / "checkpoints" / "step-000002"), "--out", str(run))
+    assert proc.returncode == 0, proc.stderr
+    # step-000004 was the newest, but of the line this run left at step 2: kept, it would be "the newest"
+    # and --keep-last 1 would delete this run's own checkpoints instead.
+    assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == ["step-000003"]
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step-000003"

@@ -28,8 +28,9 @@ def step_dir_name(step: int) -> str:
 
 
 def step_of(step_dir: Path) -> int:
-    """The step a step directory's name says (step-000010 -> 10; step-1000000 -> 1000000)."""
-    return int(step_dir.name.removeprefix("step-"))
+    """The step a step directory's name says (step-000010 -> 10; step-1000000 -> 1000000; a copy moved
+    aside during a re-save, .old-step-000010 -> 10)."""
+    return int(step_dir.name.rpartition("step-")[2])
 
 
 def shard_file_name(rank: int) -> str:
@@ -164,12 +165,15 @@ def find_latest(out_dir: str | os.PathLike, warnings: list[str] | None = None) -
 
 
 def prune(root: str | os.PathLike, keep_last: int) -> list[Path]:
-    """Delete all but the newest keep_last complete checkpoints (never the one `latest` names)."""
+    """Delete all but the newest keep_last complete checkpoints of the run's current line, never the one
+    `latest` names. Checkpoints of steps after `latest`'s belong to a line abandoned by resuming from an
+    older step: they are deleted too (else they would be "the newest" and push this line's out)."""
     root = Path(root)
-    keep = set(complete_steps(root)[:keep_last])
-    if (root / LATEST).exists():
-        keep.add(root / (root / LATEST).read_text().strip())
-    doomed = [d for d in complete_steps(root) if d not in keep]
+    steps = complete_steps(root)
+    current = resolve(root) if (root / LATEST).is_file() else None
+    line = [d for d in steps if current is None or step_of(d) <= step_of(current)]
+    keep = set(line[:keep_last]) | ({current} if current is not None else set())
+    doomed = [d for d in steps if d not in keep]
     for d in doomed:
         shutil.rmtree(d)
     return doomed

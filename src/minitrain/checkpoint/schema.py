@@ -141,12 +141,18 @@ def check_manifest(step_dir: Path, manifest: dict) -> None:
             for at, lo, hi in t["pieces"]:
                 if not (lo < hi <= flat["numel"] and at + hi - lo <= t["shape"][0]):
                     raise bad(f"tensors[{i}].pieces", f"has {[at, lo, hi]}, outside the tensor or the parameters")
+    at = 0  # the parameters lie end to end, in order, and fill the logical vector exactly
     for i, seg in enumerate(flat["segments"]):
         numel = 1
         for d in seg["shape"]:
             numel *= d
         if seg["offset"] + numel > flat["numel"]:
             raise bad(f"flat.segments[{i}]", f"{seg['name']} ends past the {flat['numel']} parameters")
+        if seg["offset"] != at:
+            raise bad(f"flat.segments[{i}].offset", f"is {seg['offset']}; {seg['name']} should start at {at}")
+        at += numel
+    if at != flat["numel"]:
+        raise bad("flat.numel", f"is {flat['numel']}, the segments hold {at}")
 
 
 def check_shard_header(step_dir: Path, manifest: dict, name: str) -> None:

@@ -265,3 +265,56 @@ def test_non_finite_settings_and_impossible_rank_counts_are_refused(tmp_path, ar
     proc = run_main("train", *argv, "--out", str(tmp_path / "x"))
     assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda m: m["tensors"][0]["pieces"][0].__setitem__(0, 0.0), r"field tensors\[0\]\.pieces\[0\]\[0\] is invalid"),
+    (lambda m: m["flat"].update(numel=float(m["flat"]["numel"])), r"field flat\.numel is invalid"),
+])
+def test_a_float_where_an_integer_belongs_is_refused(run, edit, match):
+    step_dir = run / "checkpoints" / STEP
+    manifest = read_manifest_json(step_dir)
+    edit(manifest)
+    resign(step_dir, manifest)
+    _refused(run, match)
+
+
+@pytest.mark.parametrize("text", ["NaN", "Infinity", "1" * 5000, "[" * 100000 + "]" * 100000])
+def test_json_that_only_python_accepts_is_refused(run, text):
+    step_dir = run / "checkpoints" / STEP
+    raw = (step_dir / "manifest.json").read_text().replace('"tokens_seen": ', f'"tokens_seen": {text}, "x": ', 1)
+    manifest_sha = __import__("hashlib").sha256(raw.encode()).hexdigest()
+    (step_dir / "manifest.json").write_text(raw)
+    (step_dir / "manifest.sha256").write_text(manifest_sha + "\n")
+    _refused(run, "is not valid JSON|is invalid")
+
+
+@pytest.mark.parametrize("key,value", [("rng.numpy_gauss", torch.zeros(0, dtype=torch.float64)),
+                                       ("rng.python", torch.zeros(3, dtype=torch.int64)),
+                                       ("rng.torch", torch.zeros(7, dtype=torch.uint8))])
+def test_a_random_state_of_the_wrong_length_is_refused(run, key, value):
+    step_dir, name = run / "checkpoints" / STEP, "rank-00000.safetensors"
+    tensors = load_file(str(step_dir / name))
+    tensors[key] = value
+    replace_shard(step_dir, name, tensors, _metadata(step_dir, name))
+    _refused(run, f"tensor '{key}' has shape")
+
+
+def _tiny_save(topo, root):
+    import minitrain
+
+    minitrain.init_distributed()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1, 1)  # 2 parameters over 3 ranks: rank 2's shard is padding only
+    model, opt = minitrain.prepare(model, lambda params: torch.optim.AdamW(params, lr=0.1), zero=1)
+    model(torch.ones(4, 1)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    return str(minitrain.save_checkpoint(root, model, opt, step=1))
+
+
+def test_a_rank_whose_shard_is_all_padding_saves_a_checkpoint_that_verifies(tmp_path):
+    step_dir = Path(run_ranks(_tiny_save, 3, str(tmp_path))[0])
+    _, manifest = checkpoint.verify(step_dir)
+    padding_only = [t for t in manifest["tensors"] if t["file"] == "rank-00002.safetensors" and "pieces" in t]
+    assert padding_only and all(t["pieces"] == [] and t["shape"] == [1] for t in padding_only)

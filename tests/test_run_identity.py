@@ -149,3 +149,10 @@ def test_keep_last_after_resuming_from_an_older_step_drops_the_abandoned_line(ru
     # and --keep-last 1 would delete this run's own checkpoints instead.
     assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == ["step-000003"]
     assert (run / "checkpoints" / "latest").read_text().strip() == "step-000003"
+
+
+def test_the_lock_is_released_when_the_run_ends(tmp_path):
+    out = tmp_path / "run"
+    assert run_main("train", *RUN, "--out", str(out)).returncode == 0  # in this process, as a notebook would
+    proc = run_main("train", *RUN, "--steps", "6", "--resume", "auto", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr

@@ -348,7 +348,11 @@ def save_checkpoint(directory: str | Path, model: nn.Module, optimizer: Prepared
         raise ValueError("save_checkpoint takes the optimizer prepare returned with this model")
     train_state = {"step": int(step), "optimizer_steps": state.strategy.optimizer.steps_taken,
                    "optimizer_scalars": state.strategy.optimizer.scalar_state(), "extra": extra}
-    json.dumps(train_state)  # refuse what JSON cannot hold before anything is written
+    try:  # refuse what strict JSON cannot hold (a checkpoint's manifest is read back without NaN or Infinity)
+        json.dumps(train_state, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"save_checkpoint: extra must be plain JSON (dicts, lists, strings, finite numbers): {e}") \
+            from None
     _all_ranks_arrive("save_checkpoint")
     return checkpoint.save(directory, int(step), _topology(), state.strategy, train_state, {"prepare": state.settings})
 

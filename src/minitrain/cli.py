@@ -6,6 +6,7 @@ written. A failed rank exits 1 with that rank's traceback, shown once.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
@@ -237,28 +238,25 @@ def refuse_a_used_out_dir(out: Path) -> None:
                           "or choose an empty --out")
 
 
-def lock_out_dir(out: Path) -> None:
-    """Hold an exclusive lock on OUT/.lock for the life of this process (the kernel drops it when the process
+@contextlib.contextmanager
+def lock_out_dir(out: Path):
+    """Hold an exclusive lock on OUT/.lock while the block runs (the kernel also drops it when the process
     ends, however it ends): two runs writing one --out would interleave their metrics and checkpoints."""
     import fcntl
 
-    handle = open(out / ".lock", "a+")  # noqa: SIM115 - kept open on purpose: the lock lives as long as it
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    with open(out / ".lock", "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            raise ConfigError(f"--out {out} is in use by another minitrain run ({holder}); wait for it, or choose "
+                              "another --out") from None
         handle.seek(0)
-        holder = handle.read().strip() or "another process"
-        handle.close()
-        raise ConfigError(f"--out {out} is in use by another minitrain run ({holder}); wait for it, or choose "
-                          "another --out") from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"pid {os.getpid()}\n")
-    handle.flush()
-    _held_locks.append(handle)
-
-
-_held_locks: list = []  # open lock files: closing one would release its lock
+        handle.truncate()
+        handle.write(f"pid {os.getpid()}\n")
+        handle.flush()
+        yield  # closing the file at the end releases the lock
 
 
 def cmd_demo(args) -> int:
@@ -376,11 +374,15 @@ def cmd_train(args) -> int:
     if not cfg.ckpt.resume:
         refuse_a_used_out_dir(Path(cfg.out))
     out = prepare_out_dir(cfg.out)
-    if speaks:  # one process per run holds the lock: the launcher, or torchrun's rank 0
-        lock_out_dir(out)
-    for note in notes:
-        if speaks:
-            print(f"minitrain train: note: {note}", file=sys.stderr)
+    # One process per run holds the lock, the launcher or torchrun's rank 0, until the run is over.
+    with lock_out_dir(out) if speaks else contextlib.nullcontext():
+        for note in notes:
+            if speaks:
+                print(f"minitrain train: note: {note}", file=sys.stderr)
+        return _train_and_report(cfg, train_worker)
+
+
+def _train_and_report(cfg: RunConfig, train_worker) -> int:
     if under_torchrun():
         result = run_under_torchrun(train_worker, cfg, backend=cfg.dist.backend,
                                     pg_timeout_s=cfg.dist.timeout_s, threads_per_rank=cfg.dist.threads_per_rank)

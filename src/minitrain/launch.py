@@ -119,8 +119,6 @@ def _rank_context():
 
 
 def _rank_main(fn, args, rank, nproc, port, backend, pg_timeout_s, threads, conn, lifeline) -> None:
-    for sig in STOP_SIGNALS:  # the fork server ignores them (minitrain/_forkserver.py); a rank does not
-        signal.signal(sig, signal.SIG_DFL)
     _die_with_launcher(lifeline)
     # Forked from the server, a rank has the server's environment, not the launcher's: set it here.
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),

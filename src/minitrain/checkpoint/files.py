@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -133,7 +134,7 @@ def resolve(path: str | os.PathLike) -> Path:
 
 def complete_steps(root: Path) -> list[Path]:
     """Step directories under root that have a manifest, newest (highest step) first; temporaries excluded."""
-    dirs = [d for d in root.glob("step-*") if d.name[len("step-"):].isdigit() and (d / MANIFEST).is_file()]
+    dirs = [d for d in root.glob("step-*") if re.fullmatch(r"step-[0-9]+", d.name) and (d / MANIFEST).is_file()]
     return sorted(dirs, key=step_of, reverse=True)
 
 
@@ -179,14 +180,19 @@ def prune(root: str | os.PathLike, keep_last: int) -> list[Path]:
     return doomed
 
 
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
 def read_manifest(step_dir: Path) -> dict:
     """The step directory's manifest, once its own sha256 (manifest.sha256) matches and every field checks
     out (schema.check_manifest); CheckpointError otherwise."""
     from .schema import check_manifest  # schema.py imports this module's names
 
     path = step_dir / MANIFEST
-    if step_dir.is_symlink():
-        raise CheckpointError(f"checkpoint {step_dir} is a symlink; a checkpoint's files live in its own directory")
+    for link in (step_dir, path, step_dir / MANIFEST_SHA):
+        if link.is_symlink():
+            raise CheckpointError(f"{link} is a symlink; a checkpoint's files live in its own directory")
     try:
         raw = path.read_bytes()
         recorded = (step_dir / MANIFEST_SHA).read_text().strip()
@@ -196,10 +202,10 @@ def read_manifest(step_dir: Path) -> dict:
         raise CheckpointError(f"{path}: cannot read it ({e})") from None
     if hashlib.sha256(raw).hexdigest() != recorded:
         raise CheckpointError(f"{path} does not match {MANIFEST_SHA}: the manifest was changed after the save")
-    try:
-        manifest = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    try:  # strict JSON: no NaN or Infinity (nothing minitrain writes holds one), nothing absurdly deep or long
+        manifest = json.loads(raw, parse_constant=_refuse_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+        raise CheckpointError(f"{path} is not valid JSON: {str(e)[:200]}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         found = manifest.get("format") if isinstance(manifest, dict) else None
         older = isinstance(found, str) and found.startswith("minitrain-checkpoint/")

@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 
 import jsonschema
+import torch
 from safetensors import SafetensorError, safe_open
 
 from .files import MANIFEST, WRITTEN_BY, CheckpointError, shard_file_name, written_by
@@ -25,9 +26,14 @@ STEP_DIR = re.compile(r"^(?:\.old-)?step-([0-9]+)$")  # a step directory, or one
 # torch dtype names (as the manifest writes them) -> safetensors' header codes.
 DTYPES = {"float64": "F64", "float32": "F32", "bfloat16": "BF16", "float16": "F16", "int64": "I64",
           "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
-# The random-number states every shard holds (files.rng_state): dtype and, where fixed, length.
+# The random-number states every shard holds (files.rng_state): dtype and the lengths it may have.
 RNG_DTYPES = {"rng.torch": "U8", "rng.python": "I64", "rng.python_gauss": "F64", "rng.numpy": "I64",
               "rng.numpy_gauss": "F64"}
+RNG_LENGTHS = {"rng.torch": {torch.get_rng_state().numel()},  # the CPU generator's state
+               "rng.python": {625},  # Mersenne Twister: 624 words and a position
+               "rng.python_gauss": {0, 1},  # a cached Gaussian, or none
+               "rng.numpy": {626},  # 624 words, a position, whether a Gaussian is cached
+               "rng.numpy_gauss": {1}}
 
 _count = {"type": "integer", "minimum": 0}
 _name = {"type": "string", "minLength": 1, "maxLength": 4096}
@@ -91,7 +97,10 @@ MANIFEST_SCHEMA = {
         "required": ["tokens_seen", "corpus_sha256", "loader", "recent_losses", "loss_scaler"],
         "properties": {"optimizer_scalars": {"required": ["steps_taken"]}}}}},
 }
-_VALIDATOR = jsonschema.Draft202012Validator(MANIFEST_SCHEMA)
+# JSON Schema counts 3.0 as an integer; an offset or a count used to index must be a Python int.
+_STRICT_TYPES = jsonschema.Draft202012Validator.TYPE_CHECKER.redefine(
+    "integer", lambda _checker, value: isinstance(value, int) and not isinstance(value, bool))
+_VALIDATOR = jsonschema.validators.extend(jsonschema.Draft202012Validator, type_checker=_STRICT_TYPES)(MANIFEST_SCHEMA)
 
 
 def _field(path) -> str:
@@ -181,5 +190,6 @@ def check_shard_header(step_dir: Path, manifest: dict, name: str) -> None:
             raise CheckpointError(f"{path}: the manifest gives tensor '{key}' to rank {t['rank']}, the file is rank {rank}'s")
         if "shape" in t and list(shape) != t["shape"]:
             raise CheckpointError(f"{path}: tensor '{key}' has shape {list(shape)}, the manifest says {t['shape']}")
-        if key in RNG_DTYPES and len(shape) != 1:
-            raise CheckpointError(f"{path}: tensor '{key}' has shape {list(shape)}; random states are 1-D")
+        if key in RNG_LENGTHS and (len(shape) != 1 or shape[0] not in RNG_LENGTHS[key]):
+            raise CheckpointError(f"{path}: tensor '{key}' has shape {list(shape)}; a random state of this kind has "
+                                  f"{' or '.join(map(str, sorted(RNG_LENGTHS[key])))} elements")

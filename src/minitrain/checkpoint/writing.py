@@ -62,6 +62,10 @@ class ShardWrite:
                   for k, v in {**strategy.state_shards(), **extras}.items()}
         self.shards = {**shards, **rng_state()}
         self.keys = list(self.shards)
+        # The flat vectors this rank's file holds and their dtypes: ranks may differ (a rank whose shard is all
+        # padding still stores its vectors; a user's optimizer may keep state in some parameter groups only).
+        self.flat_dtypes = {key: str(t.dtype).removeprefix("torch.") for key, t in shards.items()
+                            if key.startswith(("params", "optim."))}
         self.row: list[int] | None = None  # [bytes, sha256 as 4 int64 words] once written
         self.error: str | None = None
 
@@ -124,7 +128,7 @@ def commit(job: ShardWrite) -> Path:
     flat = job.strategy.flat
     described = _gather_json(topo.everyone, {
         "segments": [[s.name, s.logical, list(s.full_shape or s.shape)] for s in flat.segments],
-        "state_dict": job.state_dict_map})
+        "state_dict": job.state_dict_map, "flat_dtypes": job.flat_dtypes})
     failed = [rank for rank, r in enumerate(rows) if r[0]]
     if failed:
         where = f"step {job.step}: writing {job.path}"
@@ -213,23 +217,19 @@ def _move_aside(root: Path, final: Path) -> Path:
 
 def _manifest(step, topo, strategy, train_state, run_config, keys, rows, held, described) -> dict:
     """rows: each rank's [file bytes, sha256 words]; held: each rank's [length of its stored vectors,
-    then its pieces' at, lo, hi, ...] (empty pieces: it stores none); described: each rank's segments and
-    state_dict map (model_entries)."""
+    then its pieces' at, lo, hi, ...] (empty pieces: it stores none); described: each rank's segments,
+    state_dict map (model_entries) and the flat vectors its file holds, with their dtypes."""
     flat = strategy.flat
-    # Parameters in their dtype, optimizer state in the master's (they differ in mixed precision).
-    dtypes = {"params": flat.dtype, **{f"optim.{k}": t.dtype for k, t in strategy.optimizer.state_tensors().items()}}
     files, tensors = [], []
     for rank, (size, *digest_words) in enumerate(rows):
         name = shard_file_name(rank)
         digest = b"".join(w.to_bytes(8, "big", signed=True) for w in digest_words).hex()
         files.append({"name": name, "rank": rank, "bytes": size, "sha256": digest})
         local, *flat_pieces = held[rank]
-        if flat_pieces:
-            pieces = [flat_pieces[i:i + 3] for i in range(0, len(flat_pieces), 3)]
-            for key in keys:
-                if key.startswith(("params", "optim.")):
-                    tensors.append({"key": key, "file": name, "dtype": str(dtypes[key]).removeprefix("torch."),
-                                    "shape": [local], "pieces": pieces})
+        pieces = [flat_pieces[i:i + 3] for i in range(0, len(flat_pieces), 3)]  # none: the rank holds padding only
+        # Parameters in their dtype, optimizer state in the master's (they differ in mixed precision).
+        tensors += [{"key": key, "file": name, "dtype": dtype, "shape": [local], "pieces": pieces}
+                    for key, dtype in described[rank]["flat_dtypes"].items()]
         tensors += [{"key": key, "file": name, "rank": rank} for key in keys if key.startswith("rng.")]
     segments, state_dict, stored = {}, {}, {}
     for rank, part in enumerate(described):

@@ -310,11 +310,19 @@ def _tiny_save(topo, root):
     model(torch.ones(4, 1)).sum().backward()
     opt.step()
     opt.zero_grad()
-    return str(minitrain.save_checkpoint(root, model, opt, step=1))
+    saved = str(minitrain.save_checkpoint(root, model, opt, step=1))
+    try:  # strict JSON only: a manifest holding NaN would be refused when read back
+        minitrain.save_checkpoint(root, model, opt, step=2, extra={"loss": float("nan")})
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    return saved, refused
 
 
 def test_a_rank_whose_shard_is_all_padding_saves_a_checkpoint_that_verifies(tmp_path):
-    step_dir = Path(run_ranks(_tiny_save, 3, str(tmp_path))[0])
+    saved, refused = run_ranks(_tiny_save, 3, str(tmp_path))[0]
+    assert "extra must be plain JSON" in refused and not (tmp_path / "step-000002").exists()
+    step_dir = Path(saved)
     _, manifest = checkpoint.verify(step_dir)
     padding_only = [t for t in manifest["tensors"] if t["file"] == "rank-00002.safetensors" and "pieces" in t]
     assert padding_only and all(t["pieces"] == [] and t["shape"] == [1] for t in padding_only)

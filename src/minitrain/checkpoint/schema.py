@@ -76,7 +76,11 @@ MANIFEST_SCHEMA = {
             "dependentRequired": {"pieces": ["dtype", "shape"]}}},
         "train_state": {"type": "object", "required": ["step", "optimizer_steps", "optimizer_scalars"],
                         "properties": {
-                            "step": _count, "optimizer_steps": _count, "optimizer_scalars": {"type": "object", "properties": {"steps_taken": _count}},
+                            "step": _count, "optimizer_steps": _count, "optimizer_scalars": {"type": "object", "properties": {
+                                "steps_taken": _count,
+                                # a torch optimizer's scalar states (minitrain.prepare): the dtype of each, or
+                                # null for a plain number
+                                "scalars": {"type": "object", "additionalProperties": {"enum": [None, *DTYPES]}}}},
                             "tokens_seen": _count,
                             "corpus_sha256": {"type": "string", "pattern": "^[0-9a-f]{64}$"},
                             "loader": {"type": "object",

@@ -1,0 +1,72 @@
+"""What one training step sends, per strategy: the collectives, how many and how many bytes, pinned
+exactly. An added collective, a gather done twice or a gradient reduced in the wrong dtype fails here,
+deterministically, instead of slowing every step of every run a little.
+
+Counted by the comm layer (every collective goes through `Comm._run`) over one steady-state step (the
+second) at 2 ranks in float32. P = parameters (padded to a multiple of the ranks at ZeRO 1-3), U = ZeRO
+units (one per block, plus the embeddings, final norm and head), T = parameter tensors."""
+import pytest
+
+from minitrain.config import build_config
+from minitrain.trainer import Trainer
+
+from .dist import run_ranks
+
+STRATEGIES = [("bucketed", 0), ("naive", 0), ("torch", 0), ("bucketed", 1), ("bucketed", 2), ("bucketed", 3)]
+
+
+def _one_step(topo):
+    out = {}
+    for mode, zero in STRATEGIES:
+        cfg = build_config(cli_values={"dist.nproc": topo.world_size, "train.zero": zero, "ddp.mode": mode,
+                                       "train.log_every": 0}).validate()
+        trainer = Trainer(cfg, topo)
+        trainer.train_step()  # the first step allocates and warms up; the second is what every step costs
+        before = {op: (s.calls, s.bytes) for op, s in topo.dp.stats.items()}
+        trainer.train_step()
+        after = {op: (s.calls, s.bytes) for op, s in topo.dp.stats.items()}
+        flat = trainer.strategy.flat
+        out[(mode, zero)] = {
+            "ops": {op: (calls - before.get(op, (0, 0))[0], sent - before.get(op, (0, 0))[1])
+                    for op, (calls, sent) in after.items() if (calls, sent) != before.get(op)},
+            "P": flat.padded_numel, "U": len(flat.units), "T": len(flat.segments),
+            "buckets": len(getattr(trainer.strategy, "buckets", []))}
+    return out
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return run_ranks(_one_step, 2)[0]
+
+
+def _expected(mode, zero, P, U, T, buckets):
+    """{op: (calls, bytes)} of one step, the per-step statistics exchange left out (checked below)."""
+    grads = 4 * P  # float32 gradients, and parameters, of the whole model
+    norm = 16  # two float64 partial sums of squares (tensor-parallel slices, the rest)
+    if zero == 0:
+        calls = {"bucketed": buckets, "naive": T, "torch": 1}[mode]  # torch: DDP's hook, one bucket here
+        return {"all_reduce": (calls, grads)}
+    if zero == 1:  # one unit: the whole model
+        return {"reduce_scatter": (1, grads), "all_reduce": (1, norm), "all_gather": (1, grads)}
+    if zero == 2:
+        return {"reduce_scatter": (U, grads), "all_reduce": (1, norm), "all_gather": (U, grads)}
+    # ZeRO-3: every unit gathered for forward and again for backward; the parameter norm is a collective too.
+    return {"reduce_scatter": (U, grads), "all_reduce": (2, 2 * norm), "all_gather": (2 * U, 2 * grads)}
+
+
+@pytest.mark.parametrize("mode,zero", STRATEGIES)
+def test_one_step_sends_exactly_these_collectives(measured, mode, zero):
+    # Besides its gradients, every strategy gathers every rank's step statistics (loss, norms, memory, stop
+    # flags) once: data parallel gathers nothing else, so its one all_gather is that, a few hundred bytes.
+    stats = measured[("bucketed", 0)]["ops"]["all_gather"]
+    assert stats[0] == 1 and stats[1] < 1024
+    facts = {k: measured[(mode, zero)][k] for k in ("P", "U", "T", "buckets")}
+    expected = _expected(mode, zero, **facts)
+    calls, sent = expected.get("all_gather", (0, 0))
+    expected["all_gather"] = (calls + stats[0], sent + stats[1])
+    assert measured[(mode, zero)]["ops"] == expected, facts
+
+
+def test_the_model_is_big_enough_to_mean_something(measured):
+    facts = measured[("bucketed", 3)]
+    assert facts["U"] >= 4 and facts["T"] > facts["U"] and measured[("bucketed", 0)]["buckets"] == 1

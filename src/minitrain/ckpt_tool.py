@@ -96,7 +96,7 @@ def consolidate(path: str, out: str) -> str:
     step_dir = checkpoint.resolve(path)
     if target.resolve().parent == step_dir.resolve():
         raise ConfigError(f"output {target} is inside the checkpoint {step_dir}; write it elsewhere")
-    state = consolidated_state_dict(path)
+    state = consolidated_state_dict(str(step_dir))  # the directory checked above, not `latest` read again
     tmp = target.with_name(target.name + ".tmp")
     save_file(state, str(tmp), metadata={"format": "pt"})  # the metadata Hugging Face's loader expects
     os.replace(tmp, target)  # never a half-written OUT

@@ -16,7 +16,11 @@ def read_manifest_json(step_dir: Path) -> dict:
 
 def resign(step_dir: Path, manifest: dict) -> None:
     """Write `manifest`, with its sha256 record (manifest.sha256) updated to match."""
-    text = json.dumps(manifest)
+    resign_text(step_dir, json.dumps(manifest))
+
+
+def resign_text(step_dir: Path, text: str) -> None:
+    """Write `text` as the manifest, whatever it holds, with its sha256 record updated to match."""
     (step_dir / "manifest.json").write_text(text)
     (step_dir / "manifest.sha256").write_text(hashlib.sha256(text.encode()).hexdigest() + "\n")
 

@@ -11,7 +11,7 @@ import pytest
 from minitrain.config import ConfigError, build_config
 from minitrain.run import check_resume
 
-from .dist import run_main
+from .dist import run_cli, run_main
 
 STEPS = 4
 RUN = ("--steps", str(STEPS), "--ckpt-every-steps", "2", "--train.log_every", "0")
@@ -20,7 +20,7 @@ RUN = ("--steps", str(STEPS), "--ckpt-every-steps", "2", "--train.log_every", "0
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("finished") / "run"
-    proc = run_main("train", *RUN, "--out", str(out))
+    proc = run_cli("train", *RUN, "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     return out
 
@@ -142,7 +142,7 @@ def test_an_empty_out_and_an_odd_length_corpus_are_refused(tmp_path, argv, messa
 
 
 def test_keep_last_after_resuming_from_an_older_step_drops_the_abandoned_line(run):
-    proc = run_main("train", "--steps", "3", "--ckpt-every-steps", "2", "--keep-last", "1", "--train.log_every", "0",
+    proc = run_cli("train", "--steps", "3", "--ckpt-every-steps", "2", "--keep-last", "1", "--train.log_every", "0",
                     "--resume", str(run / "checkpoints" / "step-000002"), "--out", str(run))
     assert proc.returncode == 0, proc.stderr
     # step-000004 was the newest, but of the line this run left at step 2: kept, it would be "the newest"
@@ -153,6 +153,7 @@ def test_keep_last_after_resuming_from_an_older_step_drops_the_abandoned_line(ru
 
 def test_the_lock_is_released_when_the_run_ends(tmp_path):
     out = tmp_path / "run"
-    assert run_main("train", *RUN, "--out", str(out)).returncode == 0  # in this process, as a notebook would
+    # In this process, as a notebook would (the launcher's ranks are bounded by pytest's --timeout here).
+    assert run_main("train", *RUN, "--out", str(out)).returncode == 0
     proc = run_main("train", *RUN, "--steps", "6", "--resume", "auto", "--out", str(out))
     assert proc.returncode == 0, proc.stderr

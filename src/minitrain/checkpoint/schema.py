@@ -141,9 +141,9 @@ def check_manifest(step_dir: Path, manifest: dict) -> None:
                                      f"of rank {i}")
     if len(files) != manifest["world_size"]:
         raise bad("files", f"lists {len(files)} files for world_size {manifest['world_size']}")
-    flat, seen = manifest["flat"], set()
+    flat, seen, names = manifest["flat"], set(), {f["name"] for f in files}
     for i, t in enumerate(manifest["tensors"]):
-        if t["file"] not in {f["name"] for f in files}:
+        if t["file"] not in names:
             raise bad(f"tensors[{i}].file", f"{t['file']} is not one of the manifest's files")
         if (t["file"], t["key"]) in seen:
             raise bad(f"tensors[{i}]", f"repeats '{t['key']}' in {t['file']}")

@@ -20,6 +20,13 @@ def _collectives(topo):
     gathered = torch.empty(2 * n)
     comm.all_gather(gathered, shard)
     assert torch.equal(gathered, torch.arange(2 * n, dtype=torch.float32) * (n * (n + 1) / 2))
+    # Above 1 MiB gloo's gather runs as one broadcast per rank: the same result, booked as one all_gather.
+    big = torch.full((n, 300_000), -1.0)
+    comm.all_gather(big.view(-1), torch.full((300_000,), float(r)))
+    pending = comm.all_gather_async(gathered := torch.empty(n * 300_000), torch.arange(300_000.0) + r)
+    pending.wait()
+    assert torch.equal(big, torch.arange(n, dtype=torch.float32)[:, None].expand(n, 300_000))
+    assert torch.equal(gathered.view(n, -1), torch.arange(300_000.0) + torch.arange(n, dtype=torch.float32)[:, None])
     rows = comm.gather_rows(torch.tensor([r, 10 * r], dtype=torch.int64))
     assert rows.tolist() == [[i, 10 * i] for i in range(n)]
     if r == 0:
@@ -38,7 +45,8 @@ def test_collectives_compute_and_count():
     assert s0["all_reduce"] == (1, 32)
     assert s0["broadcast"] == (1, 12)
     assert s0["reduce_scatter"] == (1, 24)  # the full input
-    assert s0["all_gather"] == (2, 24 + 48)  # full outputs: 6 floats, then 3 ranks x 2 int64
+    # full outputs: 6 floats, twice 3 x 300,000 floats, then 3 ranks x 2 int64
+    assert s0["all_gather"] == (4, 24 + 2 * 3 * 300_000 * 4 + 48)
     assert s0["send"] == (1, 4) and stats[1]["recv"] == (1, 4) and "send" not in stats[2]
     assert s0["barrier"] == (1, 0)
 

@@ -25,9 +25,24 @@ def test_logits_and_loss_shapes():
     assert abs(loss.item() - torch.log(torch.tensor(64.0)).item()) < 0.1
 
 
-def test_causal_mask_hides_the_future():
+def test_fused_and_explicit_attention_agree_in_float64():
     torch.manual_seed(0)
-    m = MiniGPT(tiny()).double()
+    fused = MiniGPT(tiny(attention="sdpa", n_layer=3)).double()
+    explicit = MiniGPT(tiny(attention="explicit", n_layer=3)).double()
+    explicit.load_state_dict(fused.state_dict())
+    idx = torch.randint(0, 64, (3, 16))
+    torch.testing.assert_close(fused(idx), explicit(idx), rtol=0, atol=1e-12)
+    fused(idx, idx).backward()
+    explicit(idx, idx).backward()
+    for (name, a), b in zip(fused.named_parameters(), explicit.parameters()):
+        assert a.grad.abs().max() > 0, name
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "explicit"])
+def test_causal_mask_hides_the_future(attention):
+    torch.manual_seed(0)
+    m = MiniGPT(tiny(attention=attention)).double()
     idx = torch.randint(0, 64, (2, 16))
     changed = idx.clone()
     changed[:, 9:] = (changed[:, 9:] + 7) % 64

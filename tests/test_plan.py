@@ -69,8 +69,10 @@ def test_predicted_bytes_at_rest_equal_the_measured_ones(world):
 
 @pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("mode,precision", [("none", "fp32"), ("selective", "fp32"), ("none", "bf16")])
-def test_activation_formula_matches_what_autograd_stores(name, mode, precision):
-    cfg = build_config(cli_values={**MODELS[name], "train.precision": precision}).validate()
+@pytest.mark.parametrize("attention", ["sdpa", "explicit"])
+def test_activation_formula_matches_what_autograd_stores(name, mode, precision, attention):
+    cfg = build_config(cli_values={**MODELS[name], "train.precision": precision,
+                                   "model.attention": attention}).validate()
     m, b = cfg.model, 3
     torch.manual_seed(0)
     model = apply_activation_checkpointing(MiniGPT(m), mode, MINIGPT_PLAN)

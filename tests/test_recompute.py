@@ -14,13 +14,13 @@ from .dist import run_ranks
 MODES = ("none", "block", "selective")
 
 
-def _model(mode):
-    cfg = build_config(cli_values={"model.n_layer": 3}).validate()
+def _model(mode, attention):
+    cfg = build_config(cli_values={"model.n_layer": 3, "model.attention": attention}).validate()
     torch.manual_seed(0)
     return apply_activation_checkpointing(MiniGPT(cfg.model).double(), mode, MINIGPT_PLAN), cfg
 
 
-def _backward_counting(mode):
+def _backward_counting(mode, attention):
     """Gradients, bytes autograd stored outside recomputed regions, and attention-core calls."""
     calls = []
     original = CausalSelfAttention.attend
@@ -30,7 +30,7 @@ def _backward_counting(mode):
         return original(self, q, k, v)
 
     CausalSelfAttention.attend = counted  # before wrapping, so the recompute wrapper replays the counter
-    model, cfg = _model(mode)
+    model, cfg = _model(mode, attention)
     torch.manual_seed(1)
     x = torch.randint(0, cfg.model.vocab_size, (4, cfg.model.seq_len))
     try:
@@ -41,10 +41,11 @@ def _backward_counting(mode):
     return {n: p.grad.clone() for n, p in model.named_parameters()}, stored["bytes"], len(calls)
 
 
-def test_recomputation_gives_identical_gradients_and_stores_less():
+@pytest.mark.parametrize("attention", ["sdpa", "explicit"])
+def test_recomputation_gives_identical_gradients_and_stores_less(attention):
     grads, stored, calls = {}, {}, {}
     for mode in MODES:
-        grads[mode], stored[mode], calls[mode] = _backward_counting(mode)
+        grads[mode], stored[mode], calls[mode] = _backward_counting(mode, attention)
     for mode in ("block", "selective"):
         for name, g in grads["none"].items():
             assert torch.equal(grads[mode][name], g), f"{mode}: {name}"  # exactly; the bound is 1e-12

@@ -1,11 +1,13 @@
 """What one training step sends, per strategy: the collectives, how many and how many bytes, pinned
-exactly. An added collective, a gather done twice or a gradient reduced in the wrong dtype fails here,
-deterministically, instead of slowing every step of every run a little.
+exactly, and how often it reads a tensor's values on the host. An added collective, a gather done twice,
+a gradient reduced in the wrong dtype or a stray `.item()` fails here, deterministically, instead of
+slowing every step of every run a little. (On a GPU every such read makes the host wait for the device.)
 
 Counted by the comm layer (every collective goes through `Comm._run`) over one steady-state step (the
 second) at 2 ranks in float32. P = parameters (padded to a multiple of the ranks at ZeRO 1-3), U = ZeRO
 units (one per block, plus the embeddings, final norm and head), T = parameter tensors."""
 import pytest
+from torch.overrides import TorchFunctionMode
 
 from minitrain.config import build_config
 from minitrain.trainer import Trainer
@@ -13,6 +15,22 @@ from minitrain.trainer import Trainer
 from .dist import run_ranks
 
 STRATEGIES = [("bucketed", 0), ("naive", 0), ("torch", 0), ("bucketed", 1), ("bucketed", 2), ("bucketed", 3)]
+
+
+class HostReads(TorchFunctionMode):
+    """Counts the calls that read a tensor's values on the host (each a device sync on a GPU)."""
+
+    READS = frozenset({"item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__"})
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in self.READS:
+            self.calls.append(name)
+        return func(*args, **(kwargs or {}))
 
 
 def _one_step(topo):
@@ -23,14 +41,15 @@ def _one_step(topo):
         trainer = Trainer(cfg, topo)
         trainer.train_step()  # the first step allocates and warms up; the second is what every step costs
         before = {op: (s.calls, s.bytes) for op, s in topo.dp.stats.items()}
-        trainer.train_step()
+        with HostReads() as reads:
+            trainer.train_step()
         after = {op: (s.calls, s.bytes) for op, s in topo.dp.stats.items()}
         flat = trainer.strategy.flat
         out[(mode, zero)] = {
             "ops": {op: (calls - before.get(op, (0, 0))[0], sent - before.get(op, (0, 0))[1])
                     for op, (calls, sent) in after.items() if (calls, sent) != before.get(op)},
             "P": flat.padded_numel, "U": len(flat.units), "T": len(flat.segments),
-            "buckets": len(getattr(trainer.strategy, "buckets", []))}
+            "buckets": len(getattr(trainer.strategy, "buckets", [])), "host_reads": reads.calls}
     return out
 
 
@@ -46,8 +65,8 @@ def _expected(mode, zero, P, U, T, buckets):
     if zero == 0:
         calls = {"bucketed": buckets, "naive": T, "torch": 1}[mode]  # torch: DDP's hook, one bucket here
         return {"all_reduce": (calls, grads)}
-    if zero == 1:  # one unit: the whole model
-        return {"reduce_scatter": (1, grads), "all_reduce": (1, norm), "all_gather": (1, grads)}
+    if zero == 1:  # data parallel's overlapped bucket all-reduces, then one unit (the whole model) gathered
+        return {"all_reduce": (buckets + 1, grads + norm), "all_gather": (1, grads)}
     if zero == 2:
         return {"reduce_scatter": (U, grads), "all_reduce": (1, norm), "all_gather": (U, grads)}
     # ZeRO-3: every unit gathered for forward and again for backward; the parameter norm is a collective too.
@@ -70,3 +89,10 @@ def test_one_step_sends_exactly_these_collectives(measured, mode, zero):
 def test_the_model_is_big_enough_to_mean_something(measured):
     facts = measured[("bucketed", 3)]
     assert facts["U"] >= 4 and facts["T"] > facts["U"] and measured[("bucketed", 0)]["buckets"] == 1
+
+
+@pytest.mark.parametrize("mode,zero", STRATEGIES)
+def test_one_step_reads_device_values_twice(measured, mode, zero):
+    # The global gradient norm (the update is skipped on every rank alike when it is not finite), then
+    # the statistics exchange: its rows come to the host once and are read there as Python lists.
+    assert measured[(mode, zero)]["host_reads"] == ["__float__", "cpu", "tolist"]

@@ -15,6 +15,7 @@ from pathlib import Path
 from . import __version__, checkpoint
 from .bench.comm import OPS as COMM_OPS
 from .config import ConfigError, RunConfig, build_config, field_specs, load_toml, parse_bool
+from .metrics import phase_line
 from .parallel.schedules import SCHEDULES, render_timeline
 from .launch import LaunchTimeoutError, RankFailedError, check_local_ranks, launch, run_under_torchrun
 from .topology import under_torchrun
@@ -395,6 +396,10 @@ def _train_and_report(cfg: RunConfig, train_worker) -> int:
         parts = [f"{name} mean {d['mean']:.3g} / p50 {d['p50']:.3g} / p95 {d['p95']:.3g}"
                  for name, d in result["sync"].items()]
         print("gradient sync after warmup: " + "; ".join(parts))
+    if result.get("phases"):
+        print(f"where a step went (rank 0, after warmup): {phase_line(result['phases'])}")
+    if result.get("profile"):
+        print(f"profiler traces (one per rank): {result['profile']}")
     if result["pipeline"]:
         p = result["pipeline"]
         print(f"pipeline bubble per stage (median, measured): {' '.join(f'{b:.0%}' for b in p['bubble'])}; "

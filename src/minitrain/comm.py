@@ -26,6 +26,23 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+class _AllOf:
+    """Several backend Works as one: a collective the comm layer runs as several ops."""
+
+    def __init__(self, works: list):
+        self.works = works
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
+    def get_future(self) -> torch.futures.Future:
+        return torch.futures.collect_all([work.get_future() for work in self.works])
+
+
 class CollectiveError(RuntimeError):
     """A collective failed or timed out; the message names the op and this rank."""
 
@@ -85,6 +102,7 @@ class Comm:
         self.rank, self.world_size, self.group = rank, world_size, group
         self.device = torch.device(device)  # where this group's tensors must live (cuda for NCCL)
         self.stats: dict[str, OpStats] = {}
+        self._gloo = group is not None and dist.get_backend(group) == "gloo"
 
     def _run(self, op: str, nbytes: int, fn) -> None:
         start = time.perf_counter()
@@ -154,8 +172,7 @@ class Comm:
         if self.world_size == 1:
             full_out.copy_(shard_in)
             return
-        self._run("all_gather", _nbytes(full_out),
-                  lambda: _all_gather_single(full_out, shard_in, group=self.group))
+        self._run("all_gather", _nbytes(full_out), lambda: self._start_all_gather(full_out, shard_in).wait())
 
     def reduce_scatter_sum_async(self, shard_out: torch.Tensor, full_in: torch.Tensor) -> PendingCollective:
         """Async reduce_scatter_sum; shard_out is valid after .wait()."""
@@ -170,8 +187,18 @@ class Comm:
         if self.world_size == 1:
             full_out.copy_(shard_in)
             return PendingCollective(self, "all_gather", 0)
-        return self._launch("all_gather", _nbytes(full_out), lambda: _all_gather_single(
-            full_out, shard_in, group=self.group, async_op=True))
+        return self._launch("all_gather", _nbytes(full_out), lambda: self._start_all_gather(full_out, shard_in))
+
+    def _start_all_gather(self, full_out: torch.Tensor, shard_in: torch.Tensor):
+        """Start an all_gather; returns its Work. On gloo, above 1 MiB, as one broadcast from each rank
+        into its slice of full_out: gloo's own all_gather goes through temporaries and runs 2.5-3x slower
+        (43 MB: 81 ms against 26 ms at 2 ranks, 143 against 55 ms at 4), the same as or faster below."""
+        if not (self._gloo and _nbytes(full_out) > 1 << 20):
+            return _all_gather_single(full_out, shard_in, group=self.group, async_op=True)
+        slices = full_out.view(self.world_size, -1)
+        slices[self.rank].copy_(shard_in)
+        return _AllOf([dist.broadcast(slices[r], group=self.group, group_src=r, async_op=True)
+                       for r in range(self.world_size)])
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """Block j of inp (split into world_size equal blocks) goes to rank j; out holds the

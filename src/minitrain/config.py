@@ -40,6 +40,8 @@ class ModelConfig:
     seq_len: int = opt(16, "context length in tokens, also the length of every training example")
     d_ff: int = opt(0, "hidden width of the MLP; 0 means 4 * d_model")
     tie_weights: bool = opt(False, "share the token embedding with the LM head")
+    attention: str = opt("sdpa", "sdpa (PyTorch's fused scaled_dot_product_attention: flash attention where "
+                         "available) | explicit (the scores, mask and softmax spelled out: for teaching)")
 
     @property
     def ffn_dim(self) -> int:
@@ -102,6 +104,10 @@ class TrainConfig:
     spike_window: int = opt(10, "losses in the running mean the spike check compares against (checking starts "
                             "once the window is full)")
     log_every: int = opt(1, "print a progress line every this many steps (rank 0); 0 = quiet")
+    profile_steps: str = opt("", "A:B writes a torch.profiler trace of steps A to B (1-based, inclusive) per rank to "
+                             "OUT/profile: Chrome/Perfetto JSON, a directory TensorBoard's profile plugin reads")
+    compile: bool = opt(False, "torch.compile each transformer block (after activation checkpointing, before the "
+                        "strategy's hooks); the first steps are slow while it compiles")
 
 
 @dataclass
@@ -200,6 +206,8 @@ class RunConfig:
             raise ConfigError(f"train.loss_scale_init must be > 0, got {t.loss_scale_init}")
         _require_positive("train.loss_scale_window", t.loss_scale_window)
         _require_choice("train.activation_checkpointing", t.activation_checkpointing, ("none", "block", "selective"))
+        _require_choice("model.attention", m.attention, ("sdpa", "explicit"))
+        profile_range(t.profile_steps, t.steps)
         _require_choice("dist.backend", d.backend, ("auto", "gloo", "nccl"))
         _check_gpus(d)
         if not t.lr > 0:
@@ -282,6 +290,19 @@ def _check_fault(f: FaultConfig, nproc: int) -> None:
         _require_positive("fault.step", f.step)
         if not 0 <= f.rank < nproc:
             raise ConfigError(f"fault.rank {f.rank} is not a rank of this run (world size {nproc})")
+
+
+def profile_range(text: str, steps: int) -> tuple[int, int] | None:
+    """--train.profile_steps 'A:B' as (A, B), or None when empty; ConfigError unless 1 <= A <= B <= steps."""
+    if not text:
+        return None
+    first, sep, last = text.partition(":")
+    if not (sep and first.strip().isdigit() and last.strip().isdigit()):
+        raise ConfigError(f"train.profile_steps must look like A:B (e.g. 5:7), got {text!r}")
+    a, b = int(first), int(last)
+    if not 1 <= a <= b <= steps:
+        raise ConfigError(f"train.profile_steps {text!r} must satisfy 1 <= A <= B <= train.steps ({steps})")
+    return a, b
 
 
 def _require_positive(name: str, value) -> None:

@@ -68,6 +68,23 @@ def sync_report(syncs: list[dict], warmup: int) -> dict[str, dict[str, float]]:
     return report
 
 
+def phase_report(phases: list[dict | None], warmup: int) -> dict[str, dict[str, float]]:
+    """Where the steps after warmup went, from the `phases_s` field of step records: per phase the mean
+    ms a step and its share of the step (phases a step does not have are left out)."""
+    measured = [p for p in phases[warmup:] or phases if p]
+    if not measured:
+        return {}
+    means = {name: sum(p[name] for p in measured) / len(measured)
+             for name in measured[0] if measured[0][name] is not None}
+    total = sum(means.values()) or 1.0
+    return {name: {"ms": 1000 * mean, "share": mean / total} for name, mean in means.items()}
+
+
+def phase_line(report: dict[str, dict[str, float]]) -> str:
+    """e.g. 'forward 31.0 ms (25%), backward 62.1 ms (50%), ...'"""
+    return ", ".join(f"{name} {d['ms']:.1f} ms ({d['share']:.0%})" for name, d in report.items())
+
+
 def format_table(headers: list[str], rows: list[list], align: str | None = None) -> str:
     """A plain monospace table; `align` is one of '<' or '>' per column (default: right)."""
     cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]

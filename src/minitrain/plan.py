@@ -11,10 +11,11 @@ Memory per rank, by kind:
   data-parallel degree), so at-rest figures equal the measured ones exactly.
 - activations: what autograd keeps for backward, per micro-batch and layer, counted from
   MiniGPT's operations (b micro-batch, s sequence, h width, a heads, f MLP width, E bytes):
-  E(8bsh + 2bsf + a b s^2 + 4bs) + s^2 (the causal mask); plus, outside the blocks,
+  E(8bsh + 2bsf + 4bs) + 4abs with the fused attention kernel (flash attention keeps a float32
+  log-sum-exp per query row, never the scores), or E(8bsh + 2bsf + a b s^2 + 4bs) + s^2 (the
+  softmax of the scores and the causal mask) with --model.attention explicit; plus, outside the blocks,
   E(2bsh + 2bs) + E'bsV (E' = 4 in mixed precision: the loss's log-probabilities are float32
-  under autocast) and the token ids. Selective recomputation drops the a b s^2 term and the
-  mask; block recomputation keeps one bsh input per layer plus one layer's full set (replayed in
+  under autocast) and the token ids. Selective recomputation drops the attention core's term; block recomputation keeps one bsh input per layer plus one layer's full set (replayed in
   backward). A pipeline stage keeps its layers' activations for every micro-batch in flight:
   min(pp, micro-batches) under 1F1B, all of them under GPipe.
 Time per step: FLOPs per token 6N + 12 L h s (Chowdhery et al., PaLM, appendix B; N all parameters),
@@ -206,21 +207,25 @@ def update_transients(inp: PlanInput) -> tuple[int, int]:
     """(bytes held beside the activations in backward, bytes held beside the state during the update).
     Backward: ZeRO-0 in mixed precision reducing in fp32 sums a float32 copy of the whole gradient
     (started by the first bucket). Update: ZeRO-1's gradient shard (reduced after backward), and
-    the optimizer's chunk-sized temporaries (denominator; in mixed precision the upcast gradient)."""
+    in mixed precision the optimizer's upcast gradient chunk (its fused kernel needs no other temporary)."""
     mixed, P = inp.precision != "fp32", layout_params(inp)
     wide = 4 * P if inp.zero == 0 and mixed and reduce_bytes(inp) == 4 else 0
     shard = P if inp.zero == 0 else P / inp.dp
     update = reduce_bytes(inp) * shard if inp.zero == 1 else wide
-    update += (2 if mixed else 1) * 4 * min(shard, FlatAdamW.CHUNK)
+    update += 4 * min(shard, FlatAdamW.CHUNK) if mixed else 0
     return wide, round(update)
 
 
 def layer_activation_bytes(cfg: ModelConfig, b: int, elem: int, mode: str) -> int:
     """What one block keeps for backward (see the module docstring)."""
     s, h, a, f = cfg.seq_len, cfg.d_model, cfg.n_head, cfg.ffn_dim
-    full = elem * (8 * b * s * h + 2 * b * s * f + a * b * s * s + 4 * b * s) + s * s
+    if cfg.attention == "explicit":
+        core = elem * a * b * s * s + s * s  # the scores' softmax and the causal mask
+    else:
+        core = 4 * a * b * s  # flash attention: one float32 log-sum-exp per query row, no scores
+    full = elem * (8 * b * s * h + 2 * b * s * f + 4 * b * s) + core
     if mode == "selective":
-        return full - elem * a * b * s * s - s * s
+        return full - core
     if mode == "block":
         return elem * b * s * h
     return full

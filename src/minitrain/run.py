@@ -18,10 +18,11 @@ from pathlib import Path
 import torch
 
 from . import checkpoint, memory
-from .config import ConfigError, RunConfig, build_config, field_specs
+from .config import ConfigError, RunConfig, build_config, field_specs, profile_range
 from .data import corpus_fingerprint, load_corpus, num_examples
-from .metrics import MetricsWriter, sync_report
+from .metrics import MetricsWriter, phase_report, sync_report
 from .resilience import SpikeError, StopRequest
+from .step_timer import StepProfiler
 from .topology import Topology
 from .trainer import StepRecord, Trainer
 
@@ -50,6 +51,8 @@ class TrainingRun:
         self.records: list[StepRecord] = []
         self.rollbacks: list[dict] = []
         self.stopped_by: str | None = None
+        self.profiler = StepProfiler(profile_range(cfg.train.profile_steps, cfg.train.steps), self.out / "profile",
+                                     topo.rank, topo.device)
 
     def say(self, line: str, err: bool = False) -> None:
         if self.topo.is_main:
@@ -64,7 +67,9 @@ class TrainingRun:
         t.stop_request = self.stop_request
         try:
             while t.step < total:
+                self.profiler.before_step(t.step + 1)
                 record = t.train_step()
+                self.profiler.after_step(t.step)
                 self.records.append(record)
                 self._log(record)
                 if t.pending_save is not None and t.pending_save_written:
@@ -81,6 +86,7 @@ class TrainingRun:
                     break
             self._commit_pending()  # the run is done only when its last checkpoint is durable
         finally:
+            self.profiler.stop()
             t.stop_request.uninstall()
             if self.writer:
                 self.writer.close()
@@ -178,6 +184,8 @@ class TrainingRun:
         last = records[-1] if records else None
         return {**summary, "steps": t.step, "final_loss": None if last is None else last.loss,
                 "sync": sync_report([r.sync for r in records], warmup=min(5, len(records) // 5)),
+                "profile": None if self.profiler.steps is None else str(self.out / "profile"),
+                "phases": phase_report([r.phases_s for r in records], warmup=min(5, len(records) // 5)),
                 "resumed_from": None if self.start_path is None else str(self.start_path),
                 "checkpoints": self.saved, "metrics": str(self.out / "metrics.jsonl"),
                 "params": t.strategy.flat.numel, "world_size": self.topo.world_size,

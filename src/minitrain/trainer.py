@@ -33,6 +33,7 @@ from .parallel.config import ParallelConfig
 from .parallel.memory_math import MEMORY_KINDS
 from .precision import autocast, compute_dtype, make_loss_scaler, master_dtype, reduce_dtype
 from .resilience import SpikeGuard, StopRequest
+from .step_timer import StepTimer
 from .topology import Topology
 
 PEAK_KINDS = (*MEMORY_KINDS, "total", "device")
@@ -83,6 +84,9 @@ class StepRecord:
     # Pipelined runs: schedule, stages, micro-batches, expected_bubble, and per stage the measured bubble and
     # peak in-flight micro-batches (Pipeline.run).
     pipeline: dict | None = None
+    # Where this rank's step went (step_timer.py): seconds of data, forward, backward, forward_backward
+    # (pipelined steps), comm (exposed), optimizer, other; None for a phase this kind of step has not.
+    phases_s: dict | None = None
 
 
 class Trainer:
@@ -109,6 +113,7 @@ class Trainer:
         t = cfg.train
         self.tokens_per_step = t.batch_size * t.grad_accum * topo.dp.world_size * cfg.model.seq_len
         self.spikes = SpikeGuard(t.spike_factor, t.spike_window)
+        self.timer = StepTimer(topo.device)
         self.faults = Faults(cfg.fault, topo.rank, resumed=False)
         # Exchanged at every step boundary (set by the run loop; None when not in use):
         self.stop_request: StopRequest | None = None
@@ -135,44 +140,53 @@ class Trainer:
             raise CollectiveError(f"step {self.step + 1}: {e}") from e
 
     def _train_step(self) -> StepRecord:
-        cfg, comm, strategy = self.cfg.train, self.topo.dp, self.strategy
+        cfg, comm, strategy, timer = self.cfg.train, self.topo.dp, self.strategy, self.timer
         measure_sync = self.cfg.ddp.measure_sync
         self.faults.at_step_start(self.step + 1)
         before = self._comm_totals()
         if measure_sync:
             comm.barrier()  # every rank starts the step together
         start = time.perf_counter()
+        timer.start()
         strategy.ledger.reset_peak()
         reset_device_peak(self.topo.device)
         self.model.train()
         strategy.zero_grad()
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        # On the device: summed there, read once in the statistics exchange (no host sync per micro-batch).
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.topo.device)
         loss_scale = self.loss_scaler.scale if self.loss_scaler else 1.0
         for micro in range(cfg.grad_accum):
             last = micro == cfg.grad_accum - 1
-            x, y = self.loader.next_batch()  # every pipeline stage reads it: loaders stay in step
+            with timer.phase("data"):
+                x, y = (self._to_device(t) for t in self.loader.next_batch())  # every stage reads it: in step
             if self.pipeline is not None:  # micro-batches through the stages; it syncs in the last backward
-                loss_sum += self.pipeline.run(x, y, loss_scale / cfg.grad_accum, sync=last)
+                with timer.phase("forward_backward"):
+                    loss_sum += self.pipeline.run(x, y, loss_scale / cfg.grad_accum, sync=last)
                 continue
             with contextlib.nullcontext() if last else strategy.no_sync():  # sync once per step
-                with autocast(cfg, self.topo.device):  # forward only; backward follows the forward's dtypes
-                    loss = strategy.module(x.to(self.topo.device), y.to(self.topo.device))
+                with timer.phase("forward"), autocast(cfg, self.topo.device):  # backward follows its dtypes
+                    loss = strategy.module(x, y)
                 # Mean over this rank's tokens / accumulation; the strategy averages over ranks,
                 # so the gradient is the mean over the global token count.
-                scaled = loss / cfg.grad_accum
-                (scaled if loss_scale == 1.0 else scaled * loss_scale).backward()
-            loss_sum += loss.detach().double().cpu()
+                with timer.phase("backward"):
+                    scaled = loss / cfg.grad_accum
+                    (scaled if loss_scale == 1.0 else scaled * loss_scale).backward()
+            loss_sum += loss.detach().double()
         bracketed = {}
-        if measure_sync:
+        with timer.phase("comm"):  # what of the gradient sync backward did not hide
             backward_end = time.perf_counter()
             strategy.finish_grad_sync()
-            comm.barrier()  # ...and ends when the slowest rank has its synced gradients
-            done = time.perf_counter()
-            # compute_and_sync: forward + backward + sync, barrier to barrier. sync_exposed: the part
-            # after this rank's backward returned, i.e. communication not hidden behind compute.
-            bracketed = {"compute_and_sync_s": done - start, "sync_exposed_s": done - backward_end}
+            if measure_sync:
+                comm.barrier()  # ...and ends when the slowest rank has its synced gradients
+                done = time.perf_counter()
+                # compute_and_sync: forward + backward + sync, barrier to barrier. sync_exposed: the part
+                # after this rank's backward returned, i.e. communication not hidden behind compute.
+                bracketed = {"compute_and_sync_s": done - start, "sync_exposed_s": done - backward_end}
         lr = lr_at(self.step, cfg) * self.faults.lr_factor(self.step + 1)
-        grad_norm = strategy.step(lr, loss_scale)
+        comm_before = self._comm_totals().seconds
+        with timer.phase("optimizer"):
+            grad_norm = strategy.step(lr, loss_scale)
+        timer.move(self._comm_totals().seconds - comm_before, "optimizer", "comm")
         skipped = not math.isfinite(grad_norm)
         overflow = self._check_skips(skipped)
         self.step += 1
@@ -180,23 +194,29 @@ class Trainer:
 
         held, peak = strategy.memory_bytes(), strategy.peak_memory_bytes()
         peak["device"] = device_peak_bytes(self.topo.device)
-        row = torch.tensor([float(loss_sum) / cfg.grad_accum, self._holds_loss(), strategy.param_norm()]
-                           + self._pipeline_measured()
-                           + [float(held[k]) for k in MEMORY_KINDS] + [float(peak[k]) for k in PEAK_KINDS]
-                           + self._boundary_flags(), dtype=torch.float64)
-        rows = self.topo.everyone.gather_rows(row)  # (world, 3 + 2 + 3 + 5 + 2), identical on every rank
-        memory_cols = rows[:, 5:5 + len(MEMORY_KINDS) + len(PEAK_KINDS)].long()
-        at_rest, peaks = memory_cols[:, :len(MEMORY_KINDS)], memory_cols[:, len(MEMORY_KINDS):]
-        self.agreed_stop = int(rows[:, -2].max())
-        self.stop_ranks = rows[:, -2].nonzero().flatten().tolist()
-        self.pending_save_written = bool((rows[:, -1] == 1).all())
+        host = torch.tensor([self._holds_loss()] + self._pipeline_measured()
+                            + [float(held[k]) for k in MEMORY_KINDS] + [float(peak[k]) for k in PEAK_KINDS]
+                            + self._boundary_flags(), dtype=torch.float64)
+        row = torch.cat([(loss_sum / cfg.grad_accum).reshape(1), strategy.param_norm_tensor().reshape(1),
+                         host.to(self.topo.device)])
+        # Every rank's row, on the host as Python lists (the step's one read of device values besides the
+        # gradient norm): [loss, holds loss, param norm, bubble, in flight, 3 at rest, 5 peaks, 2 flags].
+        rows = [[r[0], r[2], r[1], *r[3:]] for r in self.topo.everyone.gather_rows(row).tolist()]
+        kinds = len(MEMORY_KINDS)
+        at_rest = [[int(r[5 + i]) for r in rows] for i in range(kinds)]
+        peaks = [[int(r[5 + kinds + i]) for r in rows] for i in range(len(PEAK_KINDS))]
+        signals = [int(r[-2]) for r in rows]
+        self.agreed_stop = max(signals)
+        self.stop_ranks = [rank for rank, signum in enumerate(signals) if signum]
+        self.pending_save_written = all(r[-1] == 1 for r in rows)
         elapsed = time.perf_counter() - start
+        phases = timer.finish(elapsed)
         after = self._comm_totals()
         return StepRecord(
             step=self.step,
-            loss=float((rows[:, 0] * rows[:, 1]).sum() / rows[:, 1].sum()),  # over the ranks that compute it
+            loss=sum(r[0] * r[1] for r in rows) / sum(r[1] for r in rows),  # over the ranks that compute it
             grad_norm=grad_norm,
-            param_norm=float(rows[0, 2]),
+            param_norm=rows[0][2],
             lr=lr,
             tokens=self.tokens_per_step,
             tokens_seen=self.tokens_seen,
@@ -205,15 +225,23 @@ class Trainer:
             comm_time_s=after.seconds - before.seconds,
             comm_bytes=after.bytes - before.bytes,
             comm_calls=after.calls - before.calls,
-            param_norm_per_rank=rows[:, 2].tolist(),
-            memory={k: at_rest[:, i].tolist() for i, k in enumerate(MEMORY_KINDS)},
-            memory_peak={k: peaks[:, i].tolist() for i, k in enumerate(PEAK_KINDS)},
+            param_norm_per_rank=[r[2] for r in rows],
+            memory=dict(zip(MEMORY_KINDS, at_rest)),
+            memory_peak=dict(zip(PEAK_KINDS, peaks)),
             sync={**strategy.last_sync, **bracketed},
             skipped=skipped,
             loss_scale=loss_scale if self.loss_scaler else None,
             overflow=overflow,
-            pipeline=self._pipeline_record(rows[:, 3:5]),
+            pipeline=self._pipeline_record([r[3:5] for r in rows]),
+            phases_s=phases,
         )
+
+    def _to_device(self, batch: torch.Tensor) -> torch.Tensor:
+        """A CPU batch onto the device: on a GPU from pinned memory without blocking the host, so the copy
+        overlaps whatever the GPU is still running."""
+        if self.topo.device.type != "cuda":
+            return batch.to(self.topo.device)
+        return batch.pin_memory().to(self.topo.device, non_blocking=True)
 
     def _comm_totals(self) -> OpStats:
         """Collectives (and point-to-point transfers) so far in the data-, tensor- and pipeline-parallel groups."""
@@ -229,14 +257,16 @@ class Trainer:
         m = self.pipeline.measured if self.pipeline is not None else {}
         return [m.get("bubble", 0.0), float(m.get("peak_in_flight", 0))]
 
-    def _pipeline_record(self, measured: torch.Tensor) -> dict | None:
-        """The step's pipeline figures per stage (a stage's ranks are consecutive, pp being outermost):
-        its bubble (the mean over its ranks) and the most micro-batches any of them held at once."""
+    def _pipeline_record(self, measured: list[list[float]]) -> dict | None:
+        """The step's pipeline figures per stage from every rank's [bubble, in flight] (a stage's ranks are
+        consecutive, pp being outermost): its bubble (the mean over its ranks) and the most micro-batches
+        any of them held at once."""
         if self.pipeline is None:
             return None
-        per_stage = measured.view(self.pipeline.stages, -1, 2)
-        return {**self.pipeline.summary(), "bubble": per_stage[:, :, 0].mean(1).tolist(),
-                "peak_in_flight": per_stage[:, :, 1].max(1).values.long().tolist()}
+        per_stage = len(measured) // self.pipeline.stages
+        stages = [measured[i:i + per_stage] for i in range(0, len(measured), per_stage)]
+        return {**self.pipeline.summary(), "bubble": [sum(r[0] for r in st) / len(st) for st in stages],
+                "peak_in_flight": [int(max(r[1] for r in st)) for st in stages]}
 
     def _boundary_flags(self) -> list[float]:
         """[signal received (its number, or 0), background save: 1 written, 0 still writing or none]."""

@@ -215,7 +215,12 @@ class FlatStrategy:
         return self.flat.to_logical(self.flat.data)
 
     def param_norm(self) -> float:
-        return float(self._total_sum_sq(self._sum_sq_parts(self.flat.data, [(0, self.flat.padded_numel)])).sqrt())
+        """The global parameter norm (every shard, slice and stage): the same float on every rank."""
+        return float(self.param_norm_tensor())
+
+    def param_norm_tensor(self) -> torch.Tensor:
+        """param_norm as a float64 tensor on the device (read it when convenient: reading it waits for it)."""
+        return self._total_sum_sq(self._sum_sq_parts(self.flat.data, [(0, self.flat.padded_numel)])).sqrt()
 
     # --- memory ------------------------------------------------------------------------
     def memory_bytes(self) -> dict[str, int]:

@@ -9,8 +9,13 @@ v: 12*P/N bytes in float32 instead of 12*P. One step:
   3. Adam on the shard (clipped);
   4. all_gather the updated chunks back into every rank's full parameters.
 
-ZeRO-1 keeps a full gradient buffer, one unit (the whole model) and reduces it
-once after backward. ZeRO-2 keeps no full gradient buffer: each block is a
+ZeRO-1 keeps a full gradient buffer and one unit (the whole model). Its step 1 is
+data parallel's bucketed all-reduce, overlapped with backward (buckets.py), and each
+rank then reads its shard of the sum. An all-reduce moves twice a reduce-scatter's
+bytes in theory, but it hides behind backward, which one reduce-scatter of the whole
+model after backward cannot, and on gloo it is also the faster op (43 MB at 2 ranks:
+39 ms against 88 ms). This is how PyTorch's ZeroRedundancyOptimizer is used (under
+DDP) and DeepSpeed's stage 1 with overlap_comm. ZeRO-2 keeps no full gradient buffer: each block is a
 unit, and as soon as backward has produced a unit's last gradient its
 reduce_scatter starts (overlapping the rest of backward) into the rank's
 persistent gradient shard (4*P/N bytes). A unit's gradient exists in full
@@ -30,9 +35,10 @@ import torch
 import torch.nn as nn
 
 from ..comm import Comm, PendingCollective
+from .buckets import GradientToReduce, OverlappedAllReduce
 from .config import ParallelConfig
 from .flat import FlatStrategy, OptimizerFactory, sync_summary
-from .layout import Segment, local_views
+from .layout import Segment, local_views, take
 from .units import module_units, unit_layout
 
 MAX_INFLIGHT = 1  # unit reduce-scatters in flight before the oldest is waited for (bounds gradient memory)
@@ -85,30 +91,35 @@ class Zero1(ShardedStrategy):
     def __init__(self, model: nn.Module, comm: Comm, pcfg: ParallelConfig, make_optimizer: OptimizerFactory,
                  **kwargs):
         super().__init__(model, comm, pcfg, make_optimizer, **kwargs)
-        self._grad_shard: torch.Tensor | None = None
+        self.to_reduce = GradientToReduce(self.flat, self.ledger, self.reduce_dtype)
+        self.overlapped = OverlappedAllReduce(self.flat, comm, self.to_reduce, int(pcfg.bucket_mb * 2**20))
+        self.buckets = self.overlapped.buckets
+        self._synced = False
+
+    def no_sync(self):
+        return self.overlapped.no_sync()
 
     @torch.no_grad()
     def finish_grad_sync(self) -> None:
-        if self._grad_shard is None:
+        if not self._synced:
             self.flat.check_grads_in_place()
-            # Transient: released by step(), so not part of at-rest memory.
-            shard = self.optimizer.master.new_empty(self.optimizer.master.numel(), dtype=self.reduce_dtype)
-            self.ledger.hold("grads", shard)
-            for u, view in zip(self.flat.units, local_views(shard, self.shard_ranges)):
-                full = self.flat.grad[u.start:u.stop]
-                if full.dtype == self.reduce_dtype:
-                    self.comm.reduce_scatter_sum(view, full)
-                    continue
-                wide = full.to(self.reduce_dtype)  # mixed precision, reducing in float32
-                self.ledger.hold("grads", wide)
-                self.comm.reduce_scatter_sum(view, wide)
-                self.ledger.drop("grads", wide)
-            self._grad_shard = shard
+            backward_end = time.perf_counter()
+            intervals = self.overlapped.finish()
+            self.last_sync = {"buckets": len(self.buckets), **sync_summary(intervals, backward_end)}
+            self._synced = True
 
     def _gradient_shard(self) -> torch.Tensor:
-        shard, self._grad_shard = self._grad_shard, None
-        self.ledger.drop("grads", shard)
-        return shard
+        """This rank's ranges of the summed gradient: a view (the one unit gives one range), so no copy."""
+        summed = self.to_reduce.tensor()
+        if len(self.shard_ranges) == 1:
+            start, stop = self.shard_ranges[0]
+            return summed[start:stop]
+        return take(summed, self.shard_ranges)
+
+    def _end_step(self) -> None:
+        super()._end_step()
+        self._synced = False
+        self.to_reduce.release()
 
 
 class Zero2(ShardedStrategy):

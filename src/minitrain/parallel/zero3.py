@@ -162,11 +162,11 @@ class Zero3(Zero2):
             self.comm.all_gather(physical[unit.start:unit.stop], view)
         return self.flat.to_logical(physical)
 
-    def param_norm(self) -> float:
+    def param_norm_tensor(self) -> torch.Tensor:
         """Collective: the shards' sums of squares, all-reduced."""
         parts = self._sum_sq_parts(self.param_shard, self.shard_ranges)
         self.comm.all_reduce_sum(parts)
-        return float(self._total_sum_sq(parts).sqrt())
+        return self._total_sum_sq(parts).sqrt()
 
     def _load_params(self, local: torch.Tensor) -> None:
         self.param_shard.copy_(local)

@@ -9,9 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.optim.adamw import (
-    adamw,  # the functional form: the same kernels as torch.optim.AdamW
-)
+from torch.optim.adamw import adamw  # the functional form: the kernels torch.optim.AdamW runs
 
 from .config import TrainConfig
 

@@ -63,3 +63,26 @@ def test_fit_recovers_a_known_alpha_and_beta():
 def test_bench_comm_refuses_one_rank(tmp_path):
     result = run_main("bench", "comm", "--nproc", "1", "--out", "x", cwd=tmp_path)
     assert result.returncode == 2 and "needs at least 2 ranks" in result.stderr and not (tmp_path / "x").exists()
+
+
+def test_bench_throughput_measures_both_loops_and_writes_its_json(tmp_path):
+    result = run_cli("bench", "throughput", "--preset", "tiny", "--precision", "fp32", "bf16", "--steps", "3",
+                     "--rounds", "2", "--warmup", "1", "--out", "tp", cwd=tmp_path, timeout_s=120)
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "tp" / "throughput.json").read_text())
+    assert report["device"].startswith("CPU") and [c["precision"] for c in report["configs"]] == ["fp32", "bf16"]
+    for c in report["configs"]:
+        assert c["tokens_per_s"] > 0 and c["plain_tokens_per_s"] > 0 and len(c["rounds"]) == 2
+        ratios = sorted(r["ours"] / r["plain"] for r in c["rounds"])
+        assert abs(c["ratio"] - (ratios[0] + ratios[1]) / 2) < 1e-12  # the median of two rounds
+        # MFU is tokens/s x (6N + 12 L h T) over the measured peak; tiny: N = 30,080, L = 2, h = 32, T = 16.
+        assert c["flops_per_token"] == 6 * 30_080 + 12 * 2 * 32 * 16 and c["peak_source"].startswith("measured")
+        assert abs(c["mfu"] - c["tokens_per_s"] * c["flops_per_token"] / c["peak_flops"]) < 1e-12
+    assert "ours/plain" in result.stdout and "MFU" in result.stdout
+
+
+def test_bench_throughput_refuses_bad_input():
+    result = run_main("bench", "throughput", "--precision", "fp16")
+    assert result.returncode == 2 and "--precision 'fp16': choose from fp32, bf16" in result.stderr
+    result = run_main("bench", "throughput", "--steps", "0")
+    assert result.returncode == 2 and "--steps must be at least 1, got 0" in result.stderr

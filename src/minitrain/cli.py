@@ -89,7 +89,7 @@ def build_parser() -> Parser:
     demo.add_argument("--steps", type=int, default=20, metavar="S", help="steps; checkpoint at S/2 (default 20)")
     demo.add_argument("--out", default="runs/demo", metavar="DIR", help="output directory (default runs/demo)")
 
-    bench = sub.add_parser("bench", help="measurements: scaling, comm", description="Measurements that write their "
+    bench = sub.add_parser("bench", help="measurements: scaling, comm, throughput", description="Measurements that write their "
                            "figures, plots and raw timings to a directory.")
     bench_sub = bench.add_subparsers(dest="bench", required=True, parser_class=Parser, metavar="BENCH")
     scaling = bench_sub.add_parser("scaling", help="tokens/s with 1 vs N processes, and why",
@@ -112,6 +112,24 @@ def build_parser() -> Parser:
     comm.add_argument("--ops", nargs="+", choices=COMM_OPS, default=list(COMM_OPS), metavar="OP",
                       help=f"a subset of: {' '.join(COMM_OPS)} (default all)")
     comm.add_argument("--out", default="runs/bench-comm", metavar="DIR", help="output directory (default runs/bench-comm)")
+    speed = bench_sub.add_parser(
+        "throughput", help="one process: minitrain's trainer against a plain PyTorch loop; tokens/s and MFU",
+        description="Train the same model (same weights, data, schedule, clipping) with minitrain's trainer and "
+        "with the loop a PyTorch user writes (fused AdamW, clip_grad_norm_, autocast), alternating in rounds; "
+        "report tokens/s of each, their ratio, and MFU (6N + 12LhT FLOPs per token over the device's peak: the "
+        "data sheet on A100/H100/H200, a measured matrix multiply elsewhere). Writes throughput.json under --out.",
+        epilog="Example: minitrain bench throughput --preset small --precision fp32 bf16; on a GPU: minitrain bench "
+        "throughput --preset gpt2-124m --precision bf16 --compile")
+    speed.add_argument("--preset", default="small", help="model preset: tiny | small | gpt2-124m (default small)")
+    speed.add_argument("--precision", nargs="+", default=["fp32"], metavar="P",
+                       help="one configuration per value: fp32 | bf16 (default fp32)")
+    speed.add_argument("--compile", action="store_true", help="torch.compile each block, on both sides")
+    speed.add_argument("--batch-size", type=int, default=8, help="examples per step (default 8)")
+    speed.add_argument("--steps", type=int, default=5, help="measured steps per side and round (default 5)")
+    speed.add_argument("--rounds", type=int, default=3, help="rounds, alternating which side goes first (default 3)")
+    speed.add_argument("--warmup", type=int, default=2, help="unmeasured steps per side first (default 2)")
+    speed.add_argument("--out", default="runs/bench-throughput", metavar="DIR",
+                       help="output directory (default runs/bench-throughput)")
 
     ckpt = sub.add_parser("ckpt", help="inspect, verify or consolidate a checkpoint",
                           description="Look into a sharded checkpoint. PATH is a step directory, a checkpoints/ "
@@ -275,6 +293,14 @@ def cmd_demo(args) -> int:
 def cmd_bench(args) -> int:
     from .bench.scaling import ScalingOptions, run_scaling
 
+    if args.bench == "throughput":
+        from .bench.throughput import ThroughputOptions, check_throughput_options, run_throughput
+
+        opts = ThroughputOptions(out=args.out, preset=args.preset, precisions=args.precision, compile=args.compile,
+                                 batch_size=args.batch_size, steps=args.steps, rounds=args.rounds, warmup=args.warmup)
+        check_throughput_options(opts)
+        prepare_out_dir(args.out)
+        return run_throughput(opts)
     if args.bench == "comm":
         from .bench.comm import CommOptions, check_comm_options, run_comm
 

@@ -15,6 +15,7 @@ process's resident-set high-water mark (Linux VmHWM, reset each step through
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,6 +26,7 @@ from torch import nn
 from .metrics import format_table, human_bytes
 from .parallel.flat import FlatStrategy
 from .parallel.memory_math import MEMORY_KINDS
+
 
 @contextmanager
 def saved_activation_bytes(model: nn.Module) -> Iterator[dict[str, int]]:
@@ -72,12 +74,24 @@ def device_peak_source(device: torch.device) -> str:
     return "cuda max_memory_allocated" if device.type == "cuda" else "process peak RSS (VmHWM)"
 
 
+_PROC_FILES: dict[tuple[int, str], int] = {}  # (pid, /proc/self file) -> an open descriptor
+
+
+def _proc_file(name: str, flags: int) -> int:
+    """A descriptor of /proc/self/NAME kept open, since the trainer reads it every step (opening it
+    costs more than reading it); keyed by pid, as a forked child's /proc/self is another file."""
+    key = (os.getpid(), name)
+    if key not in _PROC_FILES:
+        _PROC_FILES[key] = os.open(f"/proc/self/{name}", flags)
+    return _PROC_FILES[key]
+
+
 def reset_device_peak(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return
     try:  # "5" resets the peak RSS of this process (Linux >= 4.0)
-        Path("/proc/self/clear_refs").write_text("5")
+        os.write(_proc_file("clear_refs", os.O_WRONLY), b"5")
     except OSError:
         pass
 
@@ -87,12 +101,11 @@ def device_peak_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
+        status = os.pread(_proc_file("status", os.O_RDONLY), 1 << 16, 0)
     except OSError:
-        pass
-    return 0
+        return 0
+    at = status.find(b"VmHWM:")
+    return 0 if at < 0 else int(status[at + 6:status.index(b"kB", at)]) * 1024
 
 
 def per_rank_expectation(strategy: FlatStrategy) -> list[float]:

@@ -44,6 +44,9 @@ def sum_of_squares(x: torch.Tensor) -> torch.Tensor:
     if x.dtype == torch.float64:
         return x.dot(x)
     buffer = _float64_workspace(x.device)
+    if x.numel() <= buffer.numel():  # one chunk: no running total to keep
+        part = buffer[:x.numel()].copy_(x)
+        return part.dot(part)
     total = torch.zeros((), dtype=torch.float64, device=x.device)
     for part in x.split(buffer.numel()):
         part = buffer[:part.numel()].copy_(part)

@@ -109,9 +109,10 @@ class Topology:
                         world=self.everyone)
 
     @classmethod
-    def single(cls) -> "Topology":
+    def single(cls, device: torch.device | str = "cpu") -> "Topology":
         """One process, no process group: the single-device reference."""
-        return cls(0, 1, 0, "none", torch.device("cpu"), Comm())
+        device = torch.device(device)
+        return cls(0, 1, 0, "none", device, Comm(device=device))
 
     @classmethod
     def from_env(cls, backend: str = "auto", timeout_s: float = 300.0) -> "Topology":

@@ -101,7 +101,7 @@ class Trainer:
         # The same path minitrain.prepare takes, with MiniGPT's plan and the CLI's own optimizer.
         self.strategy, self.pipeline = parallelize(
             self.model, topo, parallel_config(cfg), flat_adamw_factory(cfg.train), MINIGPT_PLAN,
-            cfg.train.activation_checkpointing, self._pipeline_builder())
+            cfg.train.activation_checkpointing, self._pipeline_builder(), compile=cfg.train.compile)
         # Data is split over data-parallel replicas only: a tensor-parallel group shares its batch.
         self._corpus_sha256: str | None = None  # computed at the first save (train_state)
         self.loader = ShardedLoader(load_corpus(cfg), cfg.model.seq_len, cfg.train.batch_size,
@@ -150,7 +150,8 @@ class Trainer:
         timer.start()
         strategy.ledger.reset_peak()
         reset_device_peak(self.topo.device)
-        self.model.train()
+        if not self.model.training:  # train() walks every module: not on every step
+            self.model.train()
         strategy.zero_grad()
         # On the device: summed there, read once in the statistics exchange (no host sync per micro-batch).
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.topo.device)

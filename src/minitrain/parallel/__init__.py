@@ -8,6 +8,7 @@ import torch.nn as nn
 
 from ..comm import Comm
 from .recompute import apply_activation_checkpointing
+from .compiled import compile_blocks
 from ..topology import Topology
 from .config import ParallelConfig
 from .ddp import BucketedDataParallel, NaiveDataParallel, TorchDataParallel
@@ -22,7 +23,8 @@ from .zero3 import Zero3
 
 def parallelize(model: nn.Module, topo: Topology, pcfg: ParallelConfig, make_optimizer: OptimizerFactory,
                 plan: ModelPlan | None = None, activation_checkpointing: str = "none",
-                pipeline: Callable[[FlatStrategy], Pipeline] | None = None) -> tuple[FlatStrategy, Pipeline | None]:
+                pipeline: Callable[[FlatStrategy], Pipeline] | None = None,
+                compile: bool = False) -> tuple[FlatStrategy, Pipeline | None]:
     """Apply every parallelism the layout asks for to a full model, identical on every rank (or at least
     on rank 0, whose parameters every replica receives), in the only order that works:
     0. the whole model's coordinates are taken first, so checkpoints of any part share them;
@@ -30,8 +32,9 @@ def parallelize(model: nn.Module, topo: Topology, pcfg: ParallelConfig, make_opt
        (the embedding and the head it splits over the vocabulary); everything after must see the slices;
     2. pipeline parallel (the plan's split): it deletes the (already sliced) modules other stages run,
        so that nothing after it, above all the data-parallel strategy, holds or syncs their parameters;
-    3. activation checkpointing: it wraps module calls from outside and must wrap the final
-       modules, while keeping their hooks, which ZeRO-3 installs next;
+    3. compiling each block's forward (compile=True; compiled.py), then activation checkpointing: it
+       wraps module calls from outside and must wrap the final modules, compiled, while keeping their
+       hooks, which ZeRO-3 installs next;
     4. data parallel / ZeRO over the data-parallel group (the replicas of this very slice): it
        flattens (and at ZeRO-3 shards) the parameters, so it comes last; it is told about the
        tensor- and pipeline-parallel groups so that norms cover the whole model.
@@ -49,6 +52,8 @@ def parallelize(model: nn.Module, topo: Topology, pcfg: ParallelConfig, make_opt
         whole.slices = tensor_parallel_slices(model)
     if topo.pp.world_size > 1:
         plan.pipeline_split(model, topo.pp.rank, topo.pp.world_size)
+    if compile:
+        compile_blocks(model, plan)
     apply_activation_checkpointing(model, activation_checkpointing, plan)
     strategy = make_strategy(model, topo.dp, pcfg, make_optimizer, whole, topo.tp, topo.pp)
     return strategy, (pipeline(strategy) if pipeline is not None else None)

@@ -119,7 +119,7 @@ class FlatStrategy:
         """[squares of this rank's tensor-parallel slices, squares of everything else] of a local vector
         taken from `ranges`, in float64 (no tensor parallelism: [0, everything])."""
         if self.tp.world_size == 1:
-            return torch.stack([torch.zeros((), dtype=torch.float64, device=local.device), sum_of_squares(local)])
+            return torch.cat([local.new_zeros(1, dtype=torch.float64), sum_of_squares(local).reshape(1)])
         sharded = self.flat.local_ranges(self._tp_sharded, ranges)
         in_slices = sum((sum_of_squares(local[a:b]) for a, b in sharded),
                         torch.zeros((), dtype=torch.float64, device=local.device))

@@ -216,8 +216,9 @@ class FlatParameters:
     def check_grads_in_place(self) -> None:
         """Fail loudly if autograd replaced a .grad instead of accumulating into the buffer
         (e.g. someone called zero_grad(set_to_none=True)): the sync would miss it."""
+        base, size = self.grad.data_ptr(), self.grad.element_size()  # once: this runs every step
         for seg, p in zip(self.segments, self._params):
-            if p.grad is None or p.grad.data_ptr() != self.grad[seg.offset:].data_ptr():
+            if p.grad is None or p.grad.data_ptr() != base + seg.offset * size:
                 raise RuntimeError(f"gradient of '{seg.name}' is no longer a view of the flat gradient "
                                    "buffer; zero gradients with strategy.zero_grad(), not set_to_none")
 

@@ -1,0 +1,56 @@
+"""One process: minitrain's trainer against the best plain PyTorch loop on the same model, tokens/s and MFU.
+
+Runs `minitrain bench throughput` (minitrain/bench/throughput.py: the peer loop, the alternation in
+rounds, the MFU formula) for each configuration below, in this one process, with the threads torch
+uses by default here, and records every figure. On a CPU the MFU peak is one measured matrix
+multiply; on a GPU the data sheet's dense bf16 peak.
+
+    .venv/bin/python benchmarks/throughput.py [--configs small/fp32 small/bf16 tiny/fp32] [--rounds 5] [--out FILE]
+
+Writes benchmarks/results/throughput.json (or --out: command, machine, every figure) and prints the table.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+from record import RESULTS, write_result  # benchmarks/record.py
+
+from minitrain.bench.throughput import ThroughputOptions, device_name, measure
+from minitrain.metrics import format_table
+
+CONFIGS = ["small/fp32", "small/bf16", "tiny/fp32"]
+# Steps per side and round: enough for a measurable span (tiny's step is a few ms).
+STEPS = {"tiny": 40, "small": 5, "gpt2-124m": 10}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", nargs="+", default=CONFIGS, help="preset/precision pairs")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--out", default=str(RESULTS / "throughput.json"), help="the result file")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    results = []
+    for config in args.configs:
+        preset, precision = config.split("/")
+        opts = ThroughputOptions(preset=preset, precisions=[precision], compile=args.compile,
+                                 batch_size=args.batch_size, steps=STEPS[preset], rounds=args.rounds, warmup=3)
+        results.append(measure(opts, precision, device))
+        r = results[-1]
+        print(f"{config}: ours {r['tokens_per_s']:,.0f} tok/s, plain {r['plain_tokens_per_s']:,.0f}, "
+              f"ratio {r['ratio']:.3f}", flush=True)
+    path = write_result(args.out, __file__, argv, {"device": device_name(device), "results": results,
+                                                   "format": "medians over rounds; ratio = ours / plain"})
+    print(format_table(["config", "ours tok/s", "plain tok/s", "ours/plain", "ours ms", "plain ms", "MFU"],
+                       [[c, f"{r['tokens_per_s']:,.0f}", f"{r['plain_tokens_per_s']:,.0f}", f"{r['ratio']:.3f}",
+                         f"{r['step_ms']:.2f}", f"{r['plain_step_ms']:.2f}", f"{r['mfu']:.1%}"]
+                        for c, r in zip(args.configs, results)]))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

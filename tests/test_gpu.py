@@ -1,0 +1,62 @@
+"""The speed path on a CUDA device: run where one is present (a lent GPU machine), skipped cleanly elsewhere.
+
+    .venv/bin/python -m pytest -m gpu -q      # on a machine with a GPU
+"""
+import warnings
+
+import pytest
+import torch
+
+from minitrain.config import build_config
+from minitrain.topology import Topology
+from minitrain.trainer import Trainer
+
+from .dist import run_cli
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")]
+
+
+def _trainer(**values):
+    cfg = build_config(cli_values={"model.preset": "small", "train.log_every": 0, **values}).validate()
+    return Trainer(cfg, Topology.single("cuda"))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_step_on_the_gpu_times_its_phases_with_events(precision):
+    trainer = _trainer(**{"train.precision": precision})
+    records = [trainer.train_step() for _ in range(3)]
+    assert all(r.loss == r.loss and r.grad_norm > 0 for r in records)
+    phases = records[-1].phases_s
+    assert phases["forward"] > 0 and phases["backward"] > 0 and phases["optimizer"] > 0
+    assert trainer.strategy.flat.data.is_cuda and records[-1].memory_peak["device"][0] > 0
+
+
+def test_a_step_syncs_the_host_twice_at_most():
+    # The gradient norm (the update's skip decision) and the statistics exchange; nothing else.
+    trainer = _trainer(**{"train.precision": "bf16"})
+    trainer.train_step()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.train_step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) <= 2, [str(w.message) for w in syncs]
+
+
+def test_compiled_bf16_matches_eager_on_the_gpu():
+    eager, compiled = _trainer(**{"train.precision": "bf16"}), _trainer(**{"train.precision": "bf16",
+                                                                            "train.compile": True})
+    a = [eager.train_step().loss for _ in range(3)]
+    b = [compiled.train_step().loss for _ in range(3)]
+    torch.testing.assert_close(b, a, rtol=2e-2, atol=0)
+
+
+def test_bench_throughput_on_the_gpu_reports_mfu_against_the_data_sheet(tmp_path):
+    result = run_cli("bench", "throughput", "--preset", "small", "--precision", "bf16", "--steps", "5", "--rounds",
+                     "2", "--out", "tp", cwd=tmp_path, timeout_s=600)
+    assert result.returncode == 0, result.stderr
+    assert "MFU" in result.stdout

@@ -203,19 +203,24 @@ def throughput(docs: list[dict]) -> list[str]:
     rows = []
     for r in doc["results"]:
         ratios = [x["ours"] / x["plain"] for x in r["rounds"]]
-        rows.append([r["preset"], r["precision"], "yes" if r["compile"] else "no", f"{r['tokens_per_s']:,.0f}",
+        rows.append([r["preset"], r["precision"], str(r["batch_size"]), "yes" if r["compile"] else "no",
+                     f"{r['tokens_per_s']:,.0f}",
                      f"{r['plain_tokens_per_s']:,.0f}",
                      fmt_range((r["ratio"], min(ratios), max(ratios)), "{:.3f}"),
                      f"{r['step_ms']:.2f}", f"{r['plain_step_ms']:.2f}", f"{100 * r['mfu']:.1f}%"])
     return [f"Device: {doc['device']}; MFU peak: {doc['results'][0]['peak_source']}.", "",
-            *_table(["preset", "precision", "compile", "ours tok/s", "plain tok/s", "ours / plain", "ours ms",
-                     "plain ms", "MFU"], "<<<>>>>>>", rows)]
+            *_table(["preset", "precision", "batch", "compile", "ours tok/s", "plain tok/s", "ours / plain",
+                     "ours ms", "plain ms", "MFU"], "<<><>>>>>>", rows)]
 
 
 def before_after(docs: list[dict]) -> list[str]:
     doc = docs[0]
-    names = {"optimizer_ms": "FlatAdamW step, 10.8M parameters"}
-    rows = [[names.get(metric, f"training step, `{metric.split('/')[1]}` preset, 1 process"),
+    def name(metric: str) -> str:
+        if metric == "optimizer_ms":
+            return "FlatAdamW step, 10.8M parameters"
+        return f"training step, `{metric.split('/')[1]}` preset, 1 process"
+
+    rows = [[name(metric),
              fmt_range(r["before"], "{:.1f}"), fmt_range(r["after"], "{:.1f}"), fmt_range(r["ratio"], "{:.2f}")]
             for metric, r in doc["results"].items()]
     return _table(["measured (float32, CPU)", f"before ({doc['before']}) ms", "after ms", "after / before"],

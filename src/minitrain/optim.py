@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.optim.adamw import adamw  # the functional form: the kernels torch.optim.AdamW runs
+# The functional form of AdamW: the kernels torch.optim.AdamW runs, on tensors we hold.
+from torch.optim.adamw import adamw
 
 from .config import TrainConfig
 

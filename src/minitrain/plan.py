@@ -205,14 +205,13 @@ def gathered_bytes(inp: PlanInput) -> int:
 
 def update_transients(inp: PlanInput) -> tuple[int, int]:
     """(bytes held beside the activations in backward, bytes held beside the state during the update).
-    Backward: ZeRO-0 in mixed precision reducing in fp32 sums a float32 copy of the whole gradient
-    (started by the first bucket). Update: ZeRO-1's gradient shard (reduced after backward), and
-    in mixed precision the optimizer's upcast gradient chunk (its fused kernel needs no other temporary)."""
+    Backward: ZeRO-0/1 in mixed precision reducing in fp32 sum a float32 copy of the whole gradient
+    (started by the first bucket, held through the update). Update: that copy, and in mixed precision
+    the optimizer's upcast gradient chunk (its fused kernel needs no other temporary)."""
     mixed, P = inp.precision != "fp32", layout_params(inp)
-    wide = 4 * P if inp.zero == 0 and mixed and reduce_bytes(inp) == 4 else 0
+    wide = 4 * P if inp.zero <= 1 and mixed and reduce_bytes(inp) == 4 else 0
     shard = P if inp.zero == 0 else P / inp.dp
-    update = reduce_bytes(inp) * shard if inp.zero == 1 else wide
-    update += 4 * min(shard, FlatAdamW.CHUNK) if mixed else 0
+    update = wide + (4 * min(shard, FlatAdamW.CHUNK) if mixed else 0)
     return wide, round(update)
 
 

@@ -5,8 +5,9 @@ import torch.nn as nn
 
 from minitrain.config import TrainConfig, build_config
 from minitrain.optim import flat_adamw_factory
+from minitrain.parallel.buckets import plan_buckets
 from minitrain.parallel.config import ParallelConfig
-from minitrain.parallel.ddp import BucketedDataParallel, plan_buckets
+from minitrain.parallel.ddp import BucketedDataParallel
 from minitrain.parallel.layout import Segment
 from minitrain.topology import Topology
 from minitrain.trainer import Trainer

@@ -37,7 +37,7 @@ PEERS = ("ddp", "zero-redundancy", "fsdp2-zero2", "fsdp2")
 STAGE_OF = {"ddp": 0, "zero-redundancy": 1, "fsdp2-zero2": 2, "fsdp2": 3}
 
 
-def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Matrices and embeddings decay; biases and LayerNorm gains do not (as FlatAdamW)."""
     params = list(model.parameters())
     return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
@@ -64,7 +64,7 @@ class PeerTrainer:
 
             device_ids = [topo.device] if topo.device.type == "cuda" else None
             self.module = DistributedDataParallel(self.model, device_ids=device_ids, process_group=topo.dp.group)
-            groups = _param_groups(self.model, t.weight_decay)
+            groups = decay_groups(self.model, t.weight_decay)
             if peer == "ddp":
                 self.optimizer = torch.optim.AdamW(groups, **adam)
             else:
@@ -84,7 +84,7 @@ class PeerTrainer:
                 fully_shard(block, **shard)
             self.module = fully_shard(self.model, **shard)
             # After fully_shard: it replaces every parameter with a sharded DTensor parameter.
-            self.optimizer = torch.optim.AdamW(_param_groups(self.model, t.weight_decay), **adam)
+            self.optimizer = torch.optim.AdamW(decay_groups(self.model, t.weight_decay), **adam)
         self.loader = ShardedLoader(load_corpus(cfg), cfg.model.seq_len, t.batch_size, topo.rank, topo.world_size,
                                     t.seed)
         self.step = 0

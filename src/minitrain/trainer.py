@@ -198,11 +198,12 @@ class Trainer:
         host = torch.tensor([self._holds_loss()] + self._pipeline_measured()
                             + [float(held[k]) for k in MEMORY_KINDS] + [float(peak[k]) for k in PEAK_KINDS]
                             + self._boundary_flags(), dtype=torch.float64)
-        row = torch.cat([(loss_sum / cfg.grad_accum).reshape(1), strategy.param_norm_tensor().reshape(1),
-                         host.to(self.topo.device)])
+        host = host.to(self.topo.device)
+        row = torch.cat([(loss_sum / cfg.grad_accum).reshape(1), host[:1], strategy.param_norm_tensor().reshape(1),
+                         host[1:]])
         # Every rank's row, on the host as Python lists (the step's one read of device values besides the
         # gradient norm): [loss, holds loss, param norm, bubble, in flight, 3 at rest, 5 peaks, 2 flags].
-        rows = [[r[0], r[2], r[1], *r[3:]] for r in self.topo.everyone.gather_rows(row).tolist()]
+        rows = self.topo.everyone.gather_rows(row).tolist()
         kinds = len(MEMORY_KINDS)
         at_rest = [[int(r[5 + i]) for r in rows] for i in range(kinds)]
         peaks = [[int(r[5 + kinds + i]) for r in rows] for i in range(len(PEAK_KINDS))]

@@ -26,8 +26,11 @@ import torch
 from ..config import PRESETS, ConfigError, RunConfig, build_config
 from ..data import ShardedLoader, load_corpus
 from ..metrics import format_table
+from ..minigpt_plan import MINIGPT_PLAN
 from ..model import MiniGPT
 from ..optim import FUSED_DEVICES, lr_at
+from ..parallel.compiled import compile_blocks
+from ..peers import decay_groups
 from ..plan import PlanInput, flops_per_token
 from ..precision import autocast, compute_dtype
 from ..topology import Topology
@@ -81,11 +84,8 @@ class PlainLoop:
         torch.manual_seed(t.seed)  # the trainer's initial weights
         self.model = MiniGPT(cfg.model).to(device)
         if t.compile:
-            for block in self.model.blocks.values():
-                block.forward = torch.compile(block.forward)
-        params = list(self.model.parameters())
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": t.weight_decay},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+            compile_blocks(self.model, MINIGPT_PLAN)  # as the trainer does
+        groups = decay_groups(self.model, t.weight_decay)
         kernel = {"fused": True} if device.type in FUSED_DEVICES else {"foreach": True}
         self.optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **kernel)
         self.loader = ShardedLoader(load_corpus(cfg), cfg.model.seq_len, t.batch_size, 0, 1, t.seed)

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from ..comm import Comm, PendingCollective
-from .buckets import GradientToReduce, OverlappedAllReduce, plan_buckets  # noqa: F401  plan_buckets: tests
+from .buckets import GradientToReduce, OverlappedAllReduce
 from .config import ParallelConfig
 from .flat import FlatStrategy, OptimizerFactory, sync_summary
 

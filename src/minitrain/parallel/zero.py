@@ -38,7 +38,7 @@ from ..comm import Comm, PendingCollective
 from .buckets import GradientToReduce, OverlappedAllReduce
 from .config import ParallelConfig
 from .flat import FlatStrategy, OptimizerFactory, sync_summary
-from .layout import Segment, local_views, take
+from .layout import Segment, local_views
 from .units import module_units, unit_layout
 
 MAX_INFLIGHT = 1  # unit reduce-scatters in flight before the oldest is waited for (bounds gradient memory)
@@ -109,12 +109,9 @@ class Zero1(ShardedStrategy):
             self._synced = True
 
     def _gradient_shard(self) -> torch.Tensor:
-        """This rank's ranges of the summed gradient: a view (the one unit gives one range), so no copy."""
-        summed = self.to_reduce.tensor()
-        if len(self.shard_ranges) == 1:
-            start, stop = self.shard_ranges[0]
-            return summed[start:stop]
-        return take(summed, self.shard_ranges)
+        """This rank's range of the summed gradient: a view (one unit, the whole model, gives one range)."""
+        (start, stop), = self.shard_ranges
+        return self.to_reduce.tensor()[start:stop]
 
     def _end_step(self) -> None:
         super()._end_step()

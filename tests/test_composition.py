@@ -3,10 +3,14 @@ exactly like plain PyTorch in one process (float64, 10 steps; tests/reference.py
 `parallelize`."""
 import json
 
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from minitrain.config import build_config
+from minitrain.data import load_val
+from minitrain.model import MiniGPT
 from minitrain.topology import Topology
 from minitrain.trainer import Trainer
 
@@ -18,6 +22,7 @@ STEPS = 10
 GLOBAL_BATCH = 8
 LAYOUTS = [(4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2), (1, 4, 1), (1, 1, 4)]  # (dp, tp, pp)
 MODEL = {"model.n_layer": 4, "model.d_model": 32, "model.n_head": 4, "model.vocab_size": 64}
+EVAL_BATCHES = 3
 
 
 def _config(dp, tp, pp, zero, precision="fp32"):
@@ -27,18 +32,20 @@ def _config(dp, tp, pp, zero, precision="fp32"):
         # Pipelines get 4 micro-batches per batch (GPipe for 2 stages, 1F1B for 4; both are tested alone too).
         "dist.microbatches": 4 if pp > 1 else 1, "dist.schedule": "gpipe" if pp == 2 else "1f1b",
         "train.grad_clip": 1.65,  # between the steps' gradient norms: some steps clipped, others not
-        **MODEL}).validate()
+        "eval.every": STEPS, "eval.batches": EVAL_BATCHES, **MODEL}).validate()
 
 
 def _matrix(topo):
-    """Every layout and ZeRO stage in turn on the same 4 ranks: each rank's losses and global norms."""
-    out = {}
+    """Every layout and ZeRO stage in turn on the same 4 ranks: each rank's losses and global norms, and the
+    held-out loss after the last step."""
+    out, held_out = {}, {}
     for dp, tp, pp in LAYOUTS:
         for zero in (0, 1):
             trainer = Trainer(_config(dp, tp, pp, zero), topo.with_layout(tp, pp))
             records = [trainer.train_step() for _ in range(STEPS)]
             out[(dp, tp, pp, zero)] = [(r.loss, r.grad_norm, r.param_norm) for r in records]
-    return out
+            held_out[(dp, tp, pp, zero)] = trainer.evaluate()
+    return out, held_out
 
 
 # Mixed precision through tensor and pipeline parallelism: (dp, tp, pp, zero, precision).
@@ -76,7 +83,7 @@ def test_every_layout_with_zero_0_and_1_trains_like_one_process(four_ranks):
     plain = plain_run(_config(1, 1, 1, 0))
     assert_exercises_the_loop(plain)
     reference = list(zip(plain.losses, plain.grad_norms, plain.param_norms))
-    per_rank = [matrix for matrix, _, _ in four_ranks[0]]
+    per_rank = [matrix for (matrix, _), _, _ in four_ranks[0]]
     failures = []
     for key in per_rank[0]:
         worst = max(abs(a - b) for rank in per_rank for step, ref in zip(rank[key], reference)
@@ -84,6 +91,25 @@ def test_every_layout_with_zero_0_and_1_trains_like_one_process(four_ranks):
         if not worst <= TOL:
             failures.append(f"(dp, tp, pp, zero) = {key}: off by {worst:.3g}")
     assert not failures, "\n".join(failures)
+
+
+def test_every_layout_evaluates_the_held_out_split_like_one_process(four_ranks):
+    """Validation splits the held-out batches over data-parallel ranks and averages exactly, whatever the
+    layout: the trained model's held-out loss equals plain PyTorch's mean over the same examples."""
+    cfg = _config(1, 1, 1, 0)
+    plain = plain_run(cfg)
+    model = MiniGPT(cfg.model).to(torch.float64)
+    model.load_state_dict(plain.by_name(plain.params))
+    val = torch.from_numpy(np.asarray(load_val(cfg), dtype=np.int64))
+    seq = cfg.model.seq_len
+    examples = torch.arange(EVAL_BATCHES * GLOBAL_BATCH)  # the first batches of the split, in order
+    window = val[examples[:, None] * seq + torch.arange(seq + 1)]
+    with torch.no_grad():
+        logits = model(window[:, :-1])
+        expected = F.cross_entropy(logits.reshape(-1, logits.size(-1)), window[:, 1:].reshape(-1)).item()
+    for rank, ((_, held_out), _, _) in enumerate(four_ranks[0]):
+        for key, got in held_out.items():
+            assert abs(got - expected) <= TOL, f"rank {rank}, (dp, tp, pp, zero) = {key}: {got} vs {expected}"
 
 
 def test_tensor_and_pipeline_parallel_in_bf16_and_fp16_track_plain_float32(four_ranks):

@@ -1,9 +1,22 @@
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
+import minitrain
 from minitrain.config import ConfigError, build_config
-from minitrain.data import ByteTokenizer, ShardedLoader, bin_corpus, check_corpus, make_corpus, text_corpus
+from minitrain.data import (
+    ByteTokenizer,
+    EvalBatches,
+    ShardedLoader,
+    bin_corpus,
+    check_corpus,
+    load_corpus,
+    load_val,
+    make_corpus,
+    text_corpus,
+)
 
 
 def test_synthetic_corpus_is_deterministic_and_structured():
@@ -81,7 +94,8 @@ def test_epochs_reshuffle_and_state_resumes_exactly():
 
 def test_check_corpus_explains_what_to_fix(tmp_path):
     with pytest.raises(ConfigError, match="needs model.vocab_size >= 256"):
-        check_corpus(build_config(cli_values={"data.corpus": "text"}))
+        check_corpus(build_config(cli_values={"data.corpus": "text", "model.vocab_size": 64}))
+    assert build_config(cli_values={"data.corpus": "text"}).model.vocab_size == 256  # the corpus's, unless told
     with pytest.raises(ConfigError, match="bigger corpus or a smaller batch"):
         check_corpus(build_config(cli_values={"data.synthetic_tokens": 100, "dist.nproc": 4}))
     with pytest.raises(ConfigError, match="neither"):
@@ -94,3 +108,51 @@ def test_check_corpus_explains_what_to_fix(tmp_path):
     np.array([0, 300] * 100, dtype=np.uint16).tofile(big)
     with pytest.raises(ConfigError, match="vocab_size >= 301"):
         check_corpus(build_config(cli_values={"data.corpus": str(big)}))
+
+
+def test_text_is_refused_where_tokens_are_expected(tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("an even number of bytes!")  # would read as 12 uint16 "tokens"
+    with pytest.raises(ConfigError, match=r"is text, not token ids: tokenize it first with `minitrain data prepare"):
+        check_corpus(build_config(cli_values={"data.corpus": str(notes)}))
+
+
+def test_every_corpus_holds_a_held_out_split_apart_from_its_training_tokens(tmp_path):
+    cfg = build_config(cli_values={"data.synthetic_tokens": 5000})
+    train, val = load_corpus(cfg), load_val(cfg)
+    assert len(val) == 500 and not np.array_equal(train[:500], val)
+    assert np.array_equal(train, make_corpus(0, 5000, 64))  # the training walk is what it always was
+    # The same chain: every transition of the held-out walk is one of the table's (a long training walk
+    # takes all 64 x 3 of them).
+    long = make_corpus(0, 100_000, 64)
+    table = set(zip(long[:-1].tolist(), long[1:].tolist()))
+    assert set(zip(val[:-1].tolist(), val[1:].tolist())) <= table
+    text = build_config(cli_values={"data.corpus": "text"})
+    whole = np.concatenate([load_corpus(text), load_val(text)])
+    assert np.array_equal(whole, ByteTokenizer().encode(
+        (Path(minitrain.__file__).parent / "corpora" / "field_notes.txt").read_text()))
+    assert len(load_val(text)) == len(whole) // 10 and load_val(text).size > 0
+    tokens = tmp_path / "train.bin"
+    np.arange(100, dtype=np.uint16).tofile(tokens)
+    assert load_val(build_config(cli_values={"data.corpus": str(tokens)})) is None
+    np.arange(50, dtype=np.uint16).tofile(tmp_path / "val.bin")  # nanoGPT's layout: val.bin beside train.bin
+    assert np.array_equal(load_val(build_config(cli_values={"data.corpus": str(tokens)})), np.arange(50))
+
+
+def test_evaluation_is_refused_without_a_held_out_split_or_with_too_small_a_one(tmp_path):
+    tokens = tmp_path / "tokens.bin"
+    np.arange(1000, dtype=np.uint16).tofile(tokens)
+    with pytest.raises(ConfigError, match="--eval-every needs a held-out split and corpus .* has none"):
+        build_config(cli_values={"data.corpus": str(tokens), "model.vocab_size": 1000, "eval.every": 5}).validate()
+    with pytest.raises(ConfigError, match="one evaluation batch needs batch_size x data-parallel ranks = 64"):
+        build_config(cli_values={"data.synthetic_tokens": 4000, "eval.every": 5, "train.batch_size": 16,
+                                 "dist.nproc": 4}).validate()
+
+
+def test_evaluation_batches_split_the_same_examples_over_ranks_every_time():
+    tokens = np.arange(16 * 20 + 1, dtype=np.uint16)  # 20 examples of 16 tokens
+    per_rank = [list(EvalBatches(tokens, 16, 2, rank, 3, batches=10)) for rank in range(3)]
+    assert all(len(batches) == 3 for batches in per_rank)  # 20 // (2 x 3) whole batches, not 10
+    starts = sorted(int(x[i, 0]) // 16 for batches in per_rank for x, _ in batches for i in range(2))
+    assert starts == list(range(18))  # the first 3 global batches, each example once
+    assert [x.tolist() for x, _ in per_rank[1]] == [x.tolist() for x, _ in EvalBatches(tokens, 16, 2, 1, 3, 10)]

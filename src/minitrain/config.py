@@ -15,7 +15,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .data import check_corpus
+from .data import check_corpus, check_eval_split, corpus_vocab_size
 from .errors import ConfigError
 from .faults import KINDS
 
@@ -36,7 +36,8 @@ class ModelConfig:
     n_layer: int = opt(2, "number of transformer blocks")
     d_model: int = opt(32, "width of the residual stream")
     n_head: int = opt(4, "attention heads; must divide d_model")
-    vocab_size: int = opt(64, "token vocabulary; must cover the corpus (the byte-level text corpus needs 256)")
+    vocab_size: int = opt(64, "token vocabulary; must cover the corpus. With --corpus text or a prepared directory "
+                          "it is taken from the corpus unless given here")
     seq_len: int = opt(16, "context length in tokens, also the length of every training example")
     d_ff: int = opt(0, "hidden width of the MLP; 0 means 4 * d_model")
     tie_weights: bool = opt(False, "share the token embedding with the LM head")
@@ -62,7 +63,9 @@ PRESETS: dict[str, dict] = {
 
 @dataclass
 class DataConfig:
-    corpus: str = opt("synthetic", "synthetic | text (the shipped byte-level prose) | path to a uint16 .bin token file")
+    corpus: str = opt("synthetic", "synthetic | text (the shipped byte-level prose) | a directory written by "
+                      "`minitrain data prepare` (train.bin, val.bin, tokenizer.json, meta.json) | a nanoGPT-style "
+                      "uint16 .bin token file (a val.bin beside it is its held-out split)")
     synthetic_tokens: int = opt(65536, "length of the synthetic corpus in tokens")
     corpus_seed: int = opt(0, "seed that generates the synthetic corpus (the data order uses train.seed)")
 
@@ -111,6 +114,25 @@ class TrainConfig:
 
 
 @dataclass
+class EvalConfig:
+    every: int = opt(0, "compute the loss on the corpus's held-out split every N steps and after the last; 0 = never")
+    batches: int = opt(8, "batches in each evaluation, each of train.batch_size examples per data-parallel rank "
+                       "(every rank a disjoint part; the same examples every time, so the figures compare)")
+
+
+@dataclass
+class LogConfig:
+    """Where step metrics go besides OUT/metrics.jsonl (rank 0 writes; each sink's package is imported only
+    when it is switched on)."""
+
+    tensorboard: bool = opt(False, "write TensorBoard event files to OUT/tensorboard (needs the tensorboard package)")
+    wandb: bool = opt(False, "log to Weights & Biases (needs the wandb package; WANDB_MODE=offline works offline)")
+    mlflow: bool = opt(False, "log to MLflow (needs the mlflow package; MLFLOW_TRACKING_URI, else OUT/mlruns)")
+    project: str = opt("minitrain", "W&B project / MLflow experiment name")
+    run_name: str = opt("", "the run's name in W&B / MLflow; '' = the name of the --out directory")
+
+
+@dataclass
 class DDPConfig:
     mode: str = opt("bucketed", "how data parallel syncs gradients (with --zero 0): bucketed = ours, all-reduce "
                     "per bucket overlapped with backward; naive = one all-reduce per tensor after backward; "
@@ -146,6 +168,8 @@ class CheckpointConfig:
     resume: str = opt("", "'' = start fresh, 'auto' = newest checkpoint under OUT if any, or a checkpoint path")
     async_save: bool = opt(False, "write checkpoint files in a background thread from a CPU snapshot while training "
                            "goes on; `latest` moves only once every rank's file is durable")
+    final_save: bool = opt(True, "save a checkpoint after the last step, so every run leaves a model to export "
+                           "(--no-final-save turns it off)")
 
 
 @dataclass
@@ -164,6 +188,8 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -233,6 +259,15 @@ class RunConfig:
         if not self.out.strip():
             raise ConfigError("--out is empty; name the directory the run writes to (e.g. --out runs/mine)")
         check_corpus(self)
+        _require_non_negative("eval.every", self.eval.every)
+        _require_positive("eval.batches", self.eval.batches)
+        if self.eval.every:
+            check_eval_split(self)
+        from .tracking import (
+            check_available,  # a sink switched on without its package: refused before the run
+        )
+
+        check_available(self.log)
         return self
 
     def to_dict(self) -> dict:
@@ -303,6 +338,11 @@ def profile_range(text: str, steps: int) -> tuple[int, int] | None:
     if not 1 <= a <= b <= steps:
         raise ConfigError(f"train.profile_steps {text!r} must satisfy 1 <= A <= B <= train.steps ({steps})")
     return a, b
+
+
+def _require_non_negative(name: str, value) -> None:
+    if value < 0:
+        raise ConfigError(f"{name} must be >= 0, got {value}")
 
 
 def _require_positive(name: str, value) -> None:
@@ -393,6 +433,9 @@ def build_config(file_values: dict[str, object] | None = None,
     for values in (file_values, cli_values):
         for key, value in values.items():
             _set(cfg, key, coerce(key, specs[key], value))
+    if "model.vocab_size" not in file_values and "model.vocab_size" not in cli_values:
+        # A tokenized corpus knows its vocabulary: the model takes it, whatever the preset said.
+        cfg.model.vocab_size = corpus_vocab_size(cfg.data.corpus) or cfg.model.vocab_size
     return cfg
 
 

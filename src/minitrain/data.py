@@ -1,6 +1,11 @@
 """Corpora, a byte-level tokenizer, and deterministic rank sharding.
 
-A corpus is a 1-D array of token ids. Example i is the window
+A corpus is a 1-D array of token ids for training and, where the corpus has one, a held-out
+split for validation (`load_val`): the synthetic corpus's is another walk of the same chain,
+the shipped text's its last tenth, a prepared directory's its val.bin (`minitrain data
+prepare`), a .bin file's a val.bin beside it.
+
+Example i is the window
 tokens[i*T : i*T + T + 1] (inputs are the first T tokens, targets the last T),
 so examples tile the corpus without overlap except for the shared boundary token.
 
@@ -23,6 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from . import token_files
 from .errors import ConfigError
 
 if TYPE_CHECKING:  # the type only: config imports this module to validate a run's corpus
@@ -43,18 +49,21 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
 
-def make_corpus(seed: int, total_tokens: int, vocab_size: int = 64) -> np.ndarray:
+def make_corpus(seed: int, total_tokens: int, vocab_size: int = 64, walk: int = 0) -> np.ndarray:
     """Deterministic synthetic tokens with learnable structure.
 
     A sparse Markov chain: every token has three possible successors, taken
     with probability 0.7 / 0.2 / 0.1. A model that learns the table reaches a
     loss near the chain's entropy (about 0.8 nats) from ln(vocab) at init, so
-    the loss visibly falls within a few steps.
+    the loss visibly falls within a few steps. `walk` > 0 draws another walk of the same chain
+    (the held-out split): same table, other tokens.
     """
     if total_tokens < 1 or vocab_size < 2:
         raise ValueError("need total_tokens >= 1 and vocab_size >= 2")
     rng = np.random.default_rng(seed)
     successors = rng.integers(0, vocab_size, size=(vocab_size, 3))
+    if walk:
+        rng = np.random.default_rng([seed, walk])
     choice = rng.choice(3, size=total_tokens, p=[0.7, 0.2, 0.1])
     tokens = np.empty(total_tokens, dtype=np.uint16)
     tok = int(rng.integers(0, vocab_size))
@@ -64,10 +73,28 @@ def make_corpus(seed: int, total_tokens: int, vocab_size: int = 64) -> np.ndarra
     return tokens
 
 
-def text_corpus() -> np.ndarray:
-    """The small prose corpus shipped with the package, byte-tokenized."""
+# The shipped text's last tenth is held out for validation (as nanoGPT's prepare scripts split).
+TEXT_VAL_FRACTION = 0.1
+
+
+def _text_tokens() -> np.ndarray:
     text = resources.files("minitrain").joinpath("corpora", TEXT_CORPUS).read_text(encoding="utf-8")
     return ByteTokenizer().encode(text)
+
+
+def _text_split() -> int:
+    n = len(_text_tokens())
+    return n - int(n * TEXT_VAL_FRACTION)
+
+
+def text_corpus() -> np.ndarray:
+    """The small prose corpus shipped with the package, byte-tokenized: its training part."""
+    return _text_tokens()[:_text_split()]
+
+
+def text_val_corpus() -> np.ndarray:
+    """...and its held-out last tenth."""
+    return _text_tokens()[_text_split():]
 
 
 def bin_corpus(path: str | Path) -> np.ndarray:
@@ -75,13 +102,43 @@ def bin_corpus(path: str | Path) -> np.ndarray:
     return np.memmap(path, dtype=np.uint16, mode="r")
 
 
+def synthetic_val_tokens(cfg: RunConfig) -> int:
+    """The synthetic corpus's held-out walk: a tenth of its length, at least one example."""
+    return max(cfg.data.synthetic_tokens // 10, cfg.model.seq_len + 1)
+
+
 def load_corpus(cfg: RunConfig) -> np.ndarray:
+    """The training tokens."""
     d = cfg.data
     if d.corpus == "synthetic":
         return make_corpus(d.corpus_seed, d.synthetic_tokens, cfg.model.vocab_size)
     if d.corpus == "text":
         return text_corpus()
+    if token_files.is_prepared_dir(d.corpus):
+        return token_files.open_split(d.corpus, "train")
     return bin_corpus(d.corpus)
+
+
+def load_val(cfg: RunConfig) -> np.ndarray | None:
+    """The held-out tokens, or None for a corpus without a held-out split."""
+    d = cfg.data
+    if d.corpus == "synthetic":
+        return make_corpus(d.corpus_seed, synthetic_val_tokens(cfg), cfg.model.vocab_size, walk=1)
+    if d.corpus == "text":
+        return text_val_corpus()
+    if token_files.is_prepared_dir(d.corpus):
+        return token_files.open_split(d.corpus, "val")
+    beside = Path(d.corpus).with_name("val.bin")
+    return bin_corpus(beside) if beside.is_file() and beside != Path(d.corpus) else None
+
+
+def corpus_vocab_size(corpus: str) -> int | None:
+    """The vocabulary a tokenized corpus was made with (the model takes it unless told otherwise), or None."""
+    if corpus == "text":
+        return ByteTokenizer.vocab_size
+    if token_files.is_prepared_dir(corpus):
+        return int(token_files.read_meta(corpus)["vocab_size"])
+    return None
 
 
 def corpus_fingerprint(tokens: np.ndarray) -> str:
@@ -89,8 +146,12 @@ def corpus_fingerprint(tokens: np.ndarray) -> str:
     return hashlib.sha256(memoryview(np.ascontiguousarray(tokens))).hexdigest()
 
 
+# Files that hold text, not token ids: `data prepare` turns them into a corpus directory.
+TEXT_SUFFIXES = (".txt", ".md", ".jsonl", ".json", ".csv", ".tsv", ".html", ".xml")
+
+
 def _corpus_facts(cfg: RunConfig) -> tuple[int, int]:
-    """(tokens in the corpus, vocabulary it needs), or ConfigError if it cannot be read."""
+    """(tokens in the training corpus, vocabulary it needs), or ConfigError if it cannot be read."""
     d = cfg.data
     if d.corpus == "synthetic":
         if d.synthetic_tokens < 2:
@@ -99,12 +160,23 @@ def _corpus_facts(cfg: RunConfig) -> tuple[int, int]:
     if d.corpus == "text":
         return len(text_corpus()), ByteTokenizer.vocab_size
     path = Path(d.corpus)
+    if path.is_dir():
+        meta = token_files.read_meta(path)  # ConfigError, one line, for a directory that is not a corpus
+        return int(meta["train_tokens"]), int(meta["vocab_size"])
     if not path.is_file():
-        raise ConfigError(f"corpus '{d.corpus}' is neither 'synthetic', 'text' nor an existing .bin file")
+        raise ConfigError(f"corpus '{d.corpus}' is neither 'synthetic', 'text', a directory from `minitrain data "
+                          "prepare` nor an existing .bin file")
+    if path.suffix.lower() in TEXT_SUFFIXES:
+        raise ConfigError(f"corpus {path} is text, not token ids: tokenize it first with `minitrain data prepare "
+                          f"{path} --vocab-size 4096 --out data/mine`, then pass --corpus data/mine")
+    return _bin_facts(path)
+
+
+def _bin_facts(path: Path) -> tuple[int, int]:
     size = path.stat().st_size
     if size % 2:
         raise ConfigError(f"corpus file {path} has an odd number of bytes ({size}); a token corpus is uint16, two "
-                          "bytes a token (text goes through a tokenizer first)")
+                          "bytes a token (text goes through `minitrain data prepare` first)")
     if size < 4:
         raise ConfigError(f"corpus file {path} has {size} bytes; expected at least two uint16 tokens")
     try:
@@ -131,6 +203,50 @@ def check_corpus(cfg: RunConfig) -> None:
     if examples < per_step:
         raise ConfigError(f"corpus '{d.corpus}' holds {examples} examples of {m.seq_len} tokens but one step "
                           f"needs batch_size*grad_accum*nproc = {per_step}; use a bigger corpus or a smaller batch")
+
+
+def eval_examples_per_batch(cfg: RunConfig) -> int:
+    """Examples in one evaluation batch over every data-parallel rank (train.batch_size each)."""
+    return cfg.train.batch_size * (cfg.dist.nproc // (cfg.dist.tp * cfg.dist.pp))
+
+
+def check_eval_split(cfg: RunConfig) -> None:
+    """Raise ConfigError unless the corpus has a held-out split holding at least one evaluation batch."""
+    val = load_val(cfg)
+    if val is None:
+        raise ConfigError(f"--eval-every needs a held-out split and corpus '{cfg.data.corpus}' has none; make one with "
+                          "`minitrain data prepare TEXT... --out DIR` (or put a val.bin beside the .bin file)")
+    examples, needed = (len(val) - 1) // cfg.model.seq_len, eval_examples_per_batch(cfg)
+    if examples < needed:
+        raise ConfigError(f"the held-out split of corpus '{cfg.data.corpus}' holds {examples} examples of "
+                          f"{cfg.model.seq_len} tokens, one evaluation batch needs batch_size x data-parallel ranks = "
+                          f"{needed}; use more text, a larger val split or a smaller batch")
+
+
+class EvalBatches:
+    """This rank's share of the held-out batches, the same ones at every evaluation: batch b is examples
+    b*G .. (b+1)*G - 1 of the split in order (G = batch_size x data-parallel ranks), rank r takes every
+    dp-th of them from r on. Every rank holds the same number of tokens, so the mean of the ranks' mean
+    losses is the mean over all the batch's tokens."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, rank: int, world_size: int, batches: int):
+        self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
+        self.rank, self.world_size = rank, world_size
+        global_batch = batch_size * world_size
+        self.batches = min(batches, ((len(tokens) - 1) // seq_len) // global_batch)  # at least 1: config checked
+
+    def __iter__(self):
+        for b in range(self.batches):
+            first = b * self.batch_size * self.world_size + self.rank
+            examples = np.arange(first, first + self.batch_size * self.world_size, self.world_size)
+            yield windows(self.tokens, examples, self.seq_len)
+
+
+def windows(tokens: np.ndarray, examples: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of the given examples, each (len(examples), seq_len) int64."""
+    offsets = examples[:, None] * seq_len + np.arange(seq_len + 1)
+    window = torch.from_numpy(np.asarray(tokens[offsets], dtype=np.int64))
+    return window[:, :-1], window[:, 1:]
 
 
 class ShardedLoader:
@@ -167,9 +283,7 @@ class ShardedLoader:
         self.cursor += 1
         if self.cursor == self.batches_per_epoch:
             self.epoch, self.cursor = self.epoch + 1, 0
-        offsets = examples[:, None] * self.seq_len + np.arange(self.seq_len + 1)
-        window = torch.from_numpy(np.asarray(self.tokens[offsets], dtype=np.int64))
-        return window[:, :-1], window[:, 1:]
+        return windows(self.tokens, examples, self.seq_len)
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed,

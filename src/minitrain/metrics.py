@@ -85,6 +85,12 @@ def phase_line(report: dict[str, dict[str, float]]) -> str:
     return ", ".join(f"{name} {d['ms']:.1f} ms ({d['share']:.0%})" for name, d in report.items())
 
 
+def clock(seconds: float) -> str:
+    """A duration as h:mm:ss, e.g. 0:03:07."""
+    s = round(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
 def format_table(headers: list[str], rows: list[list], align: str | None = None) -> str:
     """A plain monospace table; `align` is one of '<' or '>' per column (default: right)."""
     cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]

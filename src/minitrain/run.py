@@ -9,10 +9,11 @@ background-save progress), because each decision leads to collectives.
 """
 from __future__ import annotations
 
+import math
 import statistics
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -20,10 +21,12 @@ import torch
 from . import checkpoint, memory
 from .config import ConfigError, RunConfig, build_config, field_specs, profile_range
 from .data import corpus_fingerprint, load_corpus, num_examples
-from .metrics import MetricsWriter, phase_report, sync_report
+from .metrics import MetricsWriter, clock, phase_report, sync_report
 from .resilience import SpikeError, StopRequest
+from .run_files import write_run_start
 from .step_timer import StepProfiler
 from .topology import Topology
+from .tracking import Tracker
 from .trainer import StepRecord, Trainer
 
 
@@ -46,6 +49,10 @@ class TrainingRun:
         self.writer = (MetricsWriter(self.out / "metrics.jsonl",
                                      resume_step=self.trainer.step if self.start_path else None)
                        if topo.is_main else None)
+        self.tracker = None
+        if topo.is_main:  # what the run is, on what, with which tokenizer: before its first step
+            write_run_start(self.out, cfg, topo, self.start_path)
+            self.tracker = Tracker.open(cfg.log, self.out, cfg.to_dict())
         self.cadence = SaveCadence(cfg, topo)
         self.saved: list[str] = []
         self.records: list[StepRecord] = []
@@ -53,6 +60,8 @@ class TrainingRun:
         self.stopped_by: str | None = None
         self.profiler = StepProfiler(profile_range(cfg.train.profile_steps, cfg.train.steps), self.out / "profile",
                                      topo.rank, topo.device)
+        self.best_val: tuple[float, int] | None = None  # (loss, step)
+        self.started = time.perf_counter()
 
     def say(self, line: str, err: bool = False) -> None:
         if self.topo.is_main:
@@ -70,6 +79,7 @@ class TrainingRun:
                 self.profiler.before_step(t.step + 1)
                 record = t.train_step()
                 self.profiler.after_step(t.step)
+                record = self._evaluated(record)
                 self.records.append(record)
                 self._log(record)
                 if t.pending_save is not None and t.pending_save_written:
@@ -90,14 +100,37 @@ class TrainingRun:
             t.stop_request.uninstall()
             if self.writer:
                 self.writer.close()
+            if self.tracker:
+                self.tracker.close()
         return self._summary()
+
+    def _evaluated(self, r: StepRecord) -> StepRecord:
+        """The step's record with the time so far and, on an evaluation step (every eval.every steps and the
+        last), the held-out loss (collective: every rank evaluates alike)."""
+        every, total = self.cfg.eval.every, self.cfg.train.steps
+        val = {}
+        if every and (r.step % every == 0 or r.step == total):
+            loss = self.trainer.evaluate()
+            val = {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}  # exp overflows past ~709
+            if self.best_val is None or loss < self.best_val[0]:
+                self.best_val = (loss, r.step)
+        return replace(r, elapsed_s=time.perf_counter() - self.started, **val)
 
     def _log(self, r: StepRecord) -> None:
         if self.writer:
-            self.writer.write(asdict(r))
+            line = asdict(r)
+            self.writer.write(line)
+            self.tracker.log_record(line)
         every, total = self.cfg.train.log_every, self.cfg.train.steps
         if every and (r.step % every == 0 or r.step == total):
-            self.say(progress_line(r, total))
+            self.say(progress_line(r, total, self._eta(r)))
+
+    def _eta(self, r: StepRecord) -> float | None:
+        """Seconds still to go at this run's mean pace so far (after its first step, which pays for warm-up)."""
+        done = len(self.records) - 1
+        if done < 1:
+            return None
+        return (r.elapsed_s - self.records[0].elapsed_s) / done * (self.cfg.train.steps - r.step)
 
     # --- checkpoints ----------------------------------------------------------------------
     def _save(self, background: bool) -> None:
@@ -183,6 +216,8 @@ class TrainingRun:
             summary["memory"] = str(self.out / "memory.json")
         last = records[-1] if records else None
         return {**summary, "steps": t.step, "final_loss": None if last is None else last.loss,
+                "best_val": None if self.best_val is None else {"loss": self.best_val[0], "step": self.best_val[1]},
+                "elapsed_s": time.perf_counter() - self.started,
                 "sync": sync_report([r.sync for r in records], warmup=min(5, len(records) // 5)),
                 "profile": None if self.profiler.steps is None else str(self.out / "profile"),
                 "phases": phase_report([r.phases_s for r in records], warmup=min(5, len(records) // 5)),
@@ -196,18 +231,20 @@ class TrainingRun:
 
 
 class SaveCadence:
-    """When to checkpoint: every K steps, every M minutes, and at the last step if either is set.
-    The clock is rank 0's, broadcast each step, so every rank agrees (a save is collective)."""
+    """When to checkpoint: every K steps, every M minutes, and after the last step (unless ckpt.final_save
+    is off and neither cadence is set). The clock is rank 0's, broadcast each step, so every rank agrees
+    (a save is collective)."""
 
     def __init__(self, cfg: RunConfig, topo: Topology):
         self.every, self.minutes, self.total = cfg.ckpt.every_steps, cfg.ckpt.every_minutes, cfg.train.steps
+        self.final = cfg.ckpt.final_save or bool(self.every or self.minutes)
         self.comm = topo.everyone  # one clock for every rank: a save is collective
         self.last = time.monotonic()
 
     def due(self, step: int) -> bool:
-        if not (self.every or self.minutes):
-            return False
-        if step == self.total or (self.every and step % self.every == 0):
+        if step == self.total:
+            return self.final
+        if self.every and step % self.every == 0:
             return True
         if not self.minutes:
             return False
@@ -228,7 +265,7 @@ def pipeline_line(p: dict) -> str:
     return line
 
 
-def progress_line(r: StepRecord, total: int) -> str:
+def progress_line(r: StepRecord, total: int, eta_s: float | None = None) -> str:
     width = len(str(total))
     scale = "" if r.loss_scale is None else f"  scale {r.loss_scale:g}"
     if r.overflow:
@@ -236,8 +273,12 @@ def progress_line(r: StepRecord, total: int) -> str:
     else:
         skipped = "  SKIPPED (NaN/Inf gradients, parameters unchanged)" if r.skipped else ""
     bubble = "" if r.pipeline is None else f"  bubble {max(r.pipeline['bubble']):.0%}"
-    return (f"step {r.step:>{width}}/{total}  loss {r.loss:.4f}  grad_norm {r.grad_norm:.3f}  "
-            f"lr {r.lr:.2e}  {r.tokens_per_s:,.0f} tok/s  comm {1000 * r.comm_time_s:.1f} ms{bubble}{scale}{skipped}")
+    val = "" if r.val_loss is None else f"  val {r.val_loss:.4f} (ppl {r.val_ppl:.1f})"
+    elapsed = "" if r.elapsed_s is None else f"  {clock(r.elapsed_s)}"
+    eta = "" if eta_s is None else f" eta {clock(eta_s)}"
+    return (f"step {r.step:>{width}}/{total}  loss {r.loss:.4f}{val}  grad_norm {r.grad_norm:.3f}  "
+            f"lr {r.lr:.2e}  {r.tokens_per_s:,.0f} tok/s  comm {1000 * r.comm_time_s:.1f} ms{bubble}{scale}{skipped}"
+            f"{elapsed}{eta}")
 
 
 # --- resuming ------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import torch
 from . import checkpoint
 from .comm import CollectiveError, OpStats
 from .config import RunConfig
-from .data import ShardedLoader, corpus_fingerprint, load_corpus
+from .data import EvalBatches, ShardedLoader, corpus_fingerprint, load_corpus, load_val
 from .faults import Faults
 from .memory import device_peak_bytes, reset_device_peak
 from .minigpt_plan import MINIGPT_PLAN
@@ -87,6 +87,12 @@ class StepRecord:
     # Where this rank's step went (step_timer.py): seconds of data, forward, backward, forward_backward
     # (pipelined steps), comm (exposed), optimizer, other; None for a phase this kind of step has not.
     phases_s: dict | None = None
+    # Wall-clock seconds since the run (or its resume) started, at the end of this step.
+    elapsed_s: float | None = None
+    # The held-out loss after this step's update and its perplexity exp(val_loss): only on steps that evaluated
+    # (eval.every), else None.
+    val_loss: float | None = None
+    val_ppl: float | None = None
 
 
 class Trainer:
@@ -106,6 +112,8 @@ class Trainer:
         self._corpus_sha256: str | None = None  # computed at the first save (train_state)
         self.loader = ShardedLoader(load_corpus(cfg), cfg.model.seq_len, cfg.train.batch_size,
                                     topo.dp.rank, topo.dp.world_size, cfg.train.seed)
+        self.eval_batches = (EvalBatches(load_val(cfg), cfg.model.seq_len, cfg.train.batch_size, topo.dp.rank,
+                                         topo.dp.world_size, cfg.eval.batches) if cfg.eval.every else None)
         self.step = 0  # training steps completed (a skipped step counts: its data was consumed)
         self.skipped_steps = self.skipped_in_a_row = 0
         self.overflow_steps = 0  # fp16 steps skipped because the scaled gradients overflowed
@@ -237,6 +245,28 @@ class Trainer:
             pipeline=self._pipeline_record([r[3:5] for r in rows]),
             phases_s=phases,
         )
+
+    def evaluate(self) -> float:
+        """Collective: the mean loss over the held-out batches (data.EvalBatches: each data-parallel rank
+        its disjoint share, the same examples every time), with the model as it is now. Every rank that
+        computes a loss (all, or a pipeline's last stages) adds it in; a tensor-parallel group's ranks
+        hold the same value, so the mean over the holders is the mean over the examples."""
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.topo.device)
+        self.model.eval()  # the next train_step switches back
+        with torch.no_grad():
+            for x, y in self.eval_batches:
+                x, y = self._to_device(x), self._to_device(y)
+                if self.pipeline is not None:
+                    loss_sum += self.pipeline.evaluate(x, y)
+                else:
+                    with autocast(self.cfg.train, self.topo.device):
+                        loss_sum += self.strategy.module(x, y).double()
+        holds = self._holds_loss()
+        both = torch.stack([loss_sum * holds / self.eval_batches.batches,
+                            torch.tensor(holds, dtype=torch.float64, device=self.topo.device)])
+        self.topo.everyone.all_reduce_sum(both)
+        total, holders = both.tolist()
+        return total / holders
 
     def _to_device(self, batch: torch.Tensor) -> torch.Tensor:
         """A CPU batch onto the device: on a GPU from pinned memory without blocking the host, so the copy

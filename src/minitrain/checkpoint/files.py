@@ -14,6 +14,8 @@ import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
+from ..progress import byte_bar
+
 FORMAT = "minitrain-checkpoint/4"
 MANIFEST = "manifest.json"
 MANIFEST_SHA = "manifest.sha256"  # written after the manifest, before the directory is renamed into place
@@ -47,10 +49,11 @@ def written_by(rank: int, step: int) -> str:
 
 
 def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
+    h = hashlib.sha256()  # a bar on a terminal for a large file: hashing it takes a while
+    with open(path, "rb") as f, byte_bar(os.fstat(f.fileno()).st_size, f"sha256 {path.name}") as bar:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
+            bar.update(len(chunk))
     return h.hexdigest()
 
 

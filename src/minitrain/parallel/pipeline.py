@@ -116,6 +116,32 @@ class Pipeline:
                      "peak_in_flight": peak}
         return (loss_sum / M).cpu()
 
+    @torch.no_grad()
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forwards only, micro-batch after micro-batch (no backward, so no schedule to interleave): the
+        batch's mean loss (float64) on the last stage, 0 elsewhere."""
+        M = self.microbatches
+        xs, ys = x.to(self.device).chunk(M), y.to(self.device).chunk(M)
+        shape = (xs[0].size(0), xs[0].size(1), self.d_model)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        outgoing: list[tuple[torch.Tensor, int]] = []
+        in_flight: list[PendingCollective] = []
+        for m in range(M):
+            incoming = [] if self.first else [(torch.empty(shape, dtype=self.dtype, device=self.device),
+                                                self.stage - 1)]
+            in_flight += self.comm.exchange(outgoing, incoming)
+            with self.forward_context():
+                out = self.module(xs[m] if self.first else incoming[0][0], ys[m] if self.last_stage else None)
+            if self.last_stage:
+                loss_sum += out.double()
+                outgoing = []
+            else:
+                outgoing = [(out.to(self.dtype), self.stage + 1)]
+        in_flight += self.comm.exchange(outgoing, [])
+        for send in in_flight:
+            send.wait()
+        return loss_sum / M
+
     def _incoming(self, action: Action, shape: tuple[int, ...]) -> list[tuple[torch.Tensor, int]]:
         """The receive an action waits for: an activation from the previous stage, or a gradient from the next."""
         if action.kind == "F" and not self.first:

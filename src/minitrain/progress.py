@@ -1,0 +1,17 @@
+"""Progress bars for work long enough to watch (tqdm, on stderr): shown only when stderr is a terminal,
+so logs, pipes and tests stay clean."""
+from __future__ import annotations
+
+import sys
+
+from tqdm import tqdm
+
+# Hashing or copying less than this takes a second or two: no bar.
+LARGE_BYTES = 256 << 20
+
+
+def byte_bar(total: int, desc: str, always: bool = False) -> tqdm:
+    """A bar counting bytes (call .update(n)); `always` shows it for any size (on a terminal)."""
+    quiet = not always and total < LARGE_BYTES
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False, file=sys.stderr,
+                disable=True if quiet else None)

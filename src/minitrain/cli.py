@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import sys
 import tempfile
 from pathlib import Path
 
-from . import __version__, checkpoint
+from . import __version__, checkpoint, prepare_data, report
 from .bench.comm import OPS as COMM_OPS
 from .config import ConfigError, RunConfig, build_config, field_specs, load_toml, parse_bool
-from .metrics import phase_line
+from .metrics import clock, phase_line
 from .parallel.schedules import SCHEDULES, render_timeline
 from .launch import LaunchTimeoutError, RankFailedError, check_local_ranks, launch, run_under_torchrun
 from .topology import under_torchrun
@@ -34,6 +35,7 @@ ALIASES = {
     "train.activation_checkpointing": "--activation-checkpointing",
     "train.precision": "--precision", "train.reduce_dtype": "--reduce-dtype", "dist.tp": "--tp", "dist.pp": "--pp",
     "dist.microbatches": "--microbatches", "dist.schedule": "--schedule",
+    "eval.every": "--eval-every", "eval.batches": "--eval-batches",
 }
 
 TRAIN_EPILOG = """\
@@ -47,6 +49,9 @@ same sections as the flags, e.g.
 
 Examples:
   minitrain train --nproc 4 --zero 1 --steps 50 --out runs/z1
+  minitrain train --nproc 2 --corpus data/notes --preset small --eval-every 50 --out runs/notes
+                                           # a `minitrain data prepare` directory, validated every 50 steps
+  minitrain train --corpus data/notes --log.tensorboard --out runs/tb   # also TensorBoard event files
   minitrain train --nproc 4 --zero 3 --memory-profile --out runs/z3  # per-rank memory vs the formula
   minitrain train --nproc 2 --zero 1 --precision bf16 --out runs/bf16  # float32 master, 16-bit compute
   minitrain train --nproc 4 --tp 2 --pp 2 --microbatches 4 --model.n_layer 4 --out runs/3d
@@ -63,9 +68,11 @@ Fault tolerance: SIGTERM or SIGUSR1 to any rank (or to the launcher) makes every
 checkpoint at the next step boundary and exit 0. A step with NaN/Inf gradients is skipped on
 every rank. A loss above --spike-factor x the running mean rolls back to the last checkpoint.
 
-Writes under --out: metrics.jsonl (one JSON line per step, rank 0),
-checkpoints/step-NNNNNN/ (rank-RRRRR.safetensors + manifest.json) with a `latest` pointer,
-and memory.json with --memory-profile.
+Writes under --out: metrics.jsonl (one JSON line per step, rank 0), config.json (the resolved
+settings), env.json (versions, layout, git commit), tokenizer.json (the corpus's, if it has one),
+checkpoints/step-NNNNNN/ (rank-RRRRR.safetensors + manifest.json) with a `latest` pointer (one
+after the last step unless --no-final-save), and memory.json with --memory-profile.
+Then: `minitrain export OUT OUT/model`, `minitrain sample OUT/model --prompt ...`, `minitrain report OUT`.
 """
 
 
@@ -144,6 +151,32 @@ def build_parser() -> Parser:
     merge.add_argument("path", metavar="PATH")
     merge.add_argument("out", metavar="OUT.safetensors")
 
+    export = sub.add_parser("export", help="a run's newest checkpoint as a model directory: weights, config, tokenizer",
+                            description="Write OUT: model.safetensors (the consolidated parameters under the model's "
+                            "own keys, from any world size or layout), config.json and the corpus's tokenizer.json; "
+                            "`minitrain sample OUT` needs nothing else. RUN_OR_CKPT: a run directory (its newest "
+                            "checkpoint that verifies) or a checkpoint directory.",
+                            epilog="Example: minitrain export runs/notes runs/notes/model")
+    export.add_argument("source", metavar="RUN_OR_CKPT")
+    export.add_argument("out", metavar="OUT")
+    sampler = sub.add_parser("sample", help="generate text from an exported model",
+                             description="Load a directory `minitrain export` wrote and continue --prompt. The same "
+                             "--seed gives the same text. A model trained on a synthetic corpus has no tokenizer: "
+                             "its prompt and output are token ids.",
+                             epilog='Example: minitrain sample runs/notes/model --prompt "The river" '
+                             "--max-new-tokens 80 --temperature 0.8 --top-k 40 --seed 1")
+    sampler.add_argument("model_dir", metavar="DIR")
+    sampler.add_argument("--prompt", default="", help="text to continue ('' = start of a document)")
+    sampler.add_argument("--max-new-tokens", type=int, default=100, metavar="N", help="tokens to generate (default 100)")
+    sampler.add_argument("--temperature", type=float, default=1.0, metavar="T",
+                         help="divides the logits; lower is more predictable, 0 = always the most likely (default 1)")
+    sampler.add_argument("--top-k", type=int, default=40, metavar="K", help="draw from the K most likely tokens; "
+                         "0 = all (default 40)")
+    sampler.add_argument("--seed", type=int, default=0, metavar="S", help="the draw's seed (default 0)")
+
+    prepare_data.add_parser(sub)
+    report.add_parser(sub)
+
     planner = sub.add_parser("plan", help="memory per rank and step time, before launching",
                              description="Predict per-rank bytes (parameters, gradients, optimizer state, "
                              "activations) and the step time (compute at an MFU, each collective from an "
@@ -202,6 +235,8 @@ def build_parser() -> Parser:
         switch = {"nargs": "?", "const": True} if kind is bool else {}  # `--flag` alone means true
         group.add_argument(*flags, dest=key, type=parse_bool if kind is bool else kind, default=argparse.SUPPRESS,
                            metavar=kind.__name__.upper(), help=f"{help_text} (default: {default!r})", **switch)
+    groups["ckpt"].add_argument("--no-final-save", dest="ckpt.final_save", action="store_const", const=False,
+                                default=argparse.SUPPRESS, help="no checkpoint after the last step")
     return parser
 
 
@@ -218,6 +253,20 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_plan(args)
         if args.command == "pp-schedule":
             return cmd_pp_schedule(args)
+        if args.command == "data":
+            return prepare_data.run(args)
+        if args.command == "report":
+            return report.run(args)
+        if args.command == "export":
+            from .export import export
+
+            print(export(args.source, args.out))
+            return 0
+        if args.command == "sample":
+            from .sample import sample
+
+            print(sample(args.model_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed))
+            return 0
         return cmd_train(args)
     except (ConfigError, checkpoint.CheckpointError) as e:
         print(f"minitrain {args.command}: error: {e}", file=sys.stderr)
@@ -433,9 +482,12 @@ def _train_and_report(cfg: RunConfig, train_worker) -> int:
               f"{' '.join(map(str, p['peak_in_flight']))}")
     ckpts = f"; last checkpoint {result['checkpoints'][-1]}" if result["checkpoints"] else ""
     final = "n/a" if result["final_loss"] is None else f"{result['final_loss']:.4f}"
+    if result["best_val"]:
+        best = result["best_val"]
+        final += f", best val loss {best['loss']:.4f} (ppl {math.exp(min(best['loss'], 700.0)):.1f}) at step {best['step']}"
     stopped = f" (stopped by {result['stopped_by']})" if result["stopped_by"] else ""
     if result["rollbacks"]:
         stopped += f" ({len(result['rollbacks'])} loss-spike rollback(s))"
-    print(f"done: {result['steps']} steps{stopped} on {result['world_size']} rank(s), final loss {final}; "
-          f"metrics {result['metrics']}{ckpts}")
+    print(f"done: {result['steps']} steps{stopped} on {result['world_size']} rank(s) in {clock(result['elapsed_s'])}, "
+          f"final loss {final}; metrics {result['metrics']}{ckpts}")
     return 0

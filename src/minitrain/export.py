@@ -1,0 +1,87 @@
+"""`minitrain export RUN_OR_CKPT OUT`: a trained run as a directory a person uses.
+
+OUT holds what `minitrain sample` (or any loader of MiniGPT) needs, and nothing else:
+- model.safetensors: the consolidated parameters under MiniGPT's own state_dict keys, whatever
+  world size, ZeRO stage or dp x tp x pp layout saved them (ckpt_tool.consolidated_state_dict);
+- config.json: the model's settings (MiniGPT(ModelConfig(**config["model"])) rebuilds it), the
+  step, the checkpoint it came from and the tokenizer file's name;
+- tokenizer.json: the corpus's tokenizer (the run's copy, else the corpus directory's), when the
+  corpus has one; a synthetic corpus has none and `sample` then prints token ids.
+
+RUN_OR_CKPT: a run directory means its newest checkpoint that verifies; a checkpoints/ or step
+directory is used as `minitrain ckpt` uses it. OUT is written as a temporary sibling and renamed
+into place: never half-written.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from . import __version__, checkpoint
+from .ckpt_tool import consolidated_state_dict
+from .errors import ConfigError
+from .metrics import human_bytes
+from .run import saved_run_config
+from .run_files import TOKENIZER, copy_tokenizer
+
+WEIGHTS, CONFIG = "model.safetensors", "config.json"
+FORMAT = "minitrain-export/1"
+
+
+def source_step_dir(source: str) -> Path:
+    """The checkpoint to export: a run directory's newest verified one, else what PATH resolves to."""
+    path = Path(source)
+    if not path.exists():
+        raise ConfigError(f"{source} does not exist; give a run directory (--out of `minitrain train`) or a "
+                          "checkpoint directory")
+    if (path / "checkpoints").is_dir():
+        newest = checkpoint.find_latest(path)
+        if newest is None:
+            raise ConfigError(f"run {source} has no checkpoint yet; train it to the end (the final save) or with "
+                              "--ckpt-every-steps")
+        return newest
+    return checkpoint.resolve(path)
+
+
+def check_out(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"{out} already exists and is not empty; choose another OUT or remove it")
+    if not out.parent.is_dir():
+        raise ConfigError(f"the directory {out.parent} for OUT does not exist")
+
+
+def export(source: str, out: str) -> str:
+    target = Path(out)
+    check_out(target)
+    step_dir = source_step_dir(source)
+    step_dir, manifest = checkpoint.verify(step_dir)
+    run_config = saved_run_config(step_dir, manifest["config"])  # refuses a checkpoint of the Python API
+    state = consolidated_state_dict(str(step_dir))
+    config = {"format": FORMAT, "model_type": "minigpt", "minitrain_version": __version__,
+              "model": run_config["model"], "step": manifest["step"], "source": str(step_dir.resolve()),
+              "corpus": run_config["data"]["corpus"], "tokenizer": None}
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        run_copy = step_dir.parent.parent / TOKENIZER  # written at the run's start (run_files.py)
+        if run_copy.is_file():
+            shutil.copyfile(run_copy, tmp / TOKENIZER)
+            config["tokenizer"] = TOKENIZER
+        elif copy_tokenizer(run_config["data"]["corpus"], tmp / TOKENIZER):
+            config["tokenizer"] = TOKENIZER
+        (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        if target.exists():
+            target.rmdir()  # checked empty above
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    numel = sum(t.numel() for t in state.values())
+    tokenizer = f", tokenizer {target / TOKENIZER}" if config["tokenizer"] else " (no tokenizer: a synthetic corpus)"
+    return (f"wrote {target}: {WEIGHTS} ({numel:,} parameters, {human_bytes((target / WEIGHTS).stat().st_size)}) "
+            f"from {step_dir} (step {manifest['step']}), {CONFIG}{tokenizer}")

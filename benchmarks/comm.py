@@ -1,4 +1,4 @@
-"""`minitrain bench comm` at several world sizes, kept as result files for the README's table.
+"""`minitrain bench comm` at several world sizes, kept as result files for the table in docs/comm.md.
 
 Each world size runs the command's measurement (every collective, 1 KiB to --max-mb MiB, timed between
 barriers, alpha-beta fit; see src/minitrain/bench/comm.py) and its comm.json is kept whole.

@@ -1,6 +1,6 @@
 """What every result file records besides its figures: the command that reproduces it and the machine it ran on.
 
-The README's tables are generated from these files (benchmarks/tables.py), so a figure can always be
+The tables in README.md and docs/ are generated from these files (benchmarks/tables.py), so a figure can always be
 traced to the run that produced it and rerun the same way.
 """
 from __future__ import annotations

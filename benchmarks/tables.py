@@ -1,12 +1,13 @@
-"""The README's benchmark tables, rendered from the result files in benchmarks/results/.
+"""The benchmark tables of README.md and docs/*.md, rendered from the result files in benchmarks/results/.
 
-    python benchmarks/tables.py          # rewrite README.md's generated tables in place
-    python benchmarks/tables.py --check  # exit 1, one line per stale table, if README.md differs from the files
+    python benchmarks/tables.py          # rewrite every markdown file's generated tables in place
+    python benchmarks/tables.py --check  # exit 1, one line per problem, if a file differs from the results
 
-A generated table sits in README.md between `<!-- table: NAME -->` and `<!-- /table -->`: the markdown
-table and one line naming the result files, the command that wrote them and the machine. NAME picks
-the result files and the function that renders them (TABLES at the end). Text outside the markers is
-prose and is left alone, so a benchmark rerun changes the figures here and nowhere by hand.
+A generated table sits in a markdown file between `<!-- table: NAME -->` and `<!-- /table -->`: the
+markdown table and one line naming the result files, the command that wrote them and the machine. NAME
+picks the result files and the function that renders them (TABLES at the end). Every known table sits in
+exactly one place across README.md and docs/*.md. Text outside the markers is prose and is left alone,
+so a benchmark rerun changes the figures there and nowhere by hand.
 """
 from __future__ import annotations
 
@@ -14,12 +15,14 @@ import argparse
 import json
 import re
 import sys
+from pathlib import Path
 
 from ranges import fmt_range  # benchmarks/ranges.py
 from record import RESULTS  # benchmarks/record.py
 
 ROOT = RESULTS.parent.parent
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 # A block may be indented (a table inside a list item): its lines carry the marker's indentation.
 BLOCK = re.compile(r"^( *)<!-- table: (\S+) -->\n(.*?)^\1<!-- /table -->", re.DOTALL | re.MULTILINE)
 
@@ -99,7 +102,7 @@ def zero_stages(docs: list[dict]) -> list[str]:
             if "peer" not in entry:
                 continue  # a peer's own figures appear in its stage's row
             peer = configs[entry["peer"]]
-            # ZeRO-3 is the stage the goals are stated for (README: "Against the goals").
+            # ZeRO-3 is the stage the goals are stated for (docs/zero.md: "Against the goals").
             bold = "**{}**" if name == "zero3" else "{}"
             label = "ZeRO-0 (data parallel)" if name == "zero0" else f"ZeRO-{name[-1]}"
             rows.append([world, bold.format(label), _ms(entry["step_ms"]), _mib(entry["peak_bytes"]),
@@ -258,8 +261,17 @@ def render(name: str, indent: str = "") -> str:
                    for line in [*TABLES[name][1](docs), "", source_line(docs)])
 
 
+def markdown_files() -> list[Path]:
+    """The files tables may live in: README.md, then docs/*.md in name order."""
+    return [README, *sorted(DOCS.glob("*.md"))]
+
+
+def _name(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
 def generate(text: str) -> str:
-    """`text` (the README) with every known table rendered afresh."""
+    """`text` (one markdown file) with every known table in it rendered afresh."""
     def fresh(m: re.Match) -> str:
         indent, name = m.group(1), m.group(2)
         if name not in TABLES:
@@ -269,36 +281,69 @@ def generate(text: str) -> str:
     return BLOCK.sub(fresh, text)
 
 
-def stale(text: str) -> list[str]:
-    """One line per table of `text` (the README) that the result files would render differently."""
-    found = {m.group(2): (m.group(1), m.group(3)) for m in BLOCK.finditer(text)}
-    problems = [f"README.md: unknown table {name!r} (known: {', '.join(TABLES)})" for name in found
-                if name not in TABLES]
-    for name in TABLES:
-        if name not in found:
-            problems.append(f"README.md: no <!-- table: {name} --> block")
-        elif found[name][1] != render(name, found[name][0]):
-            problems.append(f"README.md: table {name} differs from {RESULTS.relative_to(ROOT) / TABLES[name][0]};"
+def stale(text: str, file: str = "README.md") -> list[str]:
+    """One line per problem with the tables of `text`, the markdown file named `file`: an unknown table
+    name, or a known table that the result files would render differently."""
+    problems = []
+    for m in BLOCK.finditer(text):
+        indent, name, body = m.groups()
+        if name not in TABLES:
+            problems.append(f"{file}: unknown table {name!r} (known: {', '.join(TABLES)})")
+        elif body != render(name, indent):
+            problems.append(f"{file}: table {name} differs from {RESULTS.relative_to(ROOT) / TABLES[name][0]};"
                             f" run python benchmarks/tables.py")
     return problems
+
+
+def placement(texts: dict[str, str]) -> list[str]:
+    """One line per known table that is in none of `texts` (file name -> text), or in more than one place."""
+    where: dict[str, list[str]] = {name: [] for name in TABLES}
+    for file, text in texts.items():
+        for m in BLOCK.finditer(text):
+            where.setdefault(m.group(2), []).append(file)
+    problems = []
+    for name in TABLES:
+        if not where[name]:
+            problems.append(f"no <!-- table: {name} --> block in {', '.join(texts)}")
+        elif len(where[name]) > 1:
+            problems.append(f"table {name} appears {len(where[name])} times, once is right: {', '.join(where[name])}")
+    return problems
+
+
+def check(texts: dict[str, str]) -> list[str]:
+    """Every problem with the tables of `texts` (file name -> text): each file's stale or unknown
+    tables, then known tables missing or repeated across the files."""
+    return [line for file, text in texts.items() for line in stale(text, file)] + placement(texts)
+
+
+def read_all() -> dict[str, str]:
+    """README.md and docs/*.md, by their path from the repository root."""
+    return {_name(path): path.read_text() for path in markdown_files()}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a table is stale")
     args = parser.parse_args(argv)
-    text = README.read_text()
+    texts = read_all()
     if args.check:
-        problems = stale(text)
+        problems = check(texts)
         for line in problems:
             print(line, file=sys.stderr)
         return 1 if problems else 0
-    new = generate(text)
-    if new != text:
-        README.write_text(new)
-    print(f"{'rewrote' if new != text else 'unchanged:'} {README.relative_to(ROOT)} "
-          f"({len(BLOCK.findall(new))} generated tables)")
-    return 0
+    for path in markdown_files():
+        text = texts[_name(path)]
+        count = len(BLOCK.findall(text))
+        if not count:
+            continue
+        new = generate(text)
+        if new != text:
+            path.write_text(new)
+        print(f"{'rewrote' if new != text else 'unchanged:'} {_name(path)} ({count} generated tables)")
+    problems = check(read_all())  # what rewriting cannot fix: unknown names, missing or repeated tables
+    for line in problems:
+        print(line, file=sys.stderr)
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":

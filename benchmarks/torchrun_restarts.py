@@ -11,7 +11,7 @@ rendezvous and `--standalone` (c10d), each with and without TORCH_DISABLE_SHARE_
     .venv/bin/python benchmarks/torchrun_restarts.py [--trials 10] [--label now] [--out runs/bench-restarts]
 
 Every trial's run directory is kept under --out; benchmarks/results/torchrun_restarts_{label}.json gets the
-command, the machine, which minitrain ran (a column of the README's table per label: an older commit's
+command, the machine, which minitrain ran (a column of the table in docs/fault-tolerance.md per label: an older commit's
 src/ on PYTHONPATH measures the code as it was) and every trial.
 """
 from __future__ import annotations
@@ -90,7 +90,7 @@ def trial(rdzv: list[str], env: dict, out: Path, reference: dict[str, bytes]) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=10)
-    parser.add_argument("--label", default="now", help="names the result file and the README column (default now)")
+    parser.add_argument("--label", default="now", help="names the result file and the column of docs/fault-tolerance.md's table (default now)")
     parser.add_argument("--out", default="runs/bench-restarts")
     args = parser.parse_args()
     root = Path(args.out) / args.label

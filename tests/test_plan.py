@@ -124,7 +124,7 @@ def _peaks(topo):
     return peaks
 
 
-@pytest.mark.parametrize("world", [1, 4])  # 2 ranks was measured too (README); left out for the suite's time
+@pytest.mark.parametrize("world", [1, 4])  # 2 ranks was measured too (docs/plan.md); left out for the suite's time
 def test_predicted_peak_is_within_15_percent_of_the_measured_tensor_peak(world):
     # Measured: the model state at rest plus the most bytes the step had allocated at once (the CPU
     # allocator's records; at one rank within 0.1% of the profiler's memory timeline). Mixed precision

@@ -1,4 +1,5 @@
-"""The README's benchmark tables are what benchmarks/results/*.json give (benchmarks/tables.py), never typed by hand."""
+"""The benchmark tables of README.md and docs/*.md are what benchmarks/results/*.json give
+(benchmarks/tables.py), never typed by hand."""
 import json
 import sys
 from pathlib import Path
@@ -19,19 +20,47 @@ KEYS = {"prepare_vs_peers": TIMED | {"world", "warmup"}, "zero_stages": TIMED | 
 MACHINE = {"platform", "cpus", "torch", "python"}
 
 
-def test_readme_tables_equal_what_the_result_files_give():
-    assert tables.stale(tables.README.read_text()) == []
+def _home(name: str) -> str:
+    """The one markdown file that holds table `name`."""
+    files = [file for file, text in tables.read_all().items() if f"<!-- table: {name} -->" in text]
+    assert len(files) == 1, (name, files)
+    return files[0]
+
+
+def test_readme_and_docs_tables_equal_what_the_result_files_give():
+    texts = tables.read_all()
+    assert "README.md" in texts and any(file.startswith("docs/") for file in texts)
+    assert tables.check(texts) == []
+    assert tables.main(["--check"]) == 0
 
 
 def test_a_figure_edited_by_hand_is_caught():
-    text = tables.README.read_text()
+    file = _home("zero_stages")
+    texts = tables.read_all()
+    text = texts[file]
     block = tables.render("zero_stages")
     step_ms = block.splitlines()[2].split("|")[3]  # the first row's step time, e.g. " 661 "
     edited = text.replace(block, block.replace(f"|{step_ms}|", f"| {int(step_ms) + 1} |", 1))
     assert edited != text
-    message = "README.md: table zero_stages differs from benchmarks/results/zero_stages.json; run python benchmarks/tables.py"
-    assert tables.stale(edited) == [message]
+    message = f"{file}: table zero_stages differs from benchmarks/results/zero_stages.json; run python benchmarks/tables.py"
+    assert tables.stale(edited, file) == [message]
+    assert tables.check({**texts, file: edited}) == [message]
     assert tables.generate(edited) == text
+
+
+def test_every_table_sits_in_exactly_one_place_and_unknown_names_are_reported():
+    texts = tables.read_all()
+    assert sum(text.count("<!-- table: ") for text in texts.values()) == len(tables.TABLES)
+    file = _home("zero_stages")
+    block = next(m.group(0) for m in tables.BLOCK.finditer(texts[file]) if m.group(2) == "zero_stages")
+    assert tables.check({**texts, file: texts[file].replace(block, "")}) == [
+        f"no <!-- table: zero_stages --> block in {', '.join(texts)}"]
+    assert tables.check({**texts, "README.md": texts["README.md"] + "\n" + block + "\n"}) == [
+        f"table zero_stages appears 2 times, once is right: README.md, {file}"]
+    unknown = "<!-- table: nonesuch -->\n| a |\n<!-- /table -->\n"
+    problems = tables.check({**texts, "docs/extra.md": unknown})
+    assert len(problems) == 1 and problems[0].startswith("docs/extra.md: unknown table 'nonesuch' (known: ")
+    assert tables.generate(unknown) == unknown  # left alone: no renderer to write it
 
 
 def test_every_result_file_belongs_to_a_table_and_has_its_keys():

@@ -4,8 +4,8 @@ Model-state bytes (parameters, gradients, optimizer state) are measured from
 tensors: at rest from the storages a strategy holds between steps, at peak
 from the transient tensors it reports to its MemoryLedger (gathered units,
 gradient buckets, reduce-scatter outputs, autograd's gradients before they are
-copied into a bucket). The formula is the memory math for the stage (README,
-"ZeRO"); at rest the two must be equal.
+copied into a bucket). The formula is the memory math for the stage (docs/zero.md);
+at rest the two must be equal.
 
 The device peak covers everything else as well (activations, temporaries,
 allocator slack): torch.cuda.max_memory_allocated on a GPU; on a CPU the

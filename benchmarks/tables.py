@@ -237,6 +237,7 @@ TABLES = {
     "ddp_modes": ("ddp_modes.json", ddp_modes),
     "activation_checkpointing": ("activation_checkpointing.json", activation_checkpointing),
     "tensor_parallel": ("tensor_parallel_tp*.json", tensor_parallel),
+    "tensor_parallel_llama": ("tensor_parallel_llama_tp*.json", tensor_parallel),
     "pipeline": ("pipeline_pp*_m*.json", pipeline),
     "comm": ("comm_n*.json", comm),
     "precision_memory": ("precision_memory.json", precision_memory),

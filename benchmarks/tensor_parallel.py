@@ -1,6 +1,6 @@
 """Our tensor parallelism against PyTorch's DTensor `parallelize_module` on the same model.
 
-Both split MiniGPT (`small` preset: 4 blocks, d_model 256, 8 heads, seq 128, vocab 256) across
+--model minigpt (default): both split MiniGPT (`small` preset: 4 blocks, d_model 256, 8 heads, seq 128, vocab 256) across
 `--tp` ranks from the same initial weights: attention qkv and MLP up column-parallel, attention
 output and MLP down row-parallel, the token embedding and the LM head split over the vocabulary,
 and a vocabulary-parallel loss (ours; DTensor's `loss_parallel`). DTensor's ColwiseParallel keeps
@@ -10,9 +10,16 @@ q, k and v of its heads (the same computation as ours). Timed: forward + backwar
 median over steps after warmup; the first loss of both is printed as a check that they compute
 the same thing. Ratio = ours / DTensor within each repeat; repeats alternate which goes first.
 
-    .venv/bin/python benchmarks/tensor_parallel.py [--tp 2] [--steps 8] [--repeats 3] [--out FILE]
+--model llama: a Hugging Face Llama of the same size (4 layers, hidden 256, 8 heads sharing 4 key-value
+heads, MLP 688, vocabulary 256, seq 128, batch 8, random init) split by its own plan, the one
+`minitrain.prepare(tp=T, tp_plan="auto")` applies: q, k, v, gate and up column-parallel, o and down
+row-parallel, the embedding over the vocabulary, the head column-parallel with its logits gathered;
+DTensor gets the same plan in its styles. The loss is the loop's own cross-entropy on the whole logits.
 
-Writes benchmarks/results/tensor_parallel_tp{T}.json (or --out: command, machine, every figure).
+    .venv/bin/python benchmarks/tensor_parallel.py [--model minigpt|llama] [--tp 2] [--steps 8] [--repeats 3]
+
+Writes benchmarks/results/tensor_parallel_tp{T}.json (llama: tensor_parallel_llama_tp{T}.json; or --out:
+command, machine, every figure).
 """
 from __future__ import annotations
 
@@ -25,10 +32,13 @@ from record import RESULTS  # benchmarks/record.py
 from minitrain.config import build_config
 from minitrain.data import ShardedLoader, load_corpus
 from minitrain.launch import launch
+from minitrain.minigpt_plan import TENSOR_PARALLEL
 from minitrain.model import MiniGPT
-from minitrain.minigpt_plan import tensor_parallel
+from minitrain.parallel.tp_plan import apply_tensor_parallel, hugging_face_plan
 
 MODEL = {"model.preset": "small", "train.batch_size": 8, "data.synthetic_tokens": 1 << 18, "train.log_every": 0}
+LLAMA = {"vocab_size": 256, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
+         "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 128}
 WARMUP = 2
 
 
@@ -54,13 +64,50 @@ def _dtensor(model: MiniGPT, tp) -> MiniGPT:
     return parallelize_module(model, mesh, plan)
 
 
+def _llama_dtensor(model, tp):
+    """The model's own plan in DTensor's styles."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+              "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+              "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate())}
+    plan = {pattern: styles[style]() for pattern, style in hugging_face_plan(model).items()}
+    return parallelize_module(model, DeviceMesh.from_group(tp.group, "cpu"), plan)
+
+
+def llama_worker(topo, tp_size: int, impl: str, steps: int) -> dict:
+    import torch.nn.functional as F
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    topo = topo.with_layout(tp_size, 1)
+    cfg = build_config(cli_values={**MODEL, "dist.nproc": topo.world_size, "dist.tp": tp_size}).validate()
+    torch.manual_seed(cfg.train.seed)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA, tie_word_embeddings=False))
+    if impl == "minitrain":
+        apply_tensor_parallel(model, hugging_face_plan(model), topo.tp)  # what prepare(tp=, tp_plan="auto") does
+    else:
+        model = _llama_dtensor(model, topo.tp)
+    loader = ShardedLoader(load_corpus(cfg), cfg.model.seq_len, cfg.train.batch_size, 0, 1, cfg.train.seed)
+
+    def step(x, y):
+        logits = model(input_ids=x).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        loss.backward()
+        return loss
+
+    return time_steps(step, model.zero_grad, loader, topo.tp, steps, WARMUP)
+
+
 def worker(topo, tp_size: int, impl: str, steps: int) -> dict:
     topo = topo.with_layout(tp_size, 1)
     cfg = build_config(cli_values={**MODEL, "dist.nproc": topo.world_size, "dist.tp": tp_size}).validate()
     torch.manual_seed(cfg.train.seed)
     model = MiniGPT(cfg.model)
     if impl == "minitrain":
-        tensor_parallel(model, topo.tp)  # MiniGPT's plan
+        apply_tensor_parallel(model, TENSOR_PARALLEL, topo.tp)  # MiniGPT's plan
         context = torch.enable_grad
     else:
         from torch.distributed.tensor.parallel import loss_parallel
@@ -79,16 +126,20 @@ def worker(topo, tp_size: int, impl: str, steps: int) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=("minigpt", "llama"), default="minigpt")
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", help="the result file (default benchmarks/results/tensor_parallel_tp{T}.json)")
     args = parser.parse_args(argv)
-    out = args.out or RESULTS / f"tensor_parallel_tp{args.tp}.json"
-    report, ratio = compare(lambda impl: launch(worker, args.tp, args.tp, impl, args.steps, backend="gloo",
+    llama = args.model == "llama"
+    out = args.out or RESULTS / f"tensor_parallel{'_llama' if llama else ''}_tp{args.tp}.json"
+    fn = llama_worker if llama else worker
+    report, ratio = compare(lambda impl: launch(fn, args.tp, args.tp, impl, args.steps, backend="gloo",
                                                 timeout_s=1800)[0], "dtensor", args.repeats)
     write_and_print(out, __file__, argv,
-                    {"model": MODEL, "tp": args.tp, "steps": args.steps, "warmup": WARMUP, "repeats": args.repeats},
+                    {"model": LLAMA if llama else MODEL, "tp": args.tp, "steps": args.steps, "warmup": WARMUP,
+                     "repeats": args.repeats},
                     report, ratio, "tensor parallel", "dtensor")
     return 0
 

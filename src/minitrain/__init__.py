@@ -7,12 +7,27 @@ Bring your own model, optimizer and loop (see api.py):
     model, optimizer = minitrain.prepare(model, functools.partial(torch.optim.AdamW, lr=1e-3), zero=1)
 """
 
-from .api import (PreparedOptimizer, barrier, cleanup, clip_grad_norm_, full_state_dict, init_distributed,
-                  is_main_process, load_checkpoint, no_sync, prepare, save_checkpoint, wrap_for_ddp)
+from .api import (
+                  PreparedOptimizer,
+                  barrier,
+                  cleanup,
+                  clip_grad_norm_,
+                  dp_rank,
+                  dp_world_size,
+                  full_state_dict,
+                  init_distributed,
+                  is_main_process,
+                  load_checkpoint,
+                  no_sync,
+                  prepare,
+                  save_checkpoint,
+                  wrap_for_ddp,
+)
 from .parallel.model_plan import ModelPlan
 
 __version__ = "0.1.0"
 
-__all__ = ["ModelPlan", "PreparedOptimizer", "barrier", "cleanup", "clip_grad_norm_", "full_state_dict",
+__all__ = ["ModelPlan", "PreparedOptimizer", "barrier", "cleanup", "clip_grad_norm_", "dp_rank", "dp_world_size",
+           "full_state_dict",
            "init_distributed",
            "is_main_process", "load_checkpoint", "no_sync", "prepare", "save_checkpoint", "wrap_for_ddp", "__version__"]

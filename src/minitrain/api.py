@@ -22,6 +22,7 @@ ranks that did not (within the timeout given to init_distributed) rather than ha
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import weakref
@@ -36,7 +37,12 @@ from torch import nn
 from . import checkpoint
 from .parallel import FlatStrategy, ModelPlan, cast_parameters, parallelize
 from .parallel.config import ParallelConfig
-from .parallel.shard_optimizer import OptimizerFn, TorchShardOptimizer, check_elementwise
+from .parallel.shard_optimizer import (
+    OptimizerFn,
+    TorchShardOptimizer,
+    check_elementwise,
+)
+from .parallel.tp_plan import check_heads, hugging_face_plan, resolve
 from .precision import COMPUTE_DTYPES
 from .topology import Topology, under_torchrun
 
@@ -46,6 +52,7 @@ class _Session:
     topo: Topology
     timeout_s: float
     gloo: object = None  # a gloo group for arrival checks when the backend is NCCL (monitored_barrier is gloo's)
+    layout: Topology | None = None  # the dp x tp layout of the last prepare (None: data parallel over everyone)
 
 
 _session: _Session | None = None
@@ -80,6 +87,20 @@ def is_main_process() -> bool:
     return _topology().is_main
 
 
+def dp_rank() -> int:
+    """This rank's index among the data-parallel replicas of the last `prepare` (its rank without tensor
+    parallelism): which slice of the global batch to feed. Every rank of a tensor-parallel group gets the
+    same index, and must feed the same batch."""
+    _topology()
+    return (_session.layout or _session.topo).dp.rank
+
+
+def dp_world_size() -> int:
+    """How many data-parallel replicas the last `prepare` made: world size / tp."""
+    _topology()
+    return (_session.layout or _session.topo).dp.world_size
+
+
 def barrier() -> None:
     """Wait until every rank gets here."""
     _topology().everyone.barrier()
@@ -109,6 +130,7 @@ def wrap_for_ddp(model: nn.Module) -> nn.Module:
 class _Prepared:
     strategy: FlatStrategy
     settings: dict
+    topo: Topology  # the layout the model was prepared in (the world, or dp x tp)
     max_norm: float | None = None  # set by clip_grad_norm_ for the coming step
     optimizer: PreparedOptimizer | None = field(default=None, repr=False)
 
@@ -118,9 +140,10 @@ _prepared: weakref.WeakKeyDictionary[nn.Module, _Prepared] = weakref.WeakKeyDict
 
 def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param_groups: list[dict] | None = None,
             precision: str = "fp32", reduce_dtype: str = "fp32", dp: str = "bucketed", bucket_mb: float = 25.0,
-            prefetch: bool = True, activation_checkpointing: str = "none",
-            plan: ModelPlan | None = None) -> tuple[nn.Module, PreparedOptimizer]:
-    """Make `model` train data parallel over every rank (ZeRO stage `zero`), with the user's optimizer.
+            prefetch: bool = True, activation_checkpointing: str | type = "none", tp: int = 1,
+            tp_plan: dict | str | None = None, plan: ModelPlan | None = None) -> tuple[nn.Module, PreparedOptimizer]:
+    """Make `model` train data parallel over every rank (ZeRO stage `zero`), with the user's optimizer,
+    and with tp > 1 its layers split over groups of tp adjacent ranks (tensor parallel, Megatron-style).
 
     optimizer_fn: called like a torch optimizer class on param groups, e.g.
         functools.partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.1). Under ZeRO (zero >= 1) it runs
@@ -134,12 +157,19 @@ def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param
         compute, what bf16 gradients are summed in. dp (zero=0): bucketed (all-reduce overlapped with
         backward) or naive. bucket_mb: bucket cap. prefetch (zero=3): gather the next block early.
     activation_checkpointing: none | block (recompute each layer of the model's ModuleList/ModuleDict in
-        backward) | selective (needs a plan naming what to recompute).
+        backward) | selective (needs a plan naming what to recompute) | a module-name pattern such as
+        "model.layers.*" | a module class such as LlamaDecoderLayer: those modules are recomputed.
+    tp: tensor-parallel degree (must divide the world size; data parallel runs over world / tp replicas:
+        feed each the slice of the batch dp_rank() / dp_world_size() say, the same on every rank of a
+        tensor-parallel group). tp_plan: {module-name pattern: style} (parallel/tp_plan.py lists the
+        styles), or "auto" for a Hugging Face model's own plan (its config's base_model_tp_plan and the
+        head's entry, so `model(...).logits` stays whole).
     Returns (model, optimizer): the same model object, and the optimizer to call step()/zero_grad() on.
     Every rank starts from rank 0's parameters."""
     topo = _topology()
     if not isinstance(model, nn.Module):
         raise TypeError(f"prepare needs an nn.Module, got {type(model).__name__}")
+    plan = _with_tp_plan(model, plan, tp, tp_plan, topo.world_size)
     if model in _prepared:
         raise ValueError(f"this {type(model).__name__} was already prepared; prepare a model once")
     if precision not in ("fp32", "bf16"):
@@ -178,13 +208,40 @@ def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param
     def make_optimizer(master_vec, flat, shard_ranges):
         return TorchShardOptimizer(master_vec, flat, shard_ranges, zero >= 1, optimizer_fn, groups)
 
-    strategy, _ = parallelize(model, topo, pcfg, make_optimizer, plan, activation_checkpointing)
+    layout = topo.with_layout(tp, 1)
+    strategy, _ = parallelize(model, layout, pcfg, make_optimizer, plan, activation_checkpointing)
     settings = {"zero": zero, "precision": precision, "reduce_dtype": reduce_dtype, "dp": dp, "bucket_mb": bucket_mb,
-                "prefetch": prefetch, "activation_checkpointing": activation_checkpointing}
-    state = _Prepared(strategy, settings)
+                "prefetch": prefetch, "tp": tp,
+                "activation_checkpointing": getattr(activation_checkpointing, "__name__", activation_checkpointing)}
+    _session.layout = layout
+    state = _Prepared(strategy, settings, layout)
     state.optimizer = PreparedOptimizer(strategy, state)
     _prepared[model] = state
     return model, state.optimizer
+
+
+def _with_tp_plan(model: nn.Module, plan: ModelPlan | None, tp: int, tp_plan, world: int) -> ModelPlan | None:
+    """The model plan with the tensor-parallel plan prepare was given (checked before any rank splits)."""
+    if not isinstance(tp, int) or tp < 1 or world % tp:
+        raise ValueError(f"tp must be a positive degree dividing the world size {world}, got {tp!r}")
+    if tp == 1:
+        if tp_plan is not None:
+            raise ValueError("tp_plan is given but tp=1: nothing would be split; pass tp=2 or more")
+        return plan
+    if tp_plan is None:
+        if plan is not None and plan.tensor_parallel:
+            return plan
+        raise ValueError(f"tp={tp} needs tp_plan: {{module-name pattern: style}}, or 'auto' for a Hugging Face "
+                         "model's own plan")
+    if plan is not None and plan.tensor_parallel:
+        raise ValueError("give the tensor-parallel plan once: as tp_plan or in plan.tensor_parallel, not both")
+    if tp_plan == "auto":
+        tp_plan = hugging_face_plan(model)
+    elif not isinstance(tp_plan, dict):
+        raise ValueError(f"tp_plan must be a dict of module-name pattern to style, or 'auto'; got {tp_plan!r}")
+    resolve(model, tp_plan)  # a pattern matching nothing or an unknown style: said before any group is made
+    check_heads(model, tp)
+    return dataclasses.replace(plan or ModelPlan(), tensor_parallel=tp_plan)
 
 
 def _named_groups(model: nn.Module, param_groups: list[dict] | None) -> list[tuple[list[str], dict]]:
@@ -310,7 +367,11 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> float:
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The whole model's state_dict, with exactly its own keys, on every rank (copies; the parameters are
     gathered from their shards at ZeRO-3, so it is collective there): what to evaluate or export in memory."""
-    strategy = _state_of(model).strategy
+    state = _state_of(model)
+    if state.settings["tp"] > 1:
+        raise ValueError("full_state_dict gathers data-parallel shards, not tensor-parallel slices; with tp > 1 "
+                         "save_checkpoint and consolidate it (`minitrain ckpt consolidate`)")
+    strategy = state.strategy
     flat = strategy.flat
     whole = strategy.full_params()  # every trainable parameter, in the logical layout
     by_id = {id(flat.param(s)): s for s in flat.segments}
@@ -354,7 +415,7 @@ def save_checkpoint(directory: str | Path, model: nn.Module, optimizer: Prepared
         raise ValueError(f"save_checkpoint: extra must be plain JSON (dicts, lists, strings, finite numbers): {e}") \
             from None
     _all_ranks_arrive("save_checkpoint")
-    return checkpoint.save(directory, int(step), _topology(), state.strategy, train_state, {"prepare": state.settings})
+    return checkpoint.save(directory, int(step), state.topo, state.strategy, train_state, {"prepare": state.settings})
 
 
 def load_checkpoint(directory: str | Path, model: nn.Module, optimizer: PreparedOptimizer) -> tuple[int, dict | None]:
@@ -364,9 +425,10 @@ def load_checkpoint(directory: str | Path, model: nn.Module, optimizer: Prepared
     if optimizer is not state.optimizer:
         raise ValueError("load_checkpoint takes the optimizer prepare returned with this model")
     _all_ranks_arrive("load_checkpoint")
-    train_state = checkpoint.load(directory, _topology(), state.strategy)
+    train_state = checkpoint.load(directory, state.topo, state.strategy)
     return train_state["step"], train_state.get("extra")
 
 
-__all__ = ["PreparedOptimizer", "barrier", "cleanup", "clip_grad_norm_", "full_state_dict", "init_distributed",
+__all__ = ["PreparedOptimizer", "barrier", "cleanup", "clip_grad_norm_", "dp_rank", "dp_world_size", "full_state_dict",
+           "init_distributed",
            "is_main_process", "load_checkpoint", "no_sync", "prepare", "save_checkpoint", "wrap_for_ddp"]

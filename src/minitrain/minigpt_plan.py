@@ -16,37 +16,23 @@ the final LayerNorm, head and loss on the last; MiniGPT's forward runs the parts
 """
 from __future__ import annotations
 
-import torch
 from torch import nn
 
-from .comm import Comm
 from .model import MiniGPT
 from .parallel.model_plan import ModelPlan
 from .parallel.pipeline import stage_blocks
-from .parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelCrossEntropy,
-                              VocabParallelEmbedding, even_split)
+from .parallel.tp_plan import Colwise
 
-
-def tensor_parallel(model: MiniGPT, comm: Comm) -> None:
-    if comm.world_size == 1:
-        return
-    cfg = model.cfg
-    for block in model.blocks.values():
-        attn, mlp = block.attn, block.mlp
-        head_cols = torch.arange(*even_split(cfg.d_model, comm))  # this rank's heads, as columns of the width
-        qkv_rows = torch.cat([head_cols + part * cfg.d_model for part in range(3)])  # its q, k and v rows
-        attn.qkv = ColumnParallelLinear(attn.qkv, qkv_rows, comm)
-        attn.proj = RowParallelLinear(attn.proj, head_cols, comm)
-        ff = torch.arange(*even_split(cfg.ffn_dim, comm))
-        mlp.up = ColumnParallelLinear(mlp.up, ff, comm)
-        mlp.down = RowParallelLinear(mlp.down, ff, comm)
-    lo, hi = even_split(cfg.vocab_size, comm)
-    tied = model.head.weight is model.tok_emb.weight
-    model.tok_emb = VocabParallelEmbedding(model.tok_emb, lo, hi, comm)
-    model.head = ColumnParallelLinear(model.head, torch.arange(lo, hi), comm)
-    if tied:
-        model.head.weight = model.tok_emb.weight
-    model.criterion = VocabParallelCrossEntropy(lo, comm)
+# In the plan format any model's plan uses (parallel/tp_plan.py): module-name patterns to styles.
+TENSOR_PARALLEL = {
+    "blocks.*.attn.qkv": Colwise(parts=3),  # q, k and v rows of this rank's heads
+    "blocks.*.attn.proj": "rowwise",         # the columns of those heads
+    "blocks.*.mlp.up": "colwise",
+    "blocks.*.mlp.down": "rowwise",
+    "tok_emb": "vocab_embedding",
+    "head": "vocab_head",                    # the same vocabulary rows: a tied head stays tied
+    "criterion": "vocab_loss",
+}
 
 
 def pipeline_split(model: MiniGPT, stage: int, stages: int) -> None:
@@ -70,5 +56,5 @@ def selective(model: MiniGPT) -> list[tuple[nn.Module, str]]:
     return [(block.attn, "attend") for block in model.blocks.values()]
 
 
-MINIGPT_PLAN = ModelPlan(tensor_parallel=tensor_parallel, pipeline_split=pipeline_split, blocks=blocks,
+MINIGPT_PLAN = ModelPlan(tensor_parallel=TENSOR_PARALLEL, pipeline_split=pipeline_split, blocks=blocks,
                          selective=selective)

@@ -17,6 +17,7 @@ from .layout import WholeModel
 from .model_plan import ModelPlan
 from .pipeline import Pipeline
 from .tensor import tensor_parallel_slices
+from .tp_plan import apply_tensor_parallel
 from .zero import Zero1, Zero2
 from .zero3 import Zero3
 
@@ -48,7 +49,7 @@ def parallelize(model: nn.Module, topo: Topology, pcfg: ParallelConfig, make_opt
             raise ValueError(f"{kind} parallelism (degree {degree}) needs a plan for {type(model).__name__} "
                              f"that says how to split it; without one use data parallel or ZeRO")
     if topo.tp.world_size > 1:
-        plan.tensor_parallel(model, topo.tp)
+        apply_tensor_parallel(model, plan.tensor_parallel, topo.tp)
         whole.slices = tensor_parallel_slices(model)
     if topo.pp.world_size > 1:
         plan.pipeline_split(model, topo.pp.rank, topo.pp.world_size)

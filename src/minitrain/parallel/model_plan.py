@@ -14,13 +14,11 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..comm import Comm
-
 
 @dataclass(frozen=True)
 class ModelPlan:
-    # Replace layers by their tensor-parallel slices over the group, in place (layers from parallel/tensor.py).
-    tensor_parallel: Callable[[nn.Module, Comm], None] | None = None
+    # Which modules become which tensor-parallel layers: {module-name pattern: style} (parallel/tp_plan.py).
+    tensor_parallel: dict | None = None
     # Keep only stage s of P (in place); the model's forward must then run the parts it still has.
     pipeline_split: Callable[[nn.Module, int, int], None] | None = None
     # The transformer blocks `block` activation checkpointing recomputes (None: the containers' elements).

@@ -11,6 +11,8 @@
   al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"). It holds the two
   (B, heads, T, T) tensors per layer, the part that grows with T^2, yet costs few FLOPs next to
   the matrix multiplies with weights.
+- a module-name pattern (`"model.layers.*"`, matched segment by segment as tensor-parallel plans are)
+  or an nn.Module class (`LlamaDecoderLayer`): "block" recomputation of exactly the modules named.
 Both use PyTorch's non-reentrant `torch.utils.checkpoint`, which replays the same operations on
 the same inputs (and restores the RNG state), so gradients are exactly those of the plain run.
 
@@ -26,6 +28,7 @@ import functools
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .tp_plan import matches
 from .units import repeated_blocks
 
 MODES = ("none", "block", "selective")
@@ -39,10 +42,34 @@ def _recomputed(fn):
     return run
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str, plan=None) -> nn.Module:
-    """plan: the model's ModelPlan (minigpt_plan.py has MiniGPT's), or None for a model without one."""
+def targets(model: nn.Module, which: str | type) -> list[nn.Module]:
+    """The modules a pattern or a class names (not nested in one another: the outermost are kept); ValueError
+    if none."""
+    if isinstance(which, type):
+        found = [(name, m) for name, m in model.named_modules() if isinstance(m, which)]
+        what = f"class {which.__name__}"
+    else:
+        found = [(name, m) for name, m in model.named_modules() if name and matches(which, name)]
+        what = f"pattern '{which}'"
+    if not found:
+        raise ValueError(f"activation_checkpointing {what} matches no module of {type(model).__name__}")
+    outer = [(name, m) for name, m in found
+             if not any(name.startswith(other + ".") for other, _ in found if other)]
+    return [m for _, m in outer]
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str | type, plan=None) -> nn.Module:
+    """mode: none | block | selective, a module-name pattern, or a module class. plan: the model's
+    ModelPlan (minigpt_plan.py has MiniGPT's), or None for a model without one."""
+    if isinstance(mode, type) or (isinstance(mode, str) and mode not in MODES and mode.strip()):
+        if isinstance(mode, type) and not issubclass(mode, nn.Module):
+            raise ValueError(f"activation_checkpointing={mode.__name__} is not an nn.Module class")
+        for module in targets(model, mode):
+            module.forward = _recomputed(module.forward)
+        return model
     if mode not in MODES:
-        raise ValueError(f"activation checkpointing mode must be one of {', '.join(MODES)}; got {mode!r}")
+        raise ValueError(f"activation checkpointing must be one of {', '.join(MODES)}, a module-name pattern or "
+                         f"a module class; got {mode!r}")
     if mode == "none":
         return model
     if mode == "block":

@@ -66,6 +66,25 @@ class _ReduceFromTensorParallel(torch.autograd.Function):
         return grad, None
 
 
+class _GatherFromTensorParallel(torch.autograd.Function):
+    """All-gather along the last dimension in forward (every rank's slice, in rank order), this rank's
+    slice of the gradient in backward: for a column-parallel output that the code after it reads whole
+    (a Hugging Face head whose logits the user's loss takes). Every rank then computes the same thing
+    from the whole output, so its gradient is already the whole gradient: no sum, just the slice."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:
+        ctx.comm, ctx.width = comm, x.size(-1)
+        pieces = x.new_empty((comm.world_size, *x.shape))
+        comm.all_gather(pieces.view(-1), x.contiguous().view(-1))
+        return pieces.movedim(0, -2).reshape(*x.shape[:-1], comm.world_size * x.size(-1))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        lo = ctx.comm.rank * ctx.width
+        return grad[..., lo:lo + ctx.width].contiguous(), None
+
+
 def copy_to_tensor_parallel(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     return _CopyToTensorParallel.apply(x, comm)
 
@@ -94,11 +113,12 @@ def tensor_parallel_slices(model: nn.Module) -> dict[str, TensorSlice]:
 
 class ColumnParallelLinear(nn.Module):
     """y_r = f(x) A_r^T + b_r: this rank's output features `rows` of a full nn.Linear. The output
-    stays split (the next layer is row-parallel, or the vocabulary-parallel loss)."""
+    stays split (the next layer is row-parallel, or the vocabulary-parallel loss), or with
+    gather_output is all-gathered whole (then `rows` must be this rank's contiguous share)."""
 
-    def __init__(self, full: nn.Linear, rows: torch.Tensor, comm: Comm):
+    def __init__(self, full: nn.Linear, rows: torch.Tensor, comm: Comm, gather_output: bool = False):
         super().__init__()
-        self.comm = comm
+        self.comm, self.gather_output = comm, gather_output
         self.weight, weight = _sharded(full.weight, 0, rows)
         self.slices = {"weight": weight}
         self.bias = None
@@ -106,7 +126,8 @@ class ColumnParallelLinear(nn.Module):
             self.bias, self.slices["bias"] = _sharded(full.bias, 0, rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(copy_to_tensor_parallel(x, self.comm), self.weight, self.bias)
+        y = F.linear(copy_to_tensor_parallel(x, self.comm), self.weight, self.bias)
+        return _GatherFromTensorParallel.apply(y, self.comm) if self.gather_output else y
 
 
 class RowParallelLinear(nn.Module):
@@ -179,14 +200,15 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, lo
 
 
 class VocabParallelCrossEntropy(nn.Module):
-    """Mean cross-entropy of logits that hold vocabulary entries [lo, lo + their width) on this rank."""
+    """Mean cross-entropy of logits split evenly over the vocabulary: rank r holds entries
+    [r x width, (r + 1) x width), as a vocabulary-parallel head gives them."""
 
-    def __init__(self, lo: int, comm: Comm):
+    def __init__(self, comm: Comm):
         super().__init__()
-        self.lo, self.comm = lo, comm
+        self.comm = comm
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits, targets, self.lo, self.comm)
+        return vocab_parallel_cross_entropy(logits, targets, self.comm.rank * logits.size(-1), self.comm)
 
 
 def even_split(n: int, comm: Comm) -> tuple[int, int]:

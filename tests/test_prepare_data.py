@@ -287,6 +287,7 @@ REFUSALS = {  # name: (inputs and flags, given tmp_path; what the message says)
     "tokenizer invalid": (lambda p: [_ok(p), "--tokenizer", _write(p, "t.json", "{not json")], "cannot load tokenizer"),
     "both": (lambda p: [_ok(p), "--vocab-size", 300, "--tokenizer", p / "t.json"], "not both"),
     "neither": (lambda p: [_ok(p)], "give either --vocab-size N"),
+    "same input twice": (lambda p: [_ok(p), p / "ok.txt", "--vocab-size", 300], "ok.txt is given twice"),
 }
 
 

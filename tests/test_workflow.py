@@ -223,3 +223,54 @@ def test_hashing_a_large_file_shows_a_progress_bar_on_a_terminal_only(tmp_path, 
     monkeypatch.setattr(sys, "stderr", Terminal())
     sha256_of(big)
     assert sys.stderr.getvalue() == ""  # a small file: no bar even on a terminal
+
+
+def _corpus_copy(trained, tmp_path, name: str) -> Path:
+    root, _ = trained
+    copy = tmp_path / name
+    shutil.copytree(root / "notes", copy)
+    return copy
+
+
+def test_a_damaged_corpus_directory_is_refused_before_anything_is_written(trained, tmp_path, capsys):
+    small = _corpus_copy(trained, tmp_path, "small-vocab")
+    meta = json.loads((small / "meta.json").read_text())
+    (small / "meta.json").write_text(json.dumps({**meta, "vocab_size": 100}))  # the files hold ids up to 511
+    _one_line_error(capsys, ["train", "--corpus", str(small), "--out", str(tmp_path / "r1")],
+                    "beyond the vocabulary of 100")
+    outside = _corpus_copy(trained, tmp_path, "outside")
+    (outside / "meta.json").write_text(json.dumps({**meta, "tokenizer": "../../etc/hostname"}))
+    _one_line_error(capsys, ["train", "--corpus", str(outside), "--out", str(tmp_path / "r2")],
+                    "must name a file in the corpus directory itself")
+    missing = _corpus_copy(trained, tmp_path, "missing")
+    (missing / "tokenizer.json").unlink()
+    _one_line_error(capsys, ["train", "--corpus", str(missing), "--out", str(tmp_path / "r3")], "is missing")
+    _one_line_error(capsys, ["train", "--corpus", str(missing / "train.bin"), "--out", str(tmp_path / "r4")],
+                    f"pass --corpus {missing}")  # its dtype is in meta.json: never read a split as a bare .bin
+    assert not any((tmp_path / f"r{i}").exists() for i in range(1, 5))
+
+
+def test_a_resumed_run_remembers_its_best_validation_loss(tmp_path):
+    common = ["--nproc", "1", "--eval-every", "2", "--eval-batches", "2", "--train.log_every", "0",
+              "--out", str(tmp_path / "run")]
+    first = run_cli("train", "--steps", "4", "--ckpt-every-steps", "2", *common)
+    assert first.returncode == 0, first.stderr
+    # Continued with a learning rate that wrecks the model: the best stays the first session's.
+    second = run_cli("train", "--steps", "6", "--resume", "auto", "--lr", "30", "--train.grad_clip", "0",
+                     "--spike-factor", "0", *common)
+    assert second.returncode == 0, second.stderr
+    steps = _steps(tmp_path / "run")
+    best = min((s for s in steps if s["val_loss"] is not None), key=lambda s: s["val_loss"])
+    assert best["step"] <= 4 and f"best val loss {best['val_loss']:.4f}" in second.stdout, second.stdout
+
+
+def test_sample_refuses_a_prompt_that_is_not_text_and_a_config_that_builds_no_model(trained, tmp_path, capsys):
+    root, _ = trained
+    _one_line_error(capsys, ["sample", str(root / "model"), "--prompt", "caf\udcff"], "not valid UTF-8")
+    _one_line_error(capsys, ["sample", str(root / "model"), "--temperature", "inf"], "finite number")
+    bad = tmp_path / "bad-heads"
+    shutil.copytree(root / "model", bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["model"]["n_head"] = 5  # does not divide d_model 64
+    (bad / "config.json").write_text(json.dumps(config))
+    _one_line_error(capsys, ["sample", str(bad)], "does not divide model.d_model=64")

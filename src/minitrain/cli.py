@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import os
 import sys
 import tempfile
@@ -16,7 +15,7 @@ from pathlib import Path
 from . import __version__, checkpoint, prepare_data, report
 from .bench.comm import OPS as COMM_OPS
 from .config import ConfigError, RunConfig, build_config, field_specs, load_toml, parse_bool
-from .metrics import clock, phase_line
+from .metrics import clock, perplexity, phase_line
 from .parallel.schedules import SCHEDULES, render_timeline
 from .launch import LaunchTimeoutError, RankFailedError, check_local_ranks, launch, run_under_torchrun
 from .topology import under_torchrun
@@ -156,16 +155,19 @@ def build_parser() -> Parser:
                             "own keys, from any world size or layout), config.json and the corpus's tokenizer.json; "
                             "`minitrain sample OUT` needs nothing else. RUN_OR_CKPT: a run directory (its newest "
                             "checkpoint that verifies) or a checkpoint directory.",
-                            epilog="Example: minitrain export runs/notes runs/notes/model")
-    export.add_argument("source", metavar="RUN_OR_CKPT")
-    export.add_argument("out", metavar="OUT")
+                            epilog="Example:\n  minitrain export runs/notes runs/notes/model",
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    export.add_argument("source", metavar="RUN_OR_CKPT", help="a run directory, or a checkpoints/ or step-NNNNNN "
+                        "directory")
+    export.add_argument("out", metavar="OUT", help="the directory to write (must not exist, or be empty)")
     sampler = sub.add_parser("sample", help="generate text from an exported model",
                              description="Load a directory `minitrain export` wrote and continue --prompt. The same "
                              "--seed gives the same text. A model trained on a synthetic corpus has no tokenizer: "
                              "its prompt and output are token ids.",
-                             epilog='Example: minitrain sample runs/notes/model --prompt "The river" '
-                             "--max-new-tokens 80 --temperature 0.8 --top-k 40 --seed 1")
-    sampler.add_argument("model_dir", metavar="DIR")
+                             epilog='Example:\n  minitrain sample runs/notes/model --prompt "The river" '
+                             "--max-new-tokens 80 --temperature 0.8 --top-k 40 --seed 1",
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+    sampler.add_argument("model_dir", metavar="DIR", help="a directory `minitrain export` wrote")
     sampler.add_argument("--prompt", default="", help="text to continue ('' = start of a document)")
     sampler.add_argument("--max-new-tokens", type=int, default=100, metavar="N", help="tokens to generate (default 100)")
     sampler.add_argument("--temperature", type=float, default=1.0, metavar="T",
@@ -484,10 +486,10 @@ def _train_and_report(cfg: RunConfig, train_worker) -> int:
     final = "n/a" if result["final_loss"] is None else f"{result['final_loss']:.4f}"
     if result["best_val"]:
         best = result["best_val"]
-        final += f", best val loss {best['loss']:.4f} (ppl {math.exp(min(best['loss'], 700.0)):.1f}) at step {best['step']}"
+        final += f", best val loss {best['loss']:.4f} (ppl {perplexity(best['loss'])}) at step {best['step']}"
     stopped = f" (stopped by {result['stopped_by']})" if result["stopped_by"] else ""
     if result["rollbacks"]:
         stopped += f" ({len(result['rollbacks'])} loss-spike rollback(s))"
-    print(f"done: {result['steps']} steps{stopped} on {result['world_size']} rank(s) in {clock(result['elapsed_s'])}, "
+    print(f"done: {result['steps']} step{'s' if result['steps'] != 1 else ''}{stopped} on {result['world_size']} rank(s) in {clock(result['elapsed_s'])}, "
           f"final loss {final}; metrics {result['metrics']}{ckpts}")
     return 0

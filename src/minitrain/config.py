@@ -117,7 +117,8 @@ class TrainConfig:
 class EvalConfig:
     every: int = opt(0, "compute the loss on the corpus's held-out split every N steps and after the last; 0 = never")
     batches: int = opt(8, "batches in each evaluation, each of train.batch_size examples per data-parallel rank "
-                       "(every rank a disjoint part; the same examples every time, so the figures compare)")
+                       "(every rank a disjoint part; the same examples every time, so the figures compare; capped "
+                       "at what the held-out split holds)")
 
 
 @dataclass
@@ -202,15 +203,7 @@ class RunConfig:
             value = _get(self, key)
             if kind is float and not math.isfinite(value):
                 raise ConfigError(f"{key} must be a finite number, got {value}")
-        if m.preset not in PRESETS:
-            raise ConfigError(f"unknown preset '{m.preset}'; choose one of: {', '.join(PRESETS)}")
-        for name in ("n_layer", "d_model", "n_head", "vocab_size", "seq_len"):
-            _require_positive(f"model.{name}", getattr(m, name))
-        if m.d_model % m.n_head:
-            raise ConfigError(f"model.n_head={m.n_head} does not divide model.d_model={m.d_model}; "
-                              "pick a head count that divides the width")
-        if m.d_ff < 0:
-            raise ConfigError(f"model.d_ff must be >= 0 (0 means 4 * d_model), got {m.d_ff}")
+        check_model(m)
         for name in ("steps", "batch_size", "grad_accum"):
             _require_positive(f"train.{name}", getattr(t, name))
         if d.nproc < 1:
@@ -232,7 +225,6 @@ class RunConfig:
             raise ConfigError(f"train.loss_scale_init must be > 0, got {t.loss_scale_init}")
         _require_positive("train.loss_scale_window", t.loss_scale_window)
         _require_choice("train.activation_checkpointing", t.activation_checkpointing, ("none", "block", "selective"))
-        _require_choice("model.attention", m.attention, ("sdpa", "explicit"))
         profile_range(t.profile_steps, t.steps)
         _require_choice("dist.backend", d.backend, ("auto", "gloo", "nccl"))
         _check_gpus(d)
@@ -274,6 +266,23 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
+def check_model(m: ModelConfig) -> None:
+    """ConfigError unless the model's settings build a MiniGPT (also for an exported model's config.json)."""
+    if m.preset not in PRESETS:
+        raise ConfigError(f"unknown preset '{m.preset}'; choose one of: {', '.join(PRESETS)}")
+    for name in ("n_layer", "d_model", "n_head", "vocab_size", "seq_len"):
+        value = getattr(m, name)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(f"model.{name} must be an integer, got {value!r}")
+        _require_positive(f"model.{name}", value)
+    if m.d_model % m.n_head:
+        raise ConfigError(f"model.n_head={m.n_head} does not divide model.d_model={m.d_model}; "
+                          "pick a head count that divides the width")
+    if not isinstance(m.d_ff, int) or m.d_ff < 0:
+        raise ConfigError(f"model.d_ff must be >= 0 (0 means 4 * d_model), got {m.d_ff}")
+    _require_choice("model.attention", m.attention, ("sdpa", "explicit"))
+
+
 def _check_gpus(d: DistConfig) -> None:
     """NCCL needs one CUDA device per local rank."""
     if d.backend != "nccl":
@@ -299,8 +308,10 @@ def _check_layout(cfg: RunConfig) -> None:
         for name, value in (("model.n_head", m.n_head), ("the MLP width (model.d_ff, 0 = 4 x d_model)", m.ffn_dim),
                             ("model.vocab_size", m.vocab_size)):
             if value % d.tp:
+                padded = -(-value // d.tp) * d.tp
+                hint = f" (e.g. --model.vocab_size {padded}: unused rows cost nothing)" if "vocab" in name else ""
                 raise ConfigError(f"--tp {d.tp} does not divide {name} = {value}; tensor parallelism splits it "
-                                  "evenly across ranks")
+                                  f"evenly across ranks{hint}")
     _require_positive("dist.microbatches", d.microbatches)
     _require_choice("dist.schedule", d.schedule, ("1f1b", "gpipe"))
     if cfg.train.batch_size % d.microbatches:

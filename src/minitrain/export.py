@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -34,13 +35,21 @@ FORMAT = "minitrain-export/1"
 
 
 def source_step_dir(source: str) -> Path:
-    """The checkpoint to export: a run directory's newest verified one, else what PATH resolves to."""
+    """The checkpoint to export: a run directory's newest verified one (an unverifiable newer one is named on
+    stderr), else what PATH resolves to."""
     path = Path(source)
     if not path.exists():
         raise ConfigError(f"{source} does not exist; give a run directory (--out of `minitrain train`) or a "
                           "checkpoint directory")
     if (path / "checkpoints").is_dir():
-        newest = checkpoint.find_latest(path)
+        skipped: list[str] = []
+        try:
+            newest = checkpoint.find_latest(path, skipped)
+        except checkpoint.CheckpointError:
+            raise ConfigError(f"no checkpoint of run {source} verifies ({skipped[-1] if skipped else 'none'}); "
+                              "nothing to export") from None
+        for note in skipped:
+            print(f"minitrain export: note: {note}", file=sys.stderr)
         if newest is None:
             raise ConfigError(f"run {source} has no checkpoint yet; train it to the end (the final save) or with "
                               "--ckpt-every-steps")
@@ -49,16 +58,19 @@ def source_step_dir(source: str) -> Path:
 
 
 def check_out(out: Path) -> None:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{out} is a file; OUT is the directory to write, choose another")
+    if out.exists() and any(out.iterdir()):
         raise ConfigError(f"{out} already exists and is not empty; choose another OUT or remove it")
     if not out.parent.is_dir():
-        raise ConfigError(f"the directory {out.parent} for OUT does not exist")
+        what = "is a file" if out.parent.exists() else "does not exist"
+        raise ConfigError(f"{out.parent}, where OUT would go, {what}")
 
 
 def export(source: str, out: str) -> str:
     target = Path(out)
-    check_out(target)
     step_dir = source_step_dir(source)
+    check_out(target)
     step_dir, manifest = checkpoint.verify(step_dir)
     run_config = saved_run_config(step_dir, manifest["config"])  # refuses a checkpoint of the Python API
     state = consolidated_state_dict(str(step_dir))
@@ -82,6 +94,7 @@ def export(source: str, out: str) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     numel = sum(t.numel() for t in state.values())
-    tokenizer = f", tokenizer {target / TOKENIZER}" if config["tokenizer"] else " (no tokenizer: a synthetic corpus)"
-    return (f"wrote {target}: {WEIGHTS} ({numel:,} parameters, {human_bytes((target / WEIGHTS).stat().st_size)}) "
+    tokenizer = f", tokenizer {target / TOKENIZER}" if config["tokenizer"] else " (no tokenizer: its corpus had none)"
+    # Values, not parameters: a tied weight is stored under both of its keys.
+    return (f"wrote {target}: {WEIGHTS} ({numel:,} values, {human_bytes((target / WEIGHTS).stat().st_size)}) "
             f"from {step_dir} (step {manifest['step']}), {CONFIG}{tokenizer}")

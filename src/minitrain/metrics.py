@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -44,6 +45,21 @@ class MetricsWriter:
         self._file.close()
 
 
+def best_val_loss(path: str | os.PathLike) -> tuple[float, int] | None:
+    """(lowest val_loss, its step) among the step lines of a metrics.jsonl, or None: a resumed run's best
+    so far is in the lines of the steps before it."""
+    best = None
+    for line in Path(path).read_text().splitlines() if Path(path).exists() else []:
+        try:
+            record = json.loads(line)
+            loss = record.get("val_loss")
+        except (json.JSONDecodeError, AttributeError):
+            continue  # a line cut short by a crash
+        if isinstance(loss, (int, float)) and (best is None or loss < best[0]):
+            best = (float(loss), int(record["step"]))
+    return best
+
+
 def percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile q (0-100) of a non-empty list."""
     ordered = sorted(values)
@@ -83,6 +99,12 @@ def phase_report(phases: list[dict | None], warmup: int) -> dict[str, dict[str, 
 def phase_line(report: dict[str, dict[str, float]]) -> str:
     """e.g. 'forward 31.0 ms (25%), backward 62.1 ms (50%), ...'"""
     return ", ".join(f"{name} {d['ms']:.1f} ms ({d['share']:.0%})" for name, d in report.items())
+
+
+def perplexity(loss: float) -> str:
+    """exp(loss) for a progress line: one decimal, or three significant digits once it is large."""
+    value = math.exp(min(loss, 700.0))  # exp overflows past ~709
+    return f"{value:.1f}" if value < 1e5 else f"{value:.3g}"
 
 
 def clock(seconds: float) -> str:

@@ -141,6 +141,12 @@ def _check_options(args) -> None:
         check_vocab_size(args.vocab_size)
     if not 0 < args.val_fraction <= MAX_VAL_FRACTION:  # also false for nan
         raise ConfigError(f"--val-fraction must lie in (0, {MAX_VAL_FRACTION}], got {args.val_fraction}")
+    seen: set[str] = set()
+    for name in args.inputs:  # the same text twice would put the val split's text in train too
+        key = os.path.realpath(name)
+        if key in seen:
+            raise ConfigError(f"{name} is given twice; each input once (a repeat would leak the val split into train)")
+        seen.add(key)
 
 
 def _check_out(name: str) -> Path:

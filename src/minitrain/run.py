@@ -21,7 +21,7 @@ import torch
 from . import checkpoint, memory
 from .config import ConfigError, RunConfig, build_config, field_specs, profile_range
 from .data import corpus_fingerprint, load_corpus, num_examples
-from .metrics import MetricsWriter, clock, phase_report, sync_report
+from .metrics import MetricsWriter, best_val_loss, clock, perplexity, phase_report, sync_report
 from .resilience import SpikeError, StopRequest
 from .run_files import write_run_start
 from .step_timer import StepProfiler
@@ -60,7 +60,8 @@ class TrainingRun:
         self.stopped_by: str | None = None
         self.profiler = StepProfiler(profile_range(cfg.train.profile_steps, cfg.train.steps), self.out / "profile",
                                      topo.rank, topo.device)
-        self.best_val: tuple[float, int] | None = None  # (loss, step)
+        # (loss, step): a resumed run's best so far is in the metrics lines before it (rank 0 reads them).
+        self.best_val = best_val_loss(self.out / "metrics.jsonl") if self.start_path and topo.is_main else None
         self.started = time.perf_counter()
 
     def say(self, line: str, err: bool = False) -> None:
@@ -273,7 +274,7 @@ def progress_line(r: StepRecord, total: int, eta_s: float | None = None) -> str:
     else:
         skipped = "  SKIPPED (NaN/Inf gradients, parameters unchanged)" if r.skipped else ""
     bubble = "" if r.pipeline is None else f"  bubble {max(r.pipeline['bubble']):.0%}"
-    val = "" if r.val_loss is None else f"  val {r.val_loss:.4f} (ppl {r.val_ppl:.1f})"
+    val = "" if r.val_loss is None else f"  val {r.val_loss:.4f} (ppl {perplexity(r.val_loss)})"
     elapsed = "" if r.elapsed_s is None else f"  {clock(r.elapsed_s)}"
     eta = "" if eta_s is None else f" eta {clock(eta_s)}"
     return (f"step {r.step:>{width}}/{total}  loss {r.loss:.4f}{val}  grad_norm {r.grad_norm:.3f}  "

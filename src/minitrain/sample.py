@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .config import ModelConfig
+from .config import ModelConfig, check_model
 from .errors import ConfigError
 from .export import CONFIG, FORMAT, WEIGHTS
 from .model import MiniGPT
@@ -36,15 +36,17 @@ def load_exported(directory: str) -> tuple[MiniGPT, dict]:
         if config.get("format") != FORMAT:
             raise ValueError(f"format {config.get('format')!r}, expected {FORMAT!r}")
         model_cfg = ModelConfig(**config["model"])
+        check_model(model_cfg)
         state = load_file(str(d / WEIGHTS))
-    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, SafetensorError, ConfigError) as e:
         raise ConfigError(f"cannot read the model in {d}: {e}") from None
     dtype = next(iter(state.values())).dtype
     model = MiniGPT(model_cfg).to(dtype)
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as e:
-        raise ConfigError(f"{d / WEIGHTS} does not fit {d / CONFIG}: {str(e).splitlines()[0]}") from None
+        detail = " ".join(line.strip() for line in str(e).splitlines()[1:])[:300]
+        raise ConfigError(f"{d / WEIGHTS} does not fit {d / CONFIG}: {detail}") from None
     return model.eval(), config
 
 
@@ -73,8 +75,13 @@ def sample(directory: str, prompt: str, max_new_tokens: int, temperature: float,
     """The prompt and its continuation, as text (or as ids for a model without a tokenizer)."""
     if max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
-    if not temperature >= 0:
-        raise ConfigError(f"--temperature must be >= 0 (0 = the most likely token each time), got {temperature}")
+    if not 0 <= temperature < float("inf"):
+        raise ConfigError(f"--temperature must be a finite number >= 0 (0 = the most likely token each time), got "
+                          f"{temperature}")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError("--prompt is not valid UTF-8 text") from None
     if top_k < 0:
         raise ConfigError(f"--top-k must be >= 0 (0 = every token), got {top_k}")
     model, config = load_exported(directory)
@@ -98,11 +105,11 @@ def _tokenizer(directory: Path, config: dict):
 
 def _prompt_ids(prompt: str, tokenizer, vocab: int) -> list[int]:
     if tokenizer is None:
-        try:
-            ids = [int(t) for t in prompt.split()]
-        except ValueError:
-            raise ConfigError("this model has no tokenizer (trained on a synthetic corpus): give --prompt as token "
-                              f"ids separated by spaces, e.g. --prompt '1 2 3', got {prompt!r}") from None
+        words = prompt.split()
+        if not words or not all(w.isascii() and w.isdigit() for w in words):
+            raise ConfigError("this model has no tokenizer (its corpus had none): give --prompt as token ids "
+                              f"separated by spaces, e.g. --prompt '1 2 3', got {prompt!r}")
+        ids = [int(w) for w in words]
     else:
         from .tokenizer import EOT, encode
 

@@ -104,6 +104,11 @@ def _check_fields(path: Path, meta: dict) -> None:
         raise ConfigError(f"{path}: vocab_size {meta['vocab_size']} does not go with dtype {meta['dtype']}")
     if meta["eot_id"] is not None and not 0 <= meta["eot_id"] < meta["vocab_size"]:
         raise ConfigError(f"{path}: eot_id {meta['eot_id']} lies outside the vocabulary of {meta['vocab_size']}")
+    name = meta["tokenizer"]
+    if not name or Path(name).name != name or name in (".", ".."):
+        raise ConfigError(f"{path}: tokenizer {name!r} must name a file in the corpus directory itself")
+    if not (path.parent / name).is_file():
+        raise ConfigError(f"{path.parent / name} (the corpus's tokenizer) is missing; prepare the corpus again")
 
 
 def _check_bins(directory: Path, meta: dict) -> None:
@@ -128,6 +133,18 @@ def read_meta(directory: str | Path) -> dict:
     _check_fields(directory / META, meta)
     _check_bins(directory, meta)
     return meta
+
+
+def check_ids(directory: str | Path) -> None:
+    """Every token id of both splits lies inside meta.json's vocabulary (one pass over the files; run once,
+    before training: an id beyond the model's embedding would fail deep inside a rank)."""
+    meta = read_meta(directory)
+    for split in SPLITS:
+        tokens = open_split(directory, split)
+        top = int(tokens.max())
+        if top >= meta["vocab_size"]:
+            raise ConfigError(f"{split_path(directory, split)} holds token id {top}, beyond the vocabulary of "
+                              f"{meta['vocab_size']} that {Path(directory) / META} states; prepare the corpus again")
 
 
 def open_split(directory: str | Path, split: str) -> np.memmap:

@@ -31,11 +31,11 @@ STEPS, MAX_NORM, TOL = 4, 0.5, 1e-10
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, betas=(0.9, 0.95))
 
 
-def llama(tied: bool = False, kv_heads: int = 2) -> torch.nn.Module:
+def llama(tied: bool = False, kv_heads: int = 2, layers: int = 2) -> torch.nn.Module:
     """4 query heads sharing 2 key-value heads, so tp=2 keeps whole groups on each rank."""
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                                    num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=SEQ,
                                    tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0)
     model = transformers.LlamaForCausalLM(cfg)
@@ -44,8 +44,8 @@ def llama(tied: bool = False, kv_heads: int = 2) -> torch.nn.Module:
     return model
 
 
-def reference(tied: bool) -> dict:
-    model = llama(tied)
+def reference(tied: bool, layers: int = 2) -> dict:
+    model = llama(tied, layers=layers)
     opt = ADAMW(param_groups(model))
     losses = []
     for x in batches(STEPS, 8):
@@ -106,10 +106,41 @@ def _sharded_gradients(topo):
     return {"grad": worst, "logits": (logits_whole - logits_sharded).abs().max().item(), "sliced": sorted(slices)}
 
 
+def next_token_loss(logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """lm_loss's cross-entropy, from a pipeline's last stage: logits of a micro-batch and its tokens."""
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1))
+
+
+# (tp, pp, ZeRO stage, schedule, micro-batches) on 4 ranks; a 4-layer untied Llama, pp_split="auto".
+PIPELINES = [(1, 2, 1, "gpipe", 2), (1, 2, 3, "1f1b", 4), (2, 2, 1, "1f1b", 2), (2, 2, 3, "gpipe", 4)]
+
+
+def _pipelined(topo, root, tp, pp, zero, schedule, microbatches):
+    model = llama(layers=4)
+    model, opt = minitrain.prepare(model, ADAMW, zero=zero, param_groups=param_groups(model), tp=tp,
+                                   tp_plan="auto" if tp > 1 else None, pp=pp, pp_split="auto",
+                                   microbatches=microbatches, schedule=schedule)
+    assert minitrain.dp_world_size() == topo.world_size // (tp * pp)
+    losses = []
+    for x in batches(STEPS, 8):
+        mine = x.chunk(minitrain.dp_world_size())[minitrain.dp_rank()]
+        loss = minitrain.pipeline_step(model, mine, mine, next_token_loss)  # in place of forward + backward
+        minitrain.clip_grad_norm_(model, MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+        total = torch.tensor([loss], dtype=torch.float64)
+        dist.all_reduce(total)  # a pipeline's ranks all return their replica's loss
+        losses.append(float(total) / topo.world_size)
+    path = minitrain.save_checkpoint(root / f"pp-{tp}-{pp}-{zero}-{schedule}", model, opt, STEPS)
+    return {"losses": losses, "checkpoint": str(path),
+            "layers": sorted(model.model.layers.keys()) if model.model.layers is not None else []}
+
+
 def _four_ranks(topo, root):
     minitrain.init_distributed()
     trained = {case: _train(topo, root, *case) for case in CASES}
-    return trained, _sharded_gradients(topo)
+    pipelined = {case: _pipelined(topo, root, *case) for case in PIPELINES}
+    return trained, _sharded_gradients(topo), pipelined
 
 
 @pytest.fixture(scope="module")
@@ -134,9 +165,48 @@ def test_llama_with_its_own_plan_trains_like_one_plain_process(four_ranks):
 
 
 def test_a_sharded_llama_has_the_whole_ones_logits_and_gradients(four_ranks):
-    for rank, (_, got) in enumerate(four_ranks):
+    for rank, (_, got, _) in enumerate(four_ranks):
         assert got["logits"] <= 1e-12 and got["grad"] <= 1e-12, (rank, got)
         assert "model.layers.0.self_attn.k_proj.weight" in got["sliced"]  # the key-value heads were split too
+
+
+def test_llama_pipelined_and_tensor_parallel_trains_like_one_plain_process(four_ranks):
+    """pp 2 x dp 2 and pp 2 x tp 2 at ZeRO 1 and 3, GPipe and 1F1B, the user's loop with pipeline_step."""
+    ref = reference(False, layers=4)
+    for (tp, pp, zero, schedule, micro), got in four_ranks[0][2].items():
+        where = f"tp {tp} x pp {pp}, ZeRO-{zero}, {schedule} x {micro}"
+        assert max(abs(a - b) for a, b in zip(got["losses"], ref["losses"])) <= TOL, where
+        state = consolidated_state_dict(got["checkpoint"])
+        assert state.keys() == ref["state"].keys(), where
+        for key, value in ref["state"].items():
+            assert (state[key] - value).abs().max().item() <= TOL, f"{where}: {key}"
+    stages = [got["layers"] for _, _, pipelined in four_ranks for got in pipelined.values()]
+    assert ["0", "1"] in stages and ["2", "3"] in stages  # each stage kept its blocks under their own names
+
+
+def test_pipeline_splits_are_checked_before_any_rank_splits():
+    from minitrain.parallel.pieces import PipelineSplit, check_split, cross_stage_ties
+
+    model = llama(layers=4)
+    auto = PipelineSplit.auto(model)
+    assert auto.pieces == ["model.embed_tokens", "model.layers", "model.norm", "lm_head"] and auto.block_kwargs
+    for pieces, match in ((["model.embed", "model.layers", "model.norm", "lm_head"], "'model.embed', which is not"),
+                          (["model.embed_tokens", "model.norm", "lm_head"], "exactly one piece"),
+                          (["model.embed_tokens", "model.layers", "lm_head"], "'model.norm.weight' is in no piece")):
+        with pytest.raises(ValueError, match=match):
+            check_split(model, PipelineSplit(pieces), 2)
+    with pytest.raises(ValueError, match="pp=5 needs at least one block per stage"):
+        check_split(model, auto, 5)
+    assert cross_stage_ties(llama(tied=True, layers=4), auto, 2) == ["model.embed_tokens.weight and lm_head.weight"]
+    with pytest.raises(ValueError, match="GPT2LMHeadModel ships none"):
+        PipelineSplit.auto(make_model("gpt2"))
+    with pytest.raises(ValueError, match="pp_split is given but pp=1"):
+        minitrain.prepare(llama(), ADAMW, pp_split="auto")
+    with pytest.raises(ValueError, match="pp must be a positive degree dividing"):
+        minitrain.prepare(llama(), ADAMW, pp=2, pp_split="auto")  # one process
+    with pytest.raises(ValueError, match="pipeline_step is for a model prepared with pp > 1"):
+        plain, _ = minitrain.prepare(llama(), ADAMW)
+        minitrain.pipeline_step(plain, batches(1, 2)[0], batches(1, 2)[0], next_token_loss)
 
 
 def test_patterns_match_segment_by_segment():

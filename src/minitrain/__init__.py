@@ -8,6 +8,7 @@ Bring your own model, optimizer and loop (see api.py):
 """
 
 from .api import (
+                  PipelineSplit,
                   PreparedOptimizer,
                   barrier,
                   cleanup,
@@ -19,6 +20,7 @@ from .api import (
                   is_main_process,
                   load_checkpoint,
                   no_sync,
+                  pipeline_step,
                   prepare,
                   save_checkpoint,
                   wrap_for_ddp,
@@ -27,7 +29,6 @@ from .parallel.model_plan import ModelPlan
 
 __version__ = "0.1.0"
 
-__all__ = ["ModelPlan", "PreparedOptimizer", "barrier", "cleanup", "clip_grad_norm_", "dp_rank", "dp_world_size",
-           "full_state_dict",
-           "init_distributed",
-           "is_main_process", "load_checkpoint", "no_sync", "prepare", "save_checkpoint", "wrap_for_ddp", "__version__"]
+__all__ = ["ModelPlan", "PipelineSplit", "PreparedOptimizer", "__version__", "barrier", "cleanup", "clip_grad_norm_",
+           "dp_rank", "dp_world_size", "full_state_dict", "init_distributed", "is_main_process", "load_checkpoint",
+           "no_sync", "pipeline_step", "prepare", "save_checkpoint", "wrap_for_ddp"]

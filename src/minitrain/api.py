@@ -22,7 +22,9 @@ ranks that did not (within the timeout given to init_distributed) rather than ha
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import json
 import re
 import weakref
@@ -37,6 +39,15 @@ from torch import nn
 from . import checkpoint
 from .parallel import FlatStrategy, ModelPlan, cast_parameters, parallelize
 from .parallel.config import ParallelConfig
+from .parallel.pieces import (
+    PipelineSplit,
+    Stage,
+    check_split,
+    cross_stage_ties,
+    split_model,
+)
+from .parallel.pipeline import Pipeline
+from .parallel.schedules import SCHEDULES
 from .parallel.shard_optimizer import (
     OptimizerFn,
     TorchShardOptimizer,
@@ -130,7 +141,10 @@ def wrap_for_ddp(model: nn.Module) -> nn.Module:
 class _Prepared:
     strategy: FlatStrategy
     settings: dict
-    topo: Topology  # the layout the model was prepared in (the world, or dp x tp)
+    topo: Topology  # the layout the model was prepared in (the world, or dp x tp x pp)
+    pipeline: Pipeline | None = None  # pp > 1: the executor, and this rank's stage of the model
+    stage: Stage | None = None
+    shapes: dict = field(default_factory=dict)  # micro-batch input shape -> the activation shape stages exchange
     max_norm: float | None = None  # set by clip_grad_norm_ for the coming step
     optimizer: PreparedOptimizer | None = field(default=None, repr=False)
 
@@ -141,7 +155,9 @@ _prepared: weakref.WeakKeyDictionary[nn.Module, _Prepared] = weakref.WeakKeyDict
 def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param_groups: list[dict] | None = None,
             precision: str = "fp32", reduce_dtype: str = "fp32", dp: str = "bucketed", bucket_mb: float = 25.0,
             prefetch: bool = True, activation_checkpointing: str | type = "none", tp: int = 1,
-            tp_plan: dict | str | None = None, plan: ModelPlan | None = None) -> tuple[nn.Module, PreparedOptimizer]:
+            tp_plan: dict | str | None = None, pp: int = 1, pp_split: PipelineSplit | list | str | None = None,
+            microbatches: int = 1, schedule: str = "1f1b",
+            plan: ModelPlan | None = None) -> tuple[nn.Module, PreparedOptimizer]:
     """Make `model` train data parallel over every rank (ZeRO stage `zero`), with the user's optimizer,
     and with tp > 1 its layers split over groups of tp adjacent ranks (tensor parallel, Megatron-style).
 
@@ -164,12 +180,20 @@ def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param
         tensor-parallel group). tp_plan: {module-name pattern: style} (parallel/tp_plan.py lists the
         styles), or "auto" for a Hugging Face model's own plan (its config's base_model_tp_plan and the
         head's entry, so `model(...).logits` stays whole).
+    pp: pipeline stages (pipeline parallel outermost: dp = world / (tp x pp)); the model is then cut into
+        stages by pp_split (a PipelineSplit, the ordered names of its pieces, or "auto" for a Hugging Face
+        model's own pipeline plan) and trained by minitrain.pipeline_step(model, inputs, targets, loss_fn)
+        instead of forward + backward; each batch is cut into `microbatches` run by `schedule` (1f1b | gpipe).
     Returns (model, optimizer): the same model object, and the optimizer to call step()/zero_grad() on.
     Every rank starts from rank 0's parameters."""
     topo = _topology()
     if not isinstance(model, nn.Module):
         raise TypeError(f"prepare needs an nn.Module, got {type(model).__name__}")
-    plan = _with_tp_plan(model, plan, tp, tp_plan, topo.world_size)
+    plan = _with_tp_plan(model, plan, tp, tp_plan, topo.world_size // pp if pp >= 1 else topo.world_size)
+    split = _pipeline_split(model, pp, pp_split, microbatches, schedule, topo.world_size // tp)
+    if split is not None:
+        plan = dataclasses.replace(plan or ModelPlan(),
+                                   pipeline_split=lambda m, stage, stages: split_model(m, split, stage, stages))
     if model in _prepared:
         raise ValueError(f"this {type(model).__name__} was already prepared; prepare a model once")
     if precision not in ("fp32", "bf16"):
@@ -208,16 +232,93 @@ def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param
     def make_optimizer(master_vec, flat, shard_ranges):
         return TorchShardOptimizer(master_vec, flat, shard_ranges, zero >= 1, optimizer_fn, groups)
 
-    layout = topo.with_layout(tp, 1)
-    strategy, _ = parallelize(model, layout, pcfg, make_optimizer, plan, activation_checkpointing)
+    layout = topo.with_layout(tp, pp)
+    compute = COMPUTE_DTYPES[precision] if precision != "fp32" else master
+    builder = None if split is None else functools.partial(
+        Pipeline, comm=layout.pp, schedule=schedule, microbatches=microbatches, d_model=0, dtype=compute,
+        device=topo.device, forward_context=functools.partial(_autocast, topo.device, precision))
+    strategy, pipeline = parallelize(model, layout, pcfg, make_optimizer, plan, activation_checkpointing,
+                                     None if builder is None else lambda s: builder(s.module, no_sync=s.no_sync))
     settings = {"zero": zero, "precision": precision, "reduce_dtype": reduce_dtype, "dp": dp, "bucket_mb": bucket_mb,
-                "prefetch": prefetch, "tp": tp,
+                "prefetch": prefetch, "tp": tp, "pp": pp, "microbatches": microbatches, "schedule": schedule,
                 "activation_checkpointing": getattr(activation_checkpointing, "__name__", activation_checkpointing)}
     _session.layout = layout
-    state = _Prepared(strategy, settings, layout)
+    stage = None if split is None else Stage(model, split, layout.pp.rank, pp)
+    state = _Prepared(strategy, settings, layout, pipeline, stage)
     state.optimizer = PreparedOptimizer(strategy, state)
     _prepared[model] = state
     return model, state.optimizer
+
+
+def _pipeline_split(model: nn.Module, pp: int, pp_split, microbatches: int, schedule: str,
+                    room: int) -> PipelineSplit | None:
+    """The checked PipelineSplit for pp > 1 (None for pp = 1), before any rank splits anything."""
+    if not isinstance(pp, int) or pp < 1 or room % pp:
+        raise ValueError(f"pp must be a positive degree dividing world size / tp = {room}, got {pp!r}")
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    if pp == 1:
+        if pp_split is not None:
+            raise ValueError("pp_split is given but pp=1: nothing would be split; pass pp=2 or more")
+        return None
+    if pp_split is None:
+        raise ValueError(f"pp={pp} needs pp_split: the ordered names of the model's pieces (embedding, the blocks "
+                         "container, final norm, head), or 'auto' for a Hugging Face model's own pipeline plan")
+    split = (PipelineSplit.auto(model) if pp_split == "auto" else
+             pp_split if isinstance(pp_split, PipelineSplit) else PipelineSplit(list(pp_split)))
+    check_split(model, split, pp)
+    ties = cross_stage_ties(model, split, pp)
+    if ties:
+        raise ValueError(f"{ties[0]} are one tied weight on different pipeline stages (the embedding on the first, "
+                         "the head on the last); untie them (e.g. tie_word_embeddings=False) to pipeline this model")
+    return split
+
+
+def _autocast(device: torch.device, precision: str):
+    """The forward context of a pipeline stage: autocast in bf16, nothing in full precision."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=COMPUTE_DTYPES[precision])
+
+
+def pipeline_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, loss_fn) -> float:
+    """Forward and backward of one batch through a pipelined model (prepare(pp=...)), in place of
+    `loss_fn(model(inputs), targets).backward()`: the batch is cut into micro-batches that flow through the
+    stages on the schedule; the gradients are synced over data-parallel replicas at the end, ready for
+    clip_grad_norm_ and optimizer.step(). loss_fn(output, targets) -> the mean loss of a micro-batch (output is
+    what the last piece returns, e.g. logits). Every rank of a pipeline passes the same inputs and targets (the
+    first stage reads the inputs, the last the targets). Returns this batch's mean loss on every rank of the
+    pipeline. Collective."""
+    state = _state_of(model)
+    if state.pipeline is None:
+        raise ValueError("pipeline_step is for a model prepared with pp > 1; with pp=1 call forward and backward")
+    M = state.pipeline.microbatches
+    if inputs.size(0) % M:
+        raise ValueError(f"a batch of {inputs.size(0)} does not cut into microbatches={M} equal micro-batches")
+    shape = _activation_shape(state, inputs[:inputs.size(0) // M])
+    loss = state.pipeline.run(inputs, targets, 1.0, sync=True,
+                              forward=lambda inp, tgt: state.stage.forward(inp, tgt, loss_fn), shape=shape)
+    pp = state.topo.pp
+    value = torch.tensor([float(loss)], dtype=torch.float64, device=state.topo.device)
+    pp.broadcast(value, src=pp.world_size - 1)  # the last stage computed it
+    return float(value)
+
+
+def _activation_shape(state: _Prepared, micro: torch.Tensor) -> tuple[int, ...]:
+    """What the stages exchange for micro-batches like `micro`: the first stage's real forward of its pieces
+    before the blocks gives it, broadcast over the pipeline (once per input shape)."""
+    key = tuple(micro.shape)
+    if key not in state.shapes:
+        pp, device = state.topo.pp, state.topo.device
+        dims = torch.zeros(8, dtype=torch.int64, device=device)
+        if pp.rank == 0:
+            shape = state.stage.activation_shape(micro.to(device))
+            dims[0], dims[1:1 + len(shape)] = len(shape), torch.tensor(shape)
+        pp.broadcast(dims, src=0)
+        state.shapes[key] = tuple(int(d) for d in dims[1:1 + int(dims[0])])
+    return state.shapes[key]
 
 
 def _with_tp_plan(model: nn.Module, plan: ModelPlan | None, tp: int, tp_plan, world: int) -> ModelPlan | None:
@@ -429,6 +530,21 @@ def load_checkpoint(directory: str | Path, model: nn.Module, optimizer: Prepared
     return train_state["step"], train_state.get("extra")
 
 
-__all__ = ["PreparedOptimizer", "barrier", "cleanup", "clip_grad_norm_", "dp_rank", "dp_world_size", "full_state_dict",
-           "init_distributed",
-           "is_main_process", "load_checkpoint", "no_sync", "prepare", "save_checkpoint", "wrap_for_ddp"]
+__all__ = [
+    "PipelineSplit",
+    "PreparedOptimizer",
+    "barrier",
+    "cleanup",
+    "clip_grad_norm_",
+    "dp_rank",
+    "dp_world_size",
+    "full_state_dict",
+    "init_distributed",
+    "is_main_process",
+    "load_checkpoint",
+    "no_sync",
+    "pipeline_step",
+    "prepare",
+    "save_checkpoint",
+    "wrap_for_ddp",
+]

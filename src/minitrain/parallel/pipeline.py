@@ -62,15 +62,19 @@ class Pipeline:
         self.forward_context, self.no_sync = forward_context, no_sync
         self.measured: dict = {}  # the last step's bubble, busy and span seconds, peak in-flight micro-batches
 
-    def run(self, x: torch.Tensor, y: torch.Tensor, loss_multiplier: float, sync: bool) -> torch.Tensor:
+    def run(self, x: torch.Tensor, y: torch.Tensor, loss_multiplier: float, sync: bool,
+            forward: Callable | None = None, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         """One pass of the schedule over a batch (every stage gets the same x, y from its loader; the first
         stage reads x, the last y). loss_multiplier: what backward multiplies the batch's mean loss by
         (loss scale / accumulation); each micro-batch's loss gets 1/M of it. Gradients are synced across
-        data-parallel replicas in the final backward, if `sync`. Returns the batch's mean loss (float64)
-        on the last stage, 0 elsewhere."""
+        data-parallel replicas in the final backward, if `sync`. forward(input, target or None): what runs a
+        micro-batch through this stage (default: the module itself); shape: of the activations stages
+        exchange (default: micro-batch x sequence x d_model). Returns the batch's mean loss (float64) on
+        the last stage, 0 elsewhere."""
         M = self.microbatches
+        forward = forward or self.module
         xs, ys = x.to(self.device).chunk(M), y.to(self.device).chunk(M)
-        shape = (xs[0].size(0), xs[0].size(1), self.d_model)
+        shape = shape or (xs[0].size(0), xs[0].size(1), self.d_model)
         held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # micro-batch -> (stage input, stage output)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # on the device: no sync per micro-batch
         outgoing: list[tuple[torch.Tensor, int]] = []  # the previous action's send, started with the next receive
@@ -87,7 +91,7 @@ class Pipeline:
             if action.kind == "F":
                 inp = xs[m] if self.first else incoming[0][0].requires_grad_()
                 with self.forward_context():
-                    out = self.module(inp, ys[m] if self.last_stage else None)
+                    out = forward(inp, ys[m] if self.last_stage else None)
                 if self.last_stage:
                     loss_sum += out.detach().double()
                 else:

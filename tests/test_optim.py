@@ -46,3 +46,28 @@ def test_clip_coefficient():
     assert clip_coefficient(0.5, 1.0) == 1.0
     assert math.isclose(clip_coefficient(4.0, 1.0) * 4.0, 1.0, rel_tol=1e-6)
     assert clip_coefficient(1e9, 0.0) == 1.0  # 0 disables clipping
+
+
+def test_the_device_side_skip_and_clip_equal_the_host_decisions_bit_for_bit():
+    """found_inf and a tensor clip coefficient (no host read of the norm) give exactly what the host's float
+    decisions give: the same update when finite, nothing at all when not."""
+    from minitrain.optim import clip_coefficient_tensor
+
+    for dtype in (torch.float64, torch.float32):
+        torch.manual_seed(0)
+        start, grad = torch.randn(3000, dtype=dtype), torch.randn(3000, dtype=dtype)
+        host, device = (FlatAdamW(start.clone(), [(0, 2000)], weight_decay=0.1) for _ in range(2))
+        for step in range(3):
+            norm = grad.double().norm() * (step + 1)
+            host.step(grad.clone(), 1e-2, clip_coefficient(float(norm), 1.0) / 4.0)
+            device.step(grad.clone(), 1e-2, clip_coefficient_tensor(norm, 1.0) / 4.0,
+                        found_inf=torch.zeros((), dtype=torch.float32))
+            assert all(torch.equal(getattr(host, n), getattr(device, n)) for n in FlatAdamW.STATE_NAMES), dtype
+        before = {n: getattr(device, n).clone() for n in FlatAdamW.STATE_NAMES}
+        device.step(grad.clone() * float("nan"), 1e-2, torch.tensor(float("nan")), found_inf=torch.ones(()))
+        device.unstep()
+        assert all(torch.equal(getattr(device, n), before[n]) for n in FlatAdamW.STATE_NAMES), dtype
+        assert device.steps_taken == host.steps_taken == 3
+        host.step(grad.clone(), 1e-2)
+        device.step(grad.clone(), 1e-2, found_inf=torch.zeros(()))
+        assert all(torch.equal(getattr(host, n), getattr(device, n)) for n in FlatAdamW.STATE_NAMES), dtype

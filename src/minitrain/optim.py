@@ -37,6 +37,13 @@ def clip_coefficient(grad_norm: float, max_norm: float) -> float:
     return max_norm / (grad_norm + 1e-6)
 
 
+def clip_coefficient_tensor(grad_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """clip_coefficient on the device, the same float64 arithmetic (nothing read back to the host)."""
+    if max_norm <= 0:
+        return torch.ones_like(grad_norm)
+    return torch.where(grad_norm <= max_norm, torch.ones_like(grad_norm), max_norm / (grad_norm + 1e-6))
+
+
 def sum_of_squares(x: torch.Tensor) -> torch.Tensor:
     """sum(x**2) accumulated in float64, with no full-size temporary: float64 as one dot product, other
     dtypes chunk by chunk through one reused float64 buffer. Exact enough that the norm does not depend
@@ -97,18 +104,33 @@ class FlatAdamW:
         self._step = torch.zeros((), dtype=torch.float32, device=master.device)
         self._kernel = {"fused": True} if master.device.type in FUSED_DEVICES else {"foreach": True}
 
+    @property
+    def skips_on_device(self) -> bool:
+        """Whether step() can take the skip decision as a tensor (the fused kernel's found_inf)."""
+        return "fused" in self._kernel
+
+    def unstep(self) -> None:
+        """Take back the count of a step the device skipped (found_inf): its bias correction must not count."""
+        self.steps_taken -= 1
+
     @torch.no_grad()
-    def step(self, grad: torch.Tensor, lr: float | None, grad_scale: float = 1.0) -> None:
+    def step(self, grad: torch.Tensor, lr: float | None, grad_scale: float | torch.Tensor = 1.0,
+             found_inf: torch.Tensor | None = None) -> None:
         """One update of `master` from `grad` (same length), multiplied by grad_scale (clipping,
         and unscaling an fp16 loss scale). In full precision `grad` is scaled in place: callers
         pass a gradient buffer they are done with. It may be in a narrower dtype than the master
         (mixed precision): then each chunk is upcast before it is scaled, so small fp16
-        gradients are not flushed to zero by the unscaling."""
+        gradients are not flushed to zero by the unscaling.
+        found_inf (a float32 0/1 tensor on the device, with skips_on_device): 1 leaves master, m and v
+        untouched, decided on the device, so the host need not read the gradient norm to skip; the
+        caller then calls unstep() once it knows."""
         if lr is None:
             raise ValueError("FlatAdamW takes its learning rate from each step (the caller's schedule)")
         beta1, beta2 = self.betas
         self.steps_taken += 1
         decay = 1.0 - lr * self.weight_decay
+        if found_inf is not None:  # the same double arithmetic, as a tensor: 1 when skipping
+            decay = (1.0 - (lr * self.weight_decay) * (1.0 - found_inf.double())).to(self.master.dtype)
         # Chunk by chunk, so what the weight decay and the scaling touch is still in cache when the
         # kernel reads it, and a mixed-precision step upcasts one chunk, not the whole gradient.
         for a in range(0, self.master.numel(), self.CHUNK):
@@ -119,11 +141,12 @@ class FlatAdamW:
                         self.master[max(lo, a):min(hi, b)].mul_(decay)
             w = self.master[a:b]
             g = grad[a:b].to(w.dtype)  # a chunk-sized copy in mixed precision; the gradient itself in full precision
-            if grad_scale != 1.0:
+            if isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0:
                 g.mul_(grad_scale)
             self._step.fill_(self.steps_taken - 1)  # the kernel adds the 1
             adamw([w], [g], [self.exp_avg[a:b]], [self.exp_avg_sq[a:b]], [], [self._step], amsgrad=False,
-                  beta1=beta1, beta2=beta2, lr=lr, weight_decay=0.0, eps=self.eps, maximize=False, **self._kernel)
+                  beta1=beta1, beta2=beta2, lr=lr, weight_decay=0.0, eps=self.eps, maximize=False,
+                  found_inf=found_inf, **self._kernel)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in self.STATE_NAMES}

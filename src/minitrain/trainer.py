@@ -194,10 +194,11 @@ class Trainer:
         lr = lr_at(self.step, cfg) * self.faults.lr_factor(self.step + 1)
         comm_before = self._comm_totals().seconds
         with timer.phase("optimizer"):
-            grad_norm = strategy.step(lr, loss_scale)
+            # On the device where the optimizer can skip a non-finite step by itself (FlatAdamW's fused
+            # kernel): the norm is then read with the step's statistics below, not here (no host sync).
+            norm = (strategy.step_on_device(lr, loss_scale) if strategy.steps_on_device else
+                    torch.tensor(strategy.step(lr, loss_scale), dtype=torch.float64))
         timer.move(self._comm_totals().seconds - comm_before, "optimizer", "comm")
-        skipped = not math.isfinite(grad_norm)
-        overflow = self._check_skips(skipped)
         self.step += 1
         self.tokens_seen += self.tokens_per_step
 
@@ -208,13 +209,18 @@ class Trainer:
                             + self._boundary_flags(), dtype=torch.float64)
         host = host.to(self.topo.device)
         row = torch.cat([(loss_sum / cfg.grad_accum).reshape(1), host[:1], strategy.param_norm_tensor().reshape(1),
-                         host[1:]])
-        # Every rank's row, on the host as Python lists (the step's one read of device values besides the
-        # gradient norm): [loss, holds loss, param norm, bubble, in flight, 3 at rest, 5 peaks, 2 flags].
+                         norm.to(host).reshape(1), host[1:]])
+        # Every rank's row, on the host as Python lists (the step's one read of device values): [loss, holds
+        # loss, param norm, grad norm, bubble, in flight, 3 at rest, 5 peaks, 2 flags].
         rows = self.topo.everyone.gather_rows(row).tolist()
+        grad_norm = rows[0][3]  # global: the same on every rank
+        skipped = not math.isfinite(grad_norm)
+        if skipped and strategy.steps_on_device:
+            strategy.optimizer.unstep()  # the device skipped it: its bias correction must not count
+        overflow = self._check_skips(skipped)
         kinds = len(MEMORY_KINDS)
-        at_rest = [[int(r[5 + i]) for r in rows] for i in range(kinds)]
-        peaks = [[int(r[5 + kinds + i]) for r in rows] for i in range(len(PEAK_KINDS))]
+        at_rest = [[int(r[6 + i]) for r in rows] for i in range(kinds)]
+        peaks = [[int(r[6 + kinds + i]) for r in rows] for i in range(len(PEAK_KINDS))]
         signals = [int(r[-2]) for r in rows]
         self.agreed_stop = max(signals)
         self.stop_ranks = [rank for rank, signum in enumerate(signals) if signum]
@@ -242,7 +248,7 @@ class Trainer:
             skipped=skipped,
             loss_scale=loss_scale if self.loss_scaler else None,
             overflow=overflow,
-            pipeline=self._pipeline_record([r[3:5] for r in rows]),
+            pipeline=self._pipeline_record([r[4:6] for r in rows]),
             phases_s=phases,
         )
 
@@ -307,7 +313,8 @@ class Trainer:
         return [float(signum), float(written)]
 
     def _check_skips(self, skipped: bool) -> bool:
-        """Count non-finite steps; every rank decides alike (the norm is global), so all abort together.
+        """Count non-finite steps (called once the step is counted: self.step is its number); every rank
+        decides alike (the norm is global), so all abort together.
         In fp16 an overflow at a loss scale above 1 is the scaler's to handle (halve, retry), not the guard's.
         Returns whether the step was such an overflow."""
         scaler = self.loss_scaler
@@ -320,7 +327,7 @@ class Trainer:
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
         self.skipped_steps += skipped
         if self.skipped_in_a_row > self.cfg.train.max_skipped_steps:
-            raise NonFiniteError(f"step {self.step + 1}: gradients were NaN/Inf {self.skipped_in_a_row} steps in a "
+            raise NonFiniteError(f"step {self.step}: gradients were NaN/Inf {self.skipped_in_a_row} steps in a "
                                  f"row (more than --train.max_skipped_steps {self.cfg.train.max_skipped_steps}); "
                                  "lower --lr, check the data, or resume from an earlier checkpoint")
         return False

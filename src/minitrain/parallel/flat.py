@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from ..comm import Comm
-from ..optim import clip_coefficient, sum_of_squares
+from ..optim import clip_coefficient, clip_coefficient_tensor, sum_of_squares
 from .config import ParallelConfig
 from .layout import FlatParameters, Ranges, WholeModel, local_views, take
 from .memory_math import MEMORY_KINDS, MemoryLedger, memory_terms
@@ -178,11 +178,15 @@ class FlatStrategy:
         """The global norm of this step's unscaled gradient (every rank, every shard, slice and stage;
         tied weights once): the same float on every rank. Finishes the gradient sync. Collective."""
         if self._norm is None:
-            parts = self._sum_sq_parts(self._averaged_grad(), self.shard_ranges)
-            if self.stage >= 1:
-                self.comm.all_reduce_sum(parts)  # over the data-parallel shards
-            self._norm = float(self._total_sum_sq(parts).sqrt()) / loss_scale
+            self._norm = float(self._grad_norm_tensor(loss_scale))
         return self._norm
+
+    def _grad_norm_tensor(self, loss_scale: float) -> torch.Tensor:
+        """grad_norm as a float64 tensor on the device (collective; nothing read back)."""
+        parts = self._sum_sq_parts(self._averaged_grad(), self.shard_ranges)
+        if self.stage >= 1:
+            self.comm.all_reduce_sum(parts)  # over the data-parallel shards
+        return self._total_sum_sq(parts).sqrt() / loss_scale
 
     @torch.no_grad()
     def step(self, lr: float | None = None, loss_scale: float = 1.0, max_norm: float | None = None) -> float:
@@ -197,6 +201,26 @@ class FlatStrategy:
             self.optimizer.step(self._averaged_grad(), lr, clip_coefficient(norm, clip) / loss_scale)
             self._publish()
         # else skip: parameters and optimizer state unchanged
+        self._norm = None
+        self._end_step()
+        return norm
+
+    @property
+    def steps_on_device(self) -> bool:
+        """Whether step_on_device can skip a non-finite step without the host reading the norm."""
+        return getattr(self.optimizer, "skips_on_device", False)
+
+    @torch.no_grad()
+    def step_on_device(self, lr: float, loss_scale: float = 1.0) -> torch.Tensor:
+        """step() without reading the gradient norm on the host: the clip coefficient and the skip of a
+        non-finite step (found_inf) are computed and applied on the device; returns the norm as a float64
+        tensor, for the caller to read with the step's other statistics and then call
+        optimizer.unstep() if it was not finite. Only with steps_on_device (FlatAdamW's fused kernel)."""
+        norm = self._grad_norm_tensor(loss_scale)
+        found_inf = (~torch.isfinite(norm)).to(torch.float32)
+        scale = clip_coefficient_tensor(norm, self.pcfg.grad_clip) / loss_scale
+        self.optimizer.step(self._averaged_grad(), lr, scale, found_inf=found_inf)
+        self._publish()  # a skipped step publishes the unchanged master: the same parameters
         self._norm = None
         self._end_step()
         return norm

@@ -37,7 +37,8 @@ def llama(tied: bool = False, kv_heads: int = 2, layers: int = 2) -> torch.nn.Mo
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                                    num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=SEQ,
-                                   tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0)
+                                   tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0,
+                                   pad_token_id=5)  # a padding row: it gets no gradient, split or not
     model = transformers.LlamaForCausalLM(cfg)
     for p in model.parameters():
         p.data = p.data.double()
@@ -92,6 +93,7 @@ def _sharded_gradients(topo):
     whole, sharded = llama(), llama()
     apply_tensor_parallel(sharded, hugging_face_plan(sharded), layout.tp)
     x = batches(1, 4)[0]
+    x[0, :2] = 5  # the padding token, whose embedding row must get no gradient on the rank holding it
     logits_whole, logits_sharded = whole(input_ids=x).logits, sharded(input_ids=x).logits
     lm_loss(whole, x).backward()
     lm_loss(sharded, x).backward()
@@ -168,6 +170,7 @@ def test_a_sharded_llama_has_the_whole_ones_logits_and_gradients(four_ranks):
     for rank, (_, got, _) in enumerate(four_ranks):
         assert got["logits"] <= 1e-12 and got["grad"] <= 1e-12, (rank, got)
         assert "model.layers.0.self_attn.k_proj.weight" in got["sliced"]  # the key-value heads were split too
+        assert "model.embed_tokens.weight" in got["sliced"]  # and the embedding, padding row included
 
 
 def test_llama_pipelined_and_tensor_parallel_trains_like_one_plain_process(four_ranks):

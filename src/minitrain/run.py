@@ -21,7 +21,14 @@ import torch
 from . import checkpoint, memory
 from .config import ConfigError, RunConfig, build_config, field_specs, profile_range
 from .data import corpus_fingerprint, load_corpus, num_examples
-from .metrics import MetricsWriter, best_val_loss, clock, perplexity, phase_report, sync_report
+from .metrics import (
+    MetricsWriter,
+    best_val_loss,
+    clock,
+    perplexity,
+    phase_report,
+    sync_report,
+)
 from .resilience import SpikeError, StopRequest
 from .run_files import write_run_start
 from .step_timer import StepProfiler

@@ -154,11 +154,14 @@ class VocabParallelEmbedding(nn.Module):
         self.comm, self.lo, self.hi = comm, lo, hi
         self.weight, weight = _sharded(full.weight, 0, torch.arange(lo, hi))
         self.slices = {"weight": weight}
+        # A padding row gets no gradient (nn.Embedding's padding_idx), on the rank that holds it.
+        pad = full.padding_idx
+        self.padding_idx = pad - lo if pad is not None and lo <= pad < hi else None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.lo) | (ids >= self.hi)
-        local = (ids - self.lo).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        local = (ids - self.lo).masked_fill(outside, 0)  # outside ids' rows come out zero, with zero gradient
+        out = F.embedding(local, self.weight, padding_idx=self.padding_idx).masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_tensor_parallel(out, self.comm)
 
 

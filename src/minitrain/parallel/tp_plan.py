@@ -159,8 +159,8 @@ def _parallel_layer(name: str, module: nn.Module, style: Style, comm: Comm) -> n
         if not isinstance(module, nn.Embedding):
             raise ValueError(f"style vocab_embedding applies to nn.Embedding; '{name}' is a {type(module).__name__}")
         _require_divides(name, "vocabulary rows", module.num_embeddings, T)
-        if module.padding_idx is not None or module.max_norm is not None:
-            raise ValueError(f"'{name}' uses padding_idx or max_norm, which the vocabulary-parallel embedding "
+        if module.max_norm is not None:
+            raise ValueError(f"'{name}' renormalises rows (max_norm), which the vocabulary-parallel embedding "
                              "does not; leave it replicated")
         return VocabParallelEmbedding(module, *even_split(module.num_embeddings, comm), comm)
     if not (type(module) is nn.CrossEntropyLoss and module.reduction == "mean" and module.weight is None

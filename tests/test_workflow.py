@@ -274,3 +274,26 @@ def test_sample_refuses_a_prompt_that_is_not_text_and_a_config_that_builds_no_mo
     config["model"]["n_head"] = 5  # does not divide d_model 64
     (bad / "config.json").write_text(json.dumps(config))
     _one_line_error(capsys, ["sample", str(bad)], "does not divide model.d_model=64")
+
+
+def test_a_slow_rank_is_named_in_the_summary_and_its_busy_time_is_in_the_metrics(tmp_path):
+    """A straggler: rank 1 sleeps 0.15 s before every step; rank 0 then waits for it in the gradient sync,
+    which is not busy time, so rank 1's busy time per step is many times rank 0's."""
+    run = run_cli("train", "--nproc", "2", "--steps", "8", "--train.log_every", "0", "--no-final-save",
+                  "--fault.kind", "slow", "--fault.rank", "1", "--fault.step", "1", "--fault.slow_s", "0.15",
+                  "--out", str(tmp_path / "run"))
+    assert run.returncode == 0, run.stderr
+    assert "straggler: rank 1," in run.stdout, run.stdout
+    busy = [s["busy_s_per_rank"] for s in _steps(tmp_path / "run")]
+    assert all(len(b) == 2 and b[1] > 0.15 and b[0] < 0.15 for b in busy[1:]), busy
+
+
+def test_the_straggler_report_compares_each_rank_with_the_others():
+    from minitrain.metrics import straggler_report
+
+    steps = [[0.010, 0.011, 0.010, 0.030]] * 6
+    report = straggler_report(steps, warmup=1, factor=1.5)
+    assert report["slowest"] == 3 and report["straggler"] == 3 and report["ratio"] == pytest.approx(3.0)
+    assert straggler_report(steps, warmup=1, factor=0)["straggler"] is None  # off
+    assert straggler_report([[0.01, 0.012]] * 3, warmup=0, factor=1.5)["straggler"] is None  # 1.2x: not one
+    assert straggler_report([[0.01]] * 3, warmup=0, factor=1.5) is None  # one rank: nothing to compare

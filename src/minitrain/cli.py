@@ -14,10 +14,23 @@ from pathlib import Path
 
 from . import __version__, checkpoint, prepare_data, report
 from .bench.comm import OPS as COMM_OPS
-from .config import ConfigError, RunConfig, build_config, field_specs, load_toml, parse_bool
-from .metrics import clock, perplexity, phase_line
+from .config import (
+    ConfigError,
+    RunConfig,
+    build_config,
+    field_specs,
+    load_toml,
+    parse_bool,
+)
+from .launch import (
+    LaunchTimeoutError,
+    RankFailedError,
+    check_local_ranks,
+    launch,
+    run_under_torchrun,
+)
+from .metrics import clock, perplexity, phase_line, straggler_line
 from .parallel.schedules import SCHEDULES, render_timeline
-from .launch import LaunchTimeoutError, RankFailedError, check_local_ranks, launch, run_under_torchrun
 from .topology import under_torchrun
 
 # Short spellings for the settings people change most; every field also has --section.name.
@@ -345,7 +358,11 @@ def cmd_bench(args) -> int:
     from .bench.scaling import ScalingOptions, run_scaling
 
     if args.bench == "throughput":
-        from .bench.throughput import ThroughputOptions, check_throughput_options, run_throughput
+        from .bench.throughput import (
+            ThroughputOptions,
+            check_throughput_options,
+            run_throughput,
+        )
 
         opts = ThroughputOptions(out=args.out, preset=args.preset, precisions=args.precision, compile=args.compile,
                                  batch_size=args.batch_size, steps=args.steps, rounds=args.rounds, warmup=args.warmup)
@@ -386,7 +403,7 @@ def cmd_plan(args) -> int:
     import json
 
     from . import plan
-    from .config import PRESETS, ModelConfig
+    from .config import PRESETS
 
     for name in ("micro_batch", "grad_accum", "dp", "tp", "pp", "microbatches"):
         if getattr(args, name) < 1:
@@ -475,6 +492,8 @@ def _train_and_report(cfg: RunConfig, train_worker) -> int:
         print("gradient sync after warmup: " + "; ".join(parts))
     if result.get("phases"):
         print(f"where a step went (rank 0, after warmup): {phase_line(result['phases'])}")
+    if result.get("stragglers"):
+        print(straggler_line(result["stragglers"]))
     if result.get("profile"):
         print(f"profiler traces (one per rank): {result['profile']}")
     if result["pipeline"]:

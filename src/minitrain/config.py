@@ -107,6 +107,8 @@ class TrainConfig:
     spike_window: int = opt(10, "losses in the running mean the spike check compares against (checking starts "
                             "once the window is full)")
     log_every: int = opt(1, "print a progress line every this many steps (rank 0); 0 = quiet")
+    straggler_factor: float = opt(1.5, "the final summary names the rank whose median busy time per step exceeds "
+                                  "the other ranks' median by this factor (a straggler); 0 = off")
     profile_steps: str = opt("", "A:B writes a torch.profiler trace of steps A to B (1-based, inclusive) per rank to "
                              "OUT/profile: Chrome/Perfetto JSON, a directory TensorBoard's profile plugin reads")
     compile: bool = opt(False, "torch.compile each transformer block (after activation checkpointing, before the "
@@ -177,11 +179,12 @@ class CheckpointConfig:
 class FaultConfig:
     """Deliberate failures for testing fault tolerance (see minitrain/faults.py)."""
 
-    kind: str = opt("", "'' = none | sigkill | sigterm | kill-in-save | save-error | lr-spike; fires once, "
-                    "never in a resumed run")
+    kind: str = opt("", "'' = none | sigkill | sigterm | kill-in-save | save-error | lr-spike | slow; fires once "
+                    "(slow: every step from fault.step), never in a resumed run")
     step: int = opt(0, "the step at which the fault fires")
     rank: int = opt(0, "the rank it fires on (lr-spike applies on every rank)")
     lr_multiplier: float = opt(100.0, "lr-spike: that step's learning rate is multiplied by this")
+    slow_s: float = opt(0.1, "slow: seconds the rank sleeps at the start of each step")
 
 
 @dataclass
@@ -247,6 +250,8 @@ class RunConfig:
         if t.spike_factor and not t.spike_factor > 1:
             raise ConfigError(f"train.spike_factor must be > 1 (or 0 to turn the check off), got {t.spike_factor}")
         _require_positive("train.spike_window", t.spike_window)
+        if t.straggler_factor and not t.straggler_factor > 1:
+            raise ConfigError(f"train.straggler_factor must be > 1 (or 0 to turn it off), got {t.straggler_factor}")
         _check_fault(self.fault, d.nproc)
         if not self.out.strip():
             raise ConfigError("--out is empty; name the directory the run writes to (e.g. --out runs/mine)")
@@ -334,6 +339,8 @@ def _check_fault(f: FaultConfig, nproc: int) -> None:
     _require_choice("fault.kind", f.kind, KINDS)
     if f.kind:
         _require_positive("fault.step", f.step)
+        if not f.slow_s >= 0:
+            raise ConfigError(f"fault.slow_s must be >= 0, got {f.slow_s}")
         if not 0 <= f.rank < nproc:
             raise ConfigError(f"fault.rank {f.rank} is not a rank of this run (world size {nproc})")
 

@@ -8,18 +8,20 @@ checkpoint: the restarted or resumed run must get through. Kinds:
                 is written and before the checkpoint is renamed into place
   save-error    rank --fault.rank's shard write at that step fails (an OSError)
   lr-spike      every rank multiplies that step's learning rate by --fault.lr_multiplier
+  slow          rank --fault.rank sleeps --fault.slow_s seconds at the start of every step from --fault.step on
+                (a straggler: the one kind that fires more than once)
 """
 from __future__ import annotations
 
 import os
 import signal
-
+import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the type only: config imports this module for KINDS
     from .config import FaultConfig
 
-KINDS = ("", "sigkill", "sigterm", "kill-in-save", "save-error", "lr-spike")
+KINDS = ("", "sigkill", "sigterm", "kill-in-save", "save-error", "lr-spike", "slow")
 
 
 class Faults:
@@ -35,6 +37,8 @@ class Faults:
         return False
 
     def at_step_start(self, step: int) -> None:
+        if self.armed and self.cfg.kind == "slow" and step >= self.cfg.step:
+            time.sleep(self.cfg.slow_s)
         if self._fires(("sigkill",), step):
             os.kill(os.getpid(), signal.SIGKILL)
         if self._fires(("sigterm",), step):

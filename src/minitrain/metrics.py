@@ -96,6 +96,33 @@ def phase_report(phases: list[dict | None], warmup: int) -> dict[str, dict[str, 
     return {name: {"ms": 1000 * mean, "share": mean / total} for name, mean in means.items()}
 
 
+def straggler_report(busy: list[list[float] | None], warmup: int, factor: float) -> dict | None:
+    """From the `busy_s_per_rank` of step records: per rank the median and p95 busy ms after warmup, the
+    slowest rank and how many times the other ranks' median it is; `straggler` is that rank when the ratio
+    exceeds `factor` (0: never), else None. None for one rank."""
+    measured = [b for b in busy[warmup:] or busy if b]
+    if not measured or len(measured[0]) < 2:
+        return None
+    per_rank = [[1000 * step[r] for step in measured] for r in range(len(measured[0]))]
+    p50 = [percentile(values, 50) for values in per_rank]
+    slowest = max(range(len(p50)), key=p50.__getitem__)
+    others = percentile([v for r, v in enumerate(p50) if r != slowest], 50)
+    ratio = p50[slowest] / others if others > 0 else math.inf
+    return {"busy_ms_p50": p50, "busy_ms_p95": [percentile(values, 95) for values in per_rank],
+            "slowest": slowest, "ratio": ratio, "straggler": slowest if factor and ratio > factor else None}
+
+
+def straggler_line(report: dict) -> str:
+    """e.g. 'busy per step (median ms): r0 12.1, r1 210.3; straggler: rank 1, 17.4x the other ranks' median'"""
+    p50 = report["busy_ms_p50"]
+    ranks = (", ".join(f"r{r} {v:.1f}" for r, v in enumerate(p50)) if len(p50) <= 8 else
+             f"min {min(p50):.1f}, median {percentile(p50, 50):.1f}, max {max(p50):.1f}")
+    verdict = (f"straggler: rank {report['straggler']}, {report['ratio']:.1f}x the other ranks' median"
+               if report["straggler"] is not None else f"no straggler (slowest rank {report['slowest']}, "
+               f"{report['ratio']:.2f}x the others)")
+    return f"busy per step, per rank (median ms): {ranks}; {verdict}"
+
+
 def phase_line(report: dict[str, dict[str, float]]) -> str:
     """e.g. 'forward 31.0 ms (25%), backward 62.1 ms (50%), ...'"""
     return ", ".join(f"{name} {d['ms']:.1f} ms ({d['share']:.0%})" for name, d in report.items())

@@ -27,6 +27,7 @@ from .metrics import (
     clock,
     perplexity,
     phase_report,
+    straggler_report,
     sync_report,
 )
 from .resilience import SpikeError, StopRequest
@@ -229,6 +230,8 @@ class TrainingRun:
                 "sync": sync_report([r.sync for r in records], warmup=min(5, len(records) // 5)),
                 "profile": None if self.profiler.steps is None else str(self.out / "profile"),
                 "phases": phase_report([r.phases_s for r in records], warmup=min(5, len(records) // 5)),
+                "stragglers": straggler_report([r.busy_s_per_rank for r in records], min(5, len(records) // 5),
+                                               self.cfg.train.straggler_factor),
                 "resumed_from": None if self.start_path is None else str(self.start_path),
                 "checkpoints": self.saved, "metrics": str(self.out / "metrics.jsonl"),
                 "params": t.strategy.flat.numel, "world_size": self.topo.world_size,

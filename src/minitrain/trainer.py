@@ -87,6 +87,9 @@ class StepRecord:
     # Where this rank's step went (step_timer.py): seconds of data, forward, backward, forward_backward
     # (pipelined steps), comm (exposed), optimizer, other; None for a phase this kind of step has not.
     phases_s: dict | None = None
+    # Per rank, the host seconds from the end of the last step's statistics exchange to this one's, less the
+    # time it waited in the gradient sync and the update's collectives: a straggler's is the largest.
+    busy_s_per_rank: list[float] | None = None
     # Wall-clock seconds since the run (or its resume) started, at the end of this step.
     elapsed_s: float | None = None
     # The held-out loss after this step's update and its perplexity exp(val_loss): only on steps that evaluated
@@ -130,6 +133,7 @@ class Trainer:
         self.agreed_stop = 0  # a signal number if any rank received SIGTERM/SIGUSR1, else 0
         self.stop_ranks: list[int] = []  # ...and which ranks received one
         self.pending_save_written = False  # every rank's background write has finished (or failed)
+        self._last_exchange_end: float | None = None  # when this rank's last statistics exchange returned
 
     def _pipeline_builder(self):
         """Builds the executor of a pipelined (or micro-batched) step, or None when the step is one pass."""
@@ -150,6 +154,9 @@ class Trainer:
     def _train_step(self) -> StepRecord:
         cfg, comm, strategy, timer = self.cfg.train, self.topo.dp, self.strategy, self.timer
         measure_sync = self.cfg.ddp.measure_sync
+        # This rank's busy time runs from the end of the last exchange: a straggler's slowness before the step
+        # counts, and the other ranks' wait for it (in the gradient sync) is taken out below.
+        since = self._last_exchange_end or time.perf_counter()
         self.faults.at_step_start(self.step + 1)
         before = self._comm_totals()
         if measure_sync:
@@ -191,6 +198,7 @@ class Trainer:
                 # compute_and_sync: forward + backward + sync, barrier to barrier. sync_exposed: the part
                 # after this rank's backward returned, i.e. communication not hidden behind compute.
                 bracketed = {"compute_and_sync_s": done - start, "sync_exposed_s": done - backward_end}
+            waited = time.perf_counter() - backward_end
         lr = lr_at(self.step, cfg) * self.faults.lr_factor(self.step + 1)
         comm_before = self._comm_totals().seconds
         with timer.phase("optimizer"):
@@ -198,7 +206,9 @@ class Trainer:
             # kernel): the norm is then read with the step's statistics below, not here (no host sync).
             norm = (strategy.step_on_device(lr, loss_scale) if strategy.steps_on_device else
                     torch.tensor(strategy.step(lr, loss_scale), dtype=torch.float64))
-        timer.move(self._comm_totals().seconds - comm_before, "optimizer", "comm")
+        update_comm = self._comm_totals().seconds - comm_before
+        timer.move(update_comm, "optimizer", "comm")
+        waited += update_comm
         self.step += 1
         self.tokens_seen += self.tokens_per_step
 
@@ -206,13 +216,14 @@ class Trainer:
         peak["device"] = device_peak_bytes(self.topo.device)
         host = torch.tensor([self._holds_loss()] + self._pipeline_measured()
                             + [float(held[k]) for k in MEMORY_KINDS] + [float(peak[k]) for k in PEAK_KINDS]
-                            + self._boundary_flags(), dtype=torch.float64)
+                            + self._boundary_flags() + [time.perf_counter() - since - waited], dtype=torch.float64)
         host = host.to(self.topo.device)
         row = torch.cat([(loss_sum / cfg.grad_accum).reshape(1), host[:1], strategy.param_norm_tensor().reshape(1),
                          norm.to(host).reshape(1), host[1:]])
         # Every rank's row, on the host as Python lists (the step's one read of device values): [loss, holds
-        # loss, param norm, grad norm, bubble, in flight, 3 at rest, 5 peaks, 2 flags].
+        # loss, param norm, grad norm, bubble, in flight, 3 at rest, 5 peaks, 2 flags, busy seconds].
         rows = self.topo.everyone.gather_rows(row).tolist()
+        self._last_exchange_end = time.perf_counter()
         grad_norm = rows[0][3]  # global: the same on every rank
         skipped = not math.isfinite(grad_norm)
         if skipped and strategy.steps_on_device:
@@ -221,10 +232,10 @@ class Trainer:
         kinds = len(MEMORY_KINDS)
         at_rest = [[int(r[6 + i]) for r in rows] for i in range(kinds)]
         peaks = [[int(r[6 + kinds + i]) for r in rows] for i in range(len(PEAK_KINDS))]
-        signals = [int(r[-2]) for r in rows]
+        signals = [int(r[-3]) for r in rows]
         self.agreed_stop = max(signals)
         self.stop_ranks = [rank for rank, signum in enumerate(signals) if signum]
-        self.pending_save_written = all(r[-1] == 1 for r in rows)
+        self.pending_save_written = all(r[-2] == 1 for r in rows)
         elapsed = time.perf_counter() - start
         phases = timer.finish(elapsed)
         after = self._comm_totals()
@@ -250,6 +261,7 @@ class Trainer:
             overflow=overflow,
             pipeline=self._pipeline_record([r[4:6] for r in rows]),
             phases_s=phases,
+            busy_s_per_rank=[r[-1] for r in rows],
         )
 
     def evaluate(self) -> float:

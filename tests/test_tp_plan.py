@@ -205,7 +205,7 @@ def test_pipeline_splits_are_checked_before_any_rank_splits():
         PipelineSplit.auto(make_model("gpt2"))
     with pytest.raises(ValueError, match="pp_split is given but pp=1"):
         minitrain.prepare(llama(), ADAMW, pp_split="auto")
-    with pytest.raises(ValueError, match="pp must be a positive degree dividing"):
+    with pytest.raises(ValueError, match="tp x pp = 1 x 2 does not divide the world size 1"):
         minitrain.prepare(llama(), ADAMW, pp=2, pp_split="auto")  # one process
     with pytest.raises(ValueError, match="pipeline_step is for a model prepared with pp > 1"):
         plain, _ = minitrain.prepare(llama(), ADAMW)
@@ -255,7 +255,7 @@ def test_every_refusal_names_what_to_change():
         hugging_face_plan(make_model("gpt2"))
     with pytest.raises(ValueError, match="does not divide LlamaForCausalLM's 4 attention heads"):
         check_heads(llama(), 3)
-    with pytest.raises(ValueError, match="tp must be a positive degree dividing the world size 1"):
+    with pytest.raises(ValueError, match="tp x pp = 2 x 1 does not divide the world size 1"):
         minitrain.prepare(llama(), ADAMW, tp=2, tp_plan="auto")  # one process
     with pytest.raises(ValueError, match="tp_plan is given but tp=1"):
         minitrain.prepare(llama(), ADAMW, tp_plan="auto")

@@ -39,13 +39,7 @@ from torch import nn
 from . import checkpoint
 from .parallel import FlatStrategy, ModelPlan, cast_parameters, parallelize
 from .parallel.config import ParallelConfig
-from .parallel.pieces import (
-    PipelineSplit,
-    Stage,
-    check_split,
-    cross_stage_ties,
-    split_model,
-)
+from .parallel.pieces import PipelineSplit, Stage, cross_stage_ties, split_model
 from .parallel.pipeline import Pipeline
 from .parallel.schedules import SCHEDULES
 from .parallel.shard_optimizer import (
@@ -189,8 +183,9 @@ def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param
     topo = _topology()
     if not isinstance(model, nn.Module):
         raise TypeError(f"prepare needs an nn.Module, got {type(model).__name__}")
-    plan = _with_tp_plan(model, plan, tp, tp_plan, topo.world_size // pp if pp >= 1 else topo.world_size)
-    split = _pipeline_split(model, pp, pp_split, microbatches, schedule, topo.world_size // tp)
+    _check_degrees(topo.world_size, tp, tp_plan, pp, pp_split)
+    plan = _with_tp_plan(model, plan, tp, tp_plan)
+    split = _pipeline_split(model, pp, pp_split, microbatches, schedule)
     if split is not None:
         plan = dataclasses.replace(plan or ModelPlan(),
                                    pipeline_split=lambda m, stage, stages: split_model(m, split, stage, stages))
@@ -250,26 +245,35 @@ def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param
     return model, state.optimizer
 
 
-def _pipeline_split(model: nn.Module, pp: int, pp_split, microbatches: int, schedule: str,
-                    room: int) -> PipelineSplit | None:
+def _check_degrees(world: int, tp, tp_plan, pp, pp_split) -> None:
+    """tp and pp are positive and their product divides the world (the rest is data parallel); a plan for a
+    degree of 1 is a mistake worth saying."""
+    for name, degree in (("tp", tp), ("pp", pp)):
+        if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
+            raise ValueError(f"{name} must be a positive integer, got {degree!r}")
+    if world % (tp * pp):
+        raise ValueError(f"tp x pp = {tp} x {pp} does not divide the world size {world}; data parallel runs over "
+                         "world / (tp x pp) replicas")
+    for name, degree, given in (("tp", tp, tp_plan), ("pp", pp, pp_split)):
+        if degree == 1 and given is not None:
+            raise ValueError(f"{'tp_plan' if name == 'tp' else 'pp_split'} is given but {name}=1: nothing would be "
+                             f"split; pass {name}=2 or more")
+
+
+def _pipeline_split(model: nn.Module, pp: int, pp_split, microbatches: int, schedule: str) -> PipelineSplit | None:
     """The checked PipelineSplit for pp > 1 (None for pp = 1), before any rank splits anything."""
-    if not isinstance(pp, int) or pp < 1 or room % pp:
-        raise ValueError(f"pp must be a positive degree dividing world size / tp = {room}, got {pp!r}")
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
     if pp == 1:
-        if pp_split is not None:
-            raise ValueError("pp_split is given but pp=1: nothing would be split; pass pp=2 or more")
         return None
     if pp_split is None:
         raise ValueError(f"pp={pp} needs pp_split: the ordered names of the model's pieces (embedding, the blocks "
                          "container, final norm, head), or 'auto' for a Hugging Face model's own pipeline plan")
     split = (PipelineSplit.auto(model) if pp_split == "auto" else
              pp_split if isinstance(pp_split, PipelineSplit) else PipelineSplit(list(pp_split)))
-    check_split(model, split, pp)
-    ties = cross_stage_ties(model, split, pp)
+    ties = cross_stage_ties(model, split, pp)  # checks the split first
     if ties:
         raise ValueError(f"{ties[0]} are one tied weight on different pipeline stages (the embedding on the first, "
                          "the head on the last); untie them (e.g. tie_word_embeddings=False) to pipeline this model")
@@ -321,13 +325,9 @@ def _activation_shape(state: _Prepared, micro: torch.Tensor) -> tuple[int, ...]:
     return state.shapes[key]
 
 
-def _with_tp_plan(model: nn.Module, plan: ModelPlan | None, tp: int, tp_plan, world: int) -> ModelPlan | None:
+def _with_tp_plan(model: nn.Module, plan: ModelPlan | None, tp: int, tp_plan) -> ModelPlan | None:
     """The model plan with the tensor-parallel plan prepare was given (checked before any rank splits)."""
-    if not isinstance(tp, int) or tp < 1 or world % tp:
-        raise ValueError(f"tp must be a positive degree dividing the world size {world}, got {tp!r}")
     if tp == 1:
-        if tp_plan is not None:
-            raise ValueError("tp_plan is given but tp=1: nothing would be split; pass tp=2 or more")
         return plan
     if tp_plan is None:
         if plan is not None and plan.tensor_parallel:

@@ -14,16 +14,15 @@ import json
 import os
 import secrets
 import shutil
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from . import token_files
 from .errors import ConfigError
+from .progress import byte_bar
 
 TOKENIZER_FILE = "tokenizer.json"
 MAX_VAL_FRACTION = 0.5
@@ -227,11 +226,9 @@ def _read_jsonl(name: str, field: str) -> Iterator[tuple[str, int]]:
             yield text, len(raw)
 
 
-def _progress(sources: list[Source], desc: str) -> tqdm:
-    """A bar over the inputs' bytes on stderr, shown only when stderr is a terminal (disable=None), so that logs
-    and captured output stay clean."""
-    return tqdm(total=sum(s.bytes for s in sources), desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
-                disable=None, file=sys.stderr)
+def _progress(sources: list[Source], desc: str):
+    """A bar over the inputs' bytes (progress.byte_bar: on a terminal only, so logs stay clean)."""
+    return byte_bar(sum(s.bytes for s in sources), desc, always=True)
 
 
 def _documents(sources: list[Source], field: str, desc: str) -> Iterator[str]:

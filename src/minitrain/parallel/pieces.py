@@ -112,9 +112,9 @@ def cross_stage_ties(model: nn.Module, split: PipelineSplit, stages: int) -> lis
     """Parameters shared by pieces that land on different stages (a tied embedding and head), as 'a and b'
     (call on the whole model). Their two gradients would live on different ranks: refused by the caller
     rather than all-reduced over an embedding group as Megatron does."""
+    at = check_split(model, split, stages)
     if stages == 1:
         return []
-    at = check_split(model, split, stages)
     owner: dict[int, tuple[str, str]] = {}
     shared = []
     for i, name in enumerate(split.pieces):

@@ -73,8 +73,15 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     steps: int = opt(20, "optimizer steps to run (total, counting steps before a resume)")
+    stop_at: int = opt(0, "end this run after step K with a checkpoint, as a stop signal would (the learning-rate "
+                       "schedule still spans --steps; --resume auto continues): cuts a long run into jobs that fit "
+                       "a scheduler's time limit; 0 = run to --steps")
     batch_size: int = opt(4, "examples per rank per micro-batch")
     grad_accum: int = opt(1, "micro-batches accumulated per optimizer step")
+    global_batch: int = opt(0, "examples per optimizer step over every data-parallel rank; when set, each rank's "
+                            "batch_size is this / (data-parallel ranks x grad_accum), so a run that torchrun "
+                            "restarts at another world size (--nnodes MIN:MAX) keeps its data order and step "
+                            "arithmetic; 0 = batch_size x grad_accum x data-parallel ranks")
     lr: float = opt(3e-3, "peak learning rate (reached after warmup)")
     min_lr_ratio: float = opt(0.1, "learning rate at the end of the cosine decay, as a fraction of lr")
     warmup_steps: int = opt(2, "linear warmup steps")
@@ -211,6 +218,9 @@ class RunConfig:
             _require_positive(f"train.{name}", getattr(t, name))
         if d.nproc < 1:
             raise ConfigError(f"world size must be at least 1 (got --nproc {d.nproc})")
+        _derive_batch_size(self)
+        if not 0 <= t.stop_at <= t.steps:
+            raise ConfigError(f"--stop-at {t.stop_at} must be between 0 (off) and --steps {t.steps}")
         _require_choice("train.zero", t.zero, (0, 1, 2, 3))
         _require_choice("ddp.mode", self.ddp.mode, ("bucketed", "naive", "torch"))
         if t.zero and self.ddp.mode != "bucketed":
@@ -299,6 +309,23 @@ def _check_gpus(d: DistConfig) -> None:
     if gpus < local_ranks:
         raise ConfigError(f"--backend nccl needs a CUDA device per rank: {local_ranks} local ranks, "
                           f"{gpus} GPU(s) visible; use --backend gloo or fewer ranks")
+
+
+def _derive_batch_size(cfg: RunConfig) -> None:
+    """With train.global_batch set, each rank's batch_size follows from it and this world's data-parallel
+    degree. Rank r of d then reads examples r, r+d, ... of each global batch (data.ShardedLoader): the same
+    examples in the same steps at any d, so the mean gradient is the same sum in another order (float64 runs
+    of different sizes agree to ~1e-15)."""
+    t, d = cfg.train, cfg.dist
+    if t.global_batch < 0:
+        raise ConfigError(f"train.global_batch must be >= 0 (0 = off), got {t.global_batch}")
+    if not t.global_batch or d.tp < 1 or d.pp < 1 or d.nproc % (d.tp * d.pp):
+        return  # the layout's own check names a world that does not divide
+    dp = d.nproc // (d.tp * d.pp)
+    if t.global_batch % (dp * t.grad_accum):
+        raise ConfigError(f"--global-batch {t.global_batch} is not divisible by {dp} data-parallel rank(s) x "
+                          f"--grad-accum {t.grad_accum}; pick a multiple of every world size the run may have")
+    t.batch_size = t.global_batch // (dp * t.grad_accum)
 
 
 def _check_layout(cfg: RunConfig) -> None:

@@ -95,12 +95,14 @@ class TrainingRun:
                     self._commit_pending()
                 if self._rolled_back(record):
                     continue
-                stopping = bool(t.agreed_stop)
+                stop_at = t.step == self.cfg.train.stop_at
+                stopping = bool(t.agreed_stop) or stop_at
                 if self.cadence.due(t.step) or stopping:
                     self._save(background=self.cfg.ckpt.async_save and not stopping)
                 if stopping:
-                    self.stopped_by = t.stop_request.name(t.agreed_stop)
-                    self.say(f"{self.stopped_by} received by rank {t.stop_ranks}: stopped after step {t.step}, "
+                    self.stopped_by = "--stop-at" if stop_at else t.stop_request.name(t.agreed_stop)
+                    cause = "" if stop_at else f" received by rank {t.stop_ranks}"
+                    self.say(f"{self.stopped_by}{cause}: stopped after step {t.step}, "
                              f"checkpoint {self.saved[-1]}; continue with --resume auto")
                     break
             self._commit_pending()  # the run is done only when its last checkpoint is durable
@@ -123,7 +125,7 @@ class TrainingRun:
             val = {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}  # exp overflows past ~709
             if self.best_val is None or loss < self.best_val[0]:
                 self.best_val = (loss, r.step)
-        return replace(r, elapsed_s=time.perf_counter() - self.started, **val)
+        return replace(r, elapsed_s=time.perf_counter() - self.started, time=time.time(), **val)
 
     def _log(self, r: StepRecord) -> None:
         if self.writer:
@@ -310,6 +312,10 @@ WARM_RESTART_FIELDS = ("steps", "warmup_steps", "lr", "min_lr_ratio", "grad_accu
                        "beta2", "eps", "grad_clip", "loss_scale_window")
 
 
+# Settings newer than some checkpoints' manifests (whose runs had the default).
+FIELDS_ADDED_LATER = ("train.global_batch", "train.stop_at")
+
+
 class RunFinished(Exception):
     """--resume auto found the run already at its last step: nothing to do (exit 0)."""
 
@@ -326,7 +332,9 @@ def saved_run_config(step_dir: Path, saved: dict) -> dict:
             flat.update({f"{section}.{key}": value for key, value in values.items()})
         else:
             flat[section] = values
-    missing = sorted({key for key, _, _, _ in field_specs() if key.startswith(("model.", "train."))} - set(flat))
+    # A checkpoint from before a field existed ran with that field's default.
+    missing = sorted({key for key, _, _, _ in field_specs() if key.startswith(("model.", "train."))}
+                     - set(flat) - set(FIELDS_ADDED_LATER))
     try:
         if missing:
             raise ConfigError(f"'{missing[0]}' is missing")
@@ -362,6 +370,9 @@ def check_resume(cfg: RunConfig) -> list[str]:
         raise RunFinished(f"the run in {cfg.out} already finished: its checkpoint {step_dir.name} is at step "
                           f"{cfg.train.steps} of --steps {cfg.train.steps}; nothing to do (ask for more --steps to "
                           "continue it)")
+    if cfg.train.stop_at and manifest["step"] >= cfg.train.stop_at:
+        raise ConfigError(f"checkpoint {step_dir} is at step {manifest['step']}, not before --stop-at "
+                          f"{cfg.train.stop_at}; ask for a later --stop-at (or 0 to run to --steps)")
     if manifest["step"] >= cfg.train.steps:
         raise ConfigError(f"checkpoint {step_dir} is at step {manifest['step']}; ask for more --steps to continue")
     ours = corpus_fingerprint(load_corpus(cfg))

@@ -53,7 +53,10 @@ def _rendezvous_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
     agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                           is_master=not agent_hosts_it and rank == 0, timeout=timeout, multi_tenant=True)
-    return dist.PrefixStore(f"minitrain/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    # An elastic membership change (a node joining) restarts the workers without counting a restart, and the
+    # store outlives that too: the new world size tells those attempts apart (a join always grows the world).
+    attempt = f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}-world-{world}"
+    return dist.PrefixStore(f"minitrain/attempt-{attempt}", store)
 
 
 def layout_groups(world: int, tp: int, pp: int) -> dict[str, list[list[int]]]:

@@ -92,6 +92,9 @@ class StepRecord:
     busy_s_per_rank: list[float] | None = None
     # Wall-clock seconds since the run (or its resume) started, at the end of this step.
     elapsed_s: float | None = None
+    # Unix time at the end of this step: lines from different attempts of one run (a torchrun restart, an
+    # elastic resize) line up on it, and a recovery time is read off it.
+    time: float | None = None
     # The held-out loss after this step's update and its perplexity exp(val_loss): only on steps that evaluated
     # (eval.every), else None.
     val_loss: float | None = None

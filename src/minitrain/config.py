@@ -158,6 +158,11 @@ class DistConfig:
     backend: str = opt("auto", "auto | gloo | nccl; auto picks nccl when CUDA is available, else gloo")
     timeout_s: float = opt(300.0, "process-group timeout: a collective stuck this long fails instead of hanging")
     threads_per_rank: int = opt(1, "torch CPU threads per rank (1 avoids oversubscribing cores)")
+    fingerprint_every: int = opt(100, "every this many steps the ranks compare, through the rendezvous store (a "
+                                 "few round trips, no collective), a digest of every collective each issued so far "
+                                 "(op, shapes, dtype, call site); a mismatch stops the run naming the ranks and the "
+                                 "first collective that differ, before it can hang or silently compute garbage; "
+                                 "0 = off")
     tp: int = opt(1, "tensor-parallel degree: each layer split across this many adjacent ranks (Megatron-style); "
                   "must divide the heads, the MLP width and the vocabulary; data parallel = world / (tp x pp)")
     pp: int = opt(1, "pipeline-parallel degree: the blocks split into this many contiguous stages, one per rank "
@@ -253,6 +258,7 @@ class RunConfig:
         if not d.timeout_s > 0:
             raise ConfigError(f"dist.timeout_s must be > 0, got {d.timeout_s}")
         _require_positive("dist.threads_per_rank", d.threads_per_rank)
+        _require_non_negative("dist.fingerprint_every", d.fingerprint_every)
         _check_layout(self)
         for name in ("every_steps", "every_minutes", "keep_last"):
             if getattr(self.ckpt, name) < 0:

@@ -6,7 +6,9 @@ Two ways in:
   each, and returns every rank's result. If any rank raises or dies, every
   other rank is killed and `RankFailedError` carries the first failing rank
   and its traceback (shown once). A hard `timeout_s` turns a hang into
-  `LaunchTimeoutError`. The test harness and `--nproc N` both use it.
+  `LaunchTimeoutError`. The test harness and `--nproc N` both use it. A collective
+  stuck past `pg_timeout_s` ends every rank with one diagnosis naming the rank
+  that is elsewhere (collective_watch.py); that rank's report comes first.
 - `run_under_torchrun(fn, ...)` runs `fn` in this process, as the rank that
   torchrun's environment names; torchrun itself tears down the other ranks.
 """
@@ -129,19 +131,38 @@ def _rank_main(fn, args, rank, nproc, port, backend, pg_timeout_s, threads, conn
     from .topology import Topology
 
     torch.set_num_threads(threads)
+    pipe = threading.Lock()  # the collective watch's thread may report a hang on the same pipe
+
+    def report(text: str, culprit: bool) -> None:
+        """A hang diagnosis from the watch's thread, as this rank's error (it then ends the process)."""
+        with pipe:
+            _send(conn, ("error", text, time.time(), not culprit))
+
     topo = None
     try:
-        topo = Topology.from_env(backend, pg_timeout_s)
+        topo = Topology.from_env(backend, pg_timeout_s, report)
         result = fn(topo, *args)
-        _send(conn, ("ok", result))
+        with pipe:
+            _send(conn, ("ok", result))
     except BaseException as e:  # noqa: BLE001 - every failure must reach the launcher
-        secondary = isinstance(e, CollectiveError) or getattr(e, "caused_by_peer", False)
-        _send(conn, ("error", traceback.format_exc(), time.time(), secondary))
+        with pipe:
+            _send(conn, ("error", traceback.format_exc(), time.time(), _secondary(e)))
         conn.close()
         os._exit(1)  # skip teardown that could block on dead peers; the launcher reaps us
     if topo is not None:
         topo.close()
     conn.close()
+
+
+def _secondary(e: BaseException) -> bool:
+    """A failure that follows from another rank's: a broken collective, unless its diagnosis names this rank
+    (the trainer re-raises a CollectiveError with the step, so look down the chain)."""
+    chain = [e]
+    while chain[-1].__cause__ is not None and len(chain) < 8:
+        chain.append(chain[-1].__cause__)
+    if any(getattr(x, "culprit", False) for x in chain):
+        return False
+    return isinstance(e, CollectiveError) or getattr(e, "caused_by_peer", False)
 
 
 LOCAL_RANKS_PER_CPU = 8  # beyond this, a machine spends its time switching between ranks, and runs out of them
@@ -290,7 +311,12 @@ def run_under_torchrun(fn, *args, backend: str = "auto", pg_timeout_s: float = 3
 
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(threads_per_rank)
-    topo = Topology.from_env(backend, pg_timeout_s)
+
+    def report(text: str, culprit: bool) -> None:
+        """A hang diagnosis from the collective watch's thread, shown as a failure is (the watch then exits 1)."""
+        print(f"[rank {os.environ.get('RANK', '?')}] failed:\n{text}", file=sys.stderr, flush=True)
+
+    topo = Topology.from_env(backend, pg_timeout_s, report)
     try:
         return fn(topo, *args)
     except Exception:

@@ -23,6 +23,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .collective_watch import MARGIN_S, CollectiveWatch, open_watch
 from .comm import Comm
 from .config import ConfigError
 
@@ -85,6 +86,7 @@ class Topology:
     tp: Comm = field(default_factory=Comm)  # tensor-parallel group: one layer split across ranks, same data
     pp: Comm = field(default_factory=Comm)  # pipeline group: one rank per stage
     world: Comm | None = None  # every rank, once the world is split (until then dp is the world)
+    watch: CollectiveWatch | None = None  # diagnoses hangs and compares fingerprints (None in a single process)
 
     @property
     def is_main(self) -> bool:
@@ -107,9 +109,9 @@ class Topology:
             mine = next(g for g in groups[kind] if self.rank in g)
             # A real group even of one rank: PyTorch's DDP (--dp torch) needs one to hand to.
             group, _ = dist.new_subgroups_by_enumeration(groups[kind])
-            comms[kind] = Comm(mine.index(self.rank), len(mine), group, self.device)
+            comms[kind] = Comm(mine.index(self.rank), len(mine), group, self.device, kind, self.watch)
         return Topology(self.rank, self.world_size, self.local_rank, self.backend, self.device, **comms,
-                        world=self.everyone)
+                        world=self.everyone, watch=self.watch)
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> "Topology":
@@ -118,8 +120,10 @@ class Topology:
         return cls(0, 1, 0, "none", device, Comm(device=device))
 
     @classmethod
-    def from_env(cls, backend: str = "auto", timeout_s: float = 300.0) -> "Topology":
-        """Join the process group described by torchrun's environment variables."""
+    def from_env(cls, backend: str = "auto", timeout_s: float = 300.0, report=None) -> "Topology":
+        """Join the process group described by torchrun's environment variables. A collective stuck for
+        `timeout_s` ends every rank with a diagnosis (collective_watch.py), handed to `report(text, culprit)`
+        (default: stderr); the process group's own timeout is MARGIN_S later, so the diagnosis comes first."""
         missing = [v for v in TORCHRUN_VARS if v not in os.environ]
         if missing:
             raise RuntimeError(f"cannot join a process group: {', '.join(missing)} not set "
@@ -132,21 +136,39 @@ class Topology:
             torch.cuda.set_device(device)
         else:
             device = torch.device("cpu")
-        timeout = timedelta(seconds=timeout_s)
-        dist.init_process_group(backend, store=_rendezvous_store(rank, world, timeout), rank=rank,
-                                world_size=world, timeout=timeout)
-        return cls(rank, world, local_rank, backend, device, Comm(rank, world, dist.group.WORLD, device))
+        timeout = timedelta(seconds=timeout_s + MARGIN_S)
+        store = _rendezvous_store(rank, world, timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        watch = CollectiveWatch(rank, world, store, timeout_s, dist.group.WORLD, report)
+        return cls(rank, world, local_rank, backend, device, Comm(rank, world, dist.group.WORLD, device, "world", watch),
+                   watch=watch)
 
     @classmethod
-    def from_initialized(cls) -> "Topology":
-        """The process group this process has already joined (e.g. by its launcher), as a Topology."""
+    def from_initialized(cls, report=None) -> "Topology":
+        """The process group this process has already joined (e.g. by its launcher), as a Topology. Its watch
+        is the one from_env made when joining, or a new one that speaks MARGIN_S before the group's own timeout
+        (or at half of a timeout shorter than 2 x MARGIN_S)."""
         rank, world = dist.get_rank(), dist.get_world_size()
         backend = str(dist.get_backend())  # "gloo", "nccl", or a per-device list such as "cpu:gloo,cuda:nccl"
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         device = torch.device("cuda", local_rank) if "nccl" in backend else torch.device("cpu")
         backend = "nccl" if "nccl" in backend else "gloo"
-        return cls(rank, world, local_rank, backend, device, Comm(rank, world, dist.group.WORLD, device))
+        watch = open_watch(dist.group.WORLD) or cls._new_watch(rank, world, device, report)
+        return cls(rank, world, local_rank, backend, device, Comm(rank, world, dist.group.WORLD, device, "world", watch),
+                   watch=watch)
+
+    @staticmethod
+    def _new_watch(rank: int, world: int, device: torch.device, report) -> CollectiveWatch:
+        try:
+            pg_timeout = dist.distributed_c10d._get_default_group()._get_backend(device).options._timeout.total_seconds()
+        except (AttributeError, RuntimeError):  # a backend that does not say: torch's default, 30 minutes
+            pg_timeout = 1800.0
+        watch_s = pg_timeout - MARGIN_S if pg_timeout > 2 * MARGIN_S else pg_timeout / 2
+        return CollectiveWatch(rank, world, dist.distributed_c10d._get_default_store(), watch_s, dist.group.WORLD,
+                               report)
 
     def close(self) -> None:
+        if self.watch is not None:  # its thread stops before the process group (and its store) goes
+            self.watch.close()
         if dist.is_initialized():
             dist.destroy_process_group()

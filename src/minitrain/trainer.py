@@ -148,6 +148,8 @@ class Trainer:
                                          strategy.no_sync)
 
     def train_step(self) -> StepRecord:
+        if self.topo.watch is not None:  # hang diagnoses name the step; every N steps, the fingerprint check
+            self.topo.watch.at_step(self.step + 1, self.cfg.dist.fingerprint_every)
         try:
             return self._train_step()
         except CollectiveError as e:

@@ -201,6 +201,30 @@ def torchrun_restarts(docs: list[dict]) -> list[str]:
     return _table(["torchrun rendezvous", "env", *(column(doc["label"]) for doc in docs)], "<<" + ">" * len(docs), rows)
 
 
+def multinode(docs: list[dict]) -> list[str]:
+    doc = docs[0]
+    exact = doc["exactness"]
+    aborted = sum(bool(r.get("aborted_in_teardown")) for r in exact)
+    walls = sorted(r["wall_s"] for r in exact)
+    lines = [f"Exactness: **{sum(r['passed'] for r in exact)}/{len(exact)}** two-node jobs in a row passed (every "
+             f"agent exit 0, {aborted} aborted in teardown, both final checkpoints byte-equal to one machine's); "
+             f"median wall {walls[len(walls) // 2]:.1f} s a job.", ""]
+
+    def spread(values: list[float]) -> str:
+        values = sorted(values)
+        return fmt_range((values[len(values) // 2], values[0], values[-1]), "{:.1f}") if values else "n/a"
+
+    rows = []
+    for name, trials in doc["elastic"].items():
+        done = [t for t in trials if "recovery_s" in t]
+        worst = max((t["max_abs_diff_vs_uninterrupted"] for t in done), default=float("nan"))
+        rows.append([name, f"`{doc['rdzv_conf'][name]}`" if doc["rdzv_conf"][name] else "",
+                     f"{sum(t['passed'] for t in trials)}/{len(trials)}", spread([t["recovery_s"] for t in done]),
+                     spread([t["regrow_s"] for t in done]), f"{worst:.1e}"])
+    return [*lines, *_table(["rendezvous", "--rdzv-conf", "passed", "recovery s", "regrow s",
+                             "final vs never resized (max abs)"], "<<>>>>", rows)]
+
+
 def throughput(docs: list[dict]) -> list[str]:
     doc = docs[0]
     rows = []
@@ -243,6 +267,7 @@ TABLES = {
     "precision_memory": ("precision_memory.json", precision_memory),
     "torchrun_restarts": ("torchrun_restarts_*.json", torchrun_restarts),
     "throughput": ("throughput.json", throughput),
+    "multinode": ("multinode.json", multinode),
     "before_after": ("before_after.json", before_after),
 }
 

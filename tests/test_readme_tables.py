@@ -17,7 +17,8 @@ KEYS = {"prepare_vs_peers": TIMED | {"world", "warmup"}, "zero_stages": TIMED | 
         "pipeline": TIMED | {"pp", "microbatches", "minitrain_over_torch"},
         "comm": {"world_size", "backend", "ops"}, "precision_memory": {"world_size", "preset", "results"},
         "torchrun_restarts": {"label", "minitrain_src", "trials", "results"},
-        "throughput": {"device", "format", "results"}, "before_after": {"before", "repeats", "format", "results"}}
+        "throughput": {"device", "format", "results"}, "before_after": {"before", "repeats", "format", "results"},
+        "multinode": {"repeats", "elastic_trials", "rdzv_conf", "exactness", "elastic"}}
 MACHINE = {"platform", "cpus", "torch", "python"}
 
 

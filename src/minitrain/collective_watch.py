@@ -327,6 +327,7 @@ class CollectiveWatch:
         """Stop the thread (before the process group goes), and leave a note for any later diagnosis."""
         if _OPEN.get(id(self.group)) is self:
             del _OPEN[id(self.group)]
+        self.group = None  # the process group must be able to go with its last Comm (Topology.close)
         if self._stop.is_set():
             return
         self._stop.set()

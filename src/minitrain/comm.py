@@ -135,6 +135,10 @@ class Comm:
         """The next collective's fingerprint (None without a watch)."""
         return self._track.issue(op, tensors, _call_site()) if self._track is not None else None
 
+    def release(self) -> None:
+        """Let go of the process group (Topology.close): any later collective fails instead of reaching it."""
+        self.group = None
+
     def _run(self, op: str, nbytes: int, fn, *tensors: torch.Tensor) -> None:
         fp = self._fingerprint(op, tensors)
         if fp is not None:

@@ -87,6 +87,9 @@ class Topology:
     pp: Comm = field(default_factory=Comm)  # pipeline group: one rank per stage
     world: Comm | None = None  # every rank, once the world is split (until then dp is the world)
     watch: CollectiveWatch | None = None  # diagnoses hangs and compares fingerprints (None in a single process)
+    # Every Comm with a process group made by this topology or one derived from it (with_layout), so that
+    # close() lets go of each group: see close().
+    opened: list[Comm] = field(default_factory=list)
 
     @property
     def is_main(self) -> bool:
@@ -110,8 +113,9 @@ class Topology:
             # A real group even of one rank: PyTorch's DDP (--dp torch) needs one to hand to.
             group, _ = dist.new_subgroups_by_enumeration(groups[kind])
             comms[kind] = Comm(mine.index(self.rank), len(mine), group, self.device, kind, self.watch)
+        self.opened.extend(comms.values())
         return Topology(self.rank, self.world_size, self.local_rank, self.backend, self.device, **comms,
-                        world=self.everyone, watch=self.watch)
+                        world=self.everyone, watch=self.watch, opened=self.opened)
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> "Topology":
@@ -140,8 +144,8 @@ class Topology:
         store = _rendezvous_store(rank, world, timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
         watch = CollectiveWatch(rank, world, store, timeout_s, dist.group.WORLD, report)
-        return cls(rank, world, local_rank, backend, device, Comm(rank, world, dist.group.WORLD, device, "world", watch),
-                   watch=watch)
+        comm = Comm(rank, world, dist.group.WORLD, device, "world", watch)
+        return cls(rank, world, local_rank, backend, device, comm, watch=watch, opened=[comm])
 
     @classmethod
     def from_initialized(cls, report=None) -> "Topology":
@@ -154,8 +158,8 @@ class Topology:
         device = torch.device("cuda", local_rank) if "nccl" in backend else torch.device("cpu")
         backend = "nccl" if "nccl" in backend else "gloo"
         watch = open_watch(dist.group.WORLD) or cls._new_watch(rank, world, device, report)
-        return cls(rank, world, local_rank, backend, device, Comm(rank, world, dist.group.WORLD, device, "world", watch),
-                   watch=watch)
+        comm = Comm(rank, world, dist.group.WORLD, device, "world", watch)
+        return cls(rank, world, local_rank, backend, device, comm, watch=watch, opened=[comm])
 
     @staticmethod
     def _new_watch(rank: int, world: int, device: torch.device, report) -> CollectiveWatch:
@@ -168,7 +172,15 @@ class Topology:
                                report)
 
     def close(self) -> None:
+        """Tear down in order: the watch's thread, then every process group. A group's threads (gloo's loop
+        and workers) end when the last reference to it goes. Objects that outlive the run can still reach
+        the Comms (a strategy's gradient hooks live in autograd, where Python's collector cannot free them),
+        so each Comm lets go of its group here: otherwise the threads lived on into the interpreter's exit,
+        and a torchrun rank that had finished its run aborted there ("terminate called without an active
+        exception", about 1 run in 40 across two nodes; benchmarks/multinode.py repeats it)."""
         if self.watch is not None:  # its thread stops before the process group (and its store) goes
             self.watch.close()
+        for comm in self.opened:
+            comm.release()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,9 +1,10 @@
 """Multi-node runs in network namespaces, repeated: does every one finish, exit 0 and match one machine exactly,
 and how long does an elastic run take to come back from a lost node.
 
-- Exactness, `--repeats` times in a row: data parallel and ZeRO-3 (float64, 6 steps each, in one launch) on
-  2 nodes x 2 ranks; a repeat passes when every agent exits 0, nothing aborts in teardown ("terminate
-  called ..."), and both final checkpoints equal 4 ranks on one machine byte for byte.
+- Exactness, `--repeats` times in a row under each of torchrun's rendezvous (c10d and static): data parallel
+  and ZeRO-3 (float64, 6 steps each, in one launch) on 2 nodes x 2 ranks; a repeat passes when every agent
+  exits 0, nothing aborts in teardown ("terminate called ..."), and both final checkpoints equal 4 ranks on
+  one machine byte for byte.
 - Elastic, `--elastic-trials` times per rendezvous setting: ZeRO-1 on 2 nodes x 2 ranks under `torchrun
   --nnodes 1:2`, node 1 SIGKILLed whole after step 40, brought back 5 steps after the survivors resumed.
   Recovery = the kill to the first step completed after it; regrow = node 1's agent started again to the first
@@ -38,18 +39,24 @@ ELASTIC = ["--dtype", "float64", "--zero", "1", "--global-batch", "8", "--steps"
            "--train.log_every", "0", "--timeout-s", "60"]
 # torchrun's own heartbeat and last-call timing beside the faster one tests/multinode.py uses.
 RDZV = {"torchrun defaults": "", "fast heartbeats": ELASTIC_RDZV}
+# The exactness job under both of torchrun's rendezvous: c10d (what the docs recommend) and the static one
+# (--node-rank, --master-addr), where aborts in teardown were first reported.
+JOB_RDZV = ("c10d", "static")
 
 
 def runs(root: Path) -> list[list[str]]:
     return [[*EXACT, *args, "--out", str(root / name)] for name, args in LAYOUTS.items()]
 
 
-def repeat(cluster: Cluster, root: Path, reference: Path) -> dict:
+def repeat(cluster: Cluster, root: Path, reference: Path, static: bool) -> dict:
     root.mkdir(parents=True)
     (root / "runs.json").write_text(json.dumps(runs(root)))
     start = time.monotonic()
     try:
-        finished = cluster.run([THIS, str(root / "runs.json")], nodes=2, nproc=2, log_dir=root, timeout_s=180)
+        # 60 s: a job takes about 8; one whose rank aborted in teardown leaves the other node's agent in
+        # torchrun's exit barrier (300 s) and counts as a failure either way.
+        finished = cluster.run([THIS, str(root / "runs.json")], nodes=2, nproc=2, log_dir=root, timeout_s=60,
+                               static=static)
     except TimeoutError as e:
         return {"passed": False, "rc": "timeout", "wall_s": round(time.monotonic() - start, 1), "tail": str(e)[-600:]}
     rcs = [f.returncode for f in finished]
@@ -99,20 +106,21 @@ def main() -> None:
     launch(train_each, 4, runs(root / "one-machine"), backend="gloo", timeout_s=300)
     uninterrupted = root / "uninterrupted"
     launch(train_each, 4, [[*ELASTIC, "--out", str(uninterrupted)]], backend="gloo", timeout_s=600)
-    results: dict = {"exactness": [], "elastic": {name: [] for name in RDZV}}
+    results: dict = {"exactness": {kind: [] for kind in JOB_RDZV}, "elastic": {name: [] for name in RDZV}}
     with Cluster(2, "mtbench") as cluster:
-        for i in range(args.repeats):
-            r = repeat(cluster, root / f"repeat-{i}", root / "one-machine")
-            results["exactness"].append(r)
-            print(f"repeat {i}: passed={r['passed']} rc={r['rc']} {r['wall_s']} s {r.get('tail', '')[-300:]!r}",
-                  flush=True)
+        for i in range(args.repeats):  # interleaved, so machine noise hits both rendezvous alike
+            for kind in JOB_RDZV:
+                r = repeat(cluster, root / f"repeat-{kind}-{i}", root / "one-machine", static=kind == "static")
+                results["exactness"][kind].append(r)
+                print(f"repeat {i} {kind}: passed={r['passed']} rc={r['rc']} {r['wall_s']} s "
+                      f"{r.get('tail', '')[-300:]!r}", flush=True)
         for i in range(args.elastic_trials):  # interleaved, so machine noise hits both settings alike
             for name, rdzv in RDZV.items():
                 r = elastic_trial(cluster, root / f"elastic-{name.replace(' ', '-')}-{i}", rdzv, uninterrupted)
                 results["elastic"][name].append(r)
                 print(f"elastic {name} {i}: {r}", flush=True)
-    exact = results["exactness"]
-    print(f"exactness: {sum(r['passed'] for r in exact)}/{len(exact)} repeats passed")
+    for kind, exact in results["exactness"].items():
+        print(f"exactness, {kind} rendezvous: {sum(r['passed'] for r in exact)}/{len(exact)} repeats passed")
     rows = [[name, f"{sum(t['passed'] for t in ts)}/{len(ts)}",
              " ".join(f"{t['recovery_s']:.1f}" for t in ts if "recovery_s" in t),
              " ".join(f"{t['regrow_s']:.1f}" for t in ts if "regrow_s" in t)] for name, ts in results["elastic"].items()]

@@ -203,12 +203,14 @@ def torchrun_restarts(docs: list[dict]) -> list[str]:
 
 def multinode(docs: list[dict]) -> list[str]:
     doc = docs[0]
-    exact = doc["exactness"]
-    aborted = sum(bool(r.get("aborted_in_teardown")) for r in exact)
-    walls = sorted(r["wall_s"] for r in exact)
-    lines = [f"Exactness: **{sum(r['passed'] for r in exact)}/{len(exact)}** two-node jobs in a row passed (every "
-             f"agent exit 0, {aborted} aborted in teardown, both final checkpoints byte-equal to one machine's); "
-             f"median wall {walls[len(walls) // 2]:.1f} s a job.", ""]
+    lines = []
+    for kind, exact in doc["exactness"].items():
+        aborted = sum(bool(r.get("aborted_in_teardown")) for r in exact)
+        walls = sorted(r["wall_s"] for r in exact)
+        lines.append(f"- {kind} rendezvous: **{sum(r['passed'] for r in exact)}/{len(exact)}** two-node jobs "
+                     f"passed (every agent exit 0, {aborted} aborted in teardown, both final checkpoints "
+                     f"byte-equal to one machine's); median wall {walls[len(walls) // 2]:.1f} s a job.")
+    lines.append("")
 
     def spread(values: list[float]) -> str:
         values = sorted(values)

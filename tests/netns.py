@@ -61,16 +61,20 @@ class Cluster:
         return f"10.77.0.{node + 1}"
 
     def agent(self, node: int, entry: list[str], *, nnodes: str, nproc: int, run_id: str, log: Path,
-              max_restarts: int = 0, rdzv_conf: str = "", env: dict | None = None) -> subprocess.Popen:
+              max_restarts: int = 0, rdzv_conf: str = "", env: dict | None = None,
+              static: bool = False) -> subprocess.Popen:
         """Start node's torchrun agent for ENTRY (["-m", "minitrain", "train", ...] or [script, args...]); its
         output goes to LOG.out/LOG.err. Node 0 hosts the rendezvous store (is_host: in a namespace torchrun
-        cannot tell by hostname)."""
+        cannot tell by hostname). static: torchrun's static rendezvous instead (fixed node ranks, node 0's
+        address as the master's)."""
         conf = ",".join(filter(None, [f"is_host={int(node == 0)}", rdzv_conf]))
+        rendezvous = ([f"--node-rank={node}", f"--master-addr={self.addr(0)}", f"--master-port={RDZV_PORT}"]
+                      if static else
+                      ["--rdzv-backend=c10d", f"--rdzv-endpoint={self.addr(0)}:{RDZV_PORT}", f"--rdzv-id={run_id}",
+                       f"--rdzv-conf={conf}", f"--local-addr={self.addr(node)}"])
         cmd = ["ip", "netns", "exec", f"{self.name}-n{node}", sys.executable, "-m", "torch.distributed.run",
-               f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
-               f"--rdzv-endpoint={self.addr(0)}:{RDZV_PORT}", f"--rdzv-id={run_id}", f"--rdzv-conf={conf}",
-               f"--local-addr={self.addr(node)}", f"--max-restarts={max_restarts}", "--monitor-interval=0.2",
-               *entry]
+               f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", *rendezvous, f"--max-restarts={max_restarts}",
+               "--monitor-interval=0.2", *entry]
         env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "PYTHONUNBUFFERED": "1", **(env or {})}
         return subprocess.Popen(cmd, stdout=open(f"{log}.out", "w"), stderr=open(f"{log}.err", "w"),
                                 env=env, start_new_session=True)
@@ -90,10 +94,10 @@ class Cluster:
             self.kill_node(node)
 
     def run(self, entry: list[str], *, nodes: int, nproc: int, log_dir: Path, timeout_s: float,
-            run_id: str = "job") -> list[Finished]:
-        """One job on nodes 0..nodes-1 (static membership), waited for; a hard timeout kills every node."""
-        agents = [self.agent(n, entry, nnodes=str(nodes), nproc=nproc, run_id=run_id, log=log_dir / f"node{n}")
-                  for n in range(nodes)]
+            run_id: str = "job", static: bool = False) -> list[Finished]:
+        """One job on nodes 0..nodes-1 (fixed membership), waited for; a hard timeout kills every node."""
+        agents = [self.agent(n, entry, nnodes=str(nodes), nproc=nproc, run_id=run_id, log=log_dir / f"node{n}",
+                             static=static) for n in range(nodes)]
         return self.wait(agents, log_dir, timeout_s)
 
     def wait(self, agents: list[subprocess.Popen], log_dir: Path, timeout_s: float,

@@ -137,3 +137,18 @@ def test_closing_the_topology_ends_every_backend_thread(tmp_path):
     # exception"); so close() ends them all, subgroups included, before the process exits.
     for names in run_ranks(_threads_after_training_and_close, 2, str(tmp_path)):
         assert not [n for n in names if "gloo" in n], names
+
+
+def _collective_after_close(topo):
+    topo.close()
+    try:
+        topo.dp.all_reduce_sum(torch.zeros(1))
+    except Exception as e:  # noqa: BLE001 - the test wants to see which error it is
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_a_comm_refuses_collectives_after_its_topology_closed():
+    # After close, a Comm no longer holds its group: a call must fail, not land on another default group.
+    for said in run_ranks(_collective_after_close, 2):
+        assert said == "CollectiveError: all_reduce on world after its topology was closed (Topology.close)"

@@ -41,8 +41,8 @@ def test_global_batch_sets_each_ranks_batch_and_refuses_what_does_not_divide():
     def cfg(nproc: int, **train) -> RunConfig:
         return build_config(cli_values={"dist.nproc": nproc, **{f"train.{k}": v for k, v in train.items()}})
 
-    assert cfg(4, global_batch=16).validate().train.batch_size == 4
-    assert cfg(2, global_batch=16, grad_accum=2).validate().train.batch_size == 4
+    assert cfg(4, global_batch=24).validate().train.batch_size == 6
+    assert cfg(2, global_batch=24, grad_accum=2).validate().train.batch_size == 6
     with pytest.raises(ConfigError, match="--global-batch 8 is not divisible by 3 data-parallel rank"):
         cfg(3, global_batch=8).validate()
     with pytest.raises(ConfigError, match="--stop-at 9 must be between 0"):

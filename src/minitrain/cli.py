@@ -36,8 +36,7 @@ from .topology import under_torchrun
 # Short spellings for the settings people change most; every field also has --section.name.
 ALIASES = {
     "model.preset": "--preset", "dist.nproc": "--nproc", "train.steps": "--steps", "train.stop_at": "--stop-at",
-    "train.seed": "--seed",
-    "train.batch_size": "--batch-size", "train.grad_accum": "--grad-accum",
+    "train.seed": "--seed", "train.batch_size": "--batch-size", "train.grad_accum": "--grad-accum",
     "train.global_batch": "--global-batch", "train.lr": "--lr",
     "train.zero": "--zero", "train.dtype": "--dtype", "data.corpus": "--corpus",
     "ckpt.every_steps": "--ckpt-every-steps", "ckpt.resume": "--resume", "out": "--out",

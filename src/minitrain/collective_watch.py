@@ -37,7 +37,7 @@ import time
 import zlib
 from datetime import timedelta
 
-from .comm import CollectiveError
+from .comm import CollectiveError, call_site
 from .diagnosis import (
     Diagnosis,
     compose,
@@ -183,7 +183,7 @@ class CollectiveWatch:
         keys = [f"{base}{r}" for r in range(self.world_size)]
         mine = {key: [t.checked, t.digest] for key, t in self._tracks.items()}
         # While it waits for the others it counts as in a collective: a rank that never comes is diagnosed.
-        self._current = (("store", 0, f"fingerprint check {label}", (), "", _caller_site()), time.monotonic())
+        self._current = (("store", 0, f"fingerprint check {label}", (), "", call_site(__file__)), time.monotonic())
         try:
             self._store.set(keys[self.rank], json.dumps(mine))
             self._store.wait(keys, timedelta(seconds=self.timeout_s + MARGIN_S))
@@ -353,14 +353,6 @@ class CollectiveWatch:
             pending = {r for r in pending if not (self._store.check([states[r]]) or self._store.check([acks[r]]))}
             if pending:
                 time.sleep(0.05)
-
-
-def _caller_site() -> str:
-    """The first frame outside this file: who asked for a check."""
-    frame = sys._getframe(1)
-    while frame.f_back is not None and frame.f_code.co_filename == _caller_site.__code__.co_filename:
-        frame = frame.f_back
-    return site_of(frame)
 
 
 def _print_report(text: str, culprit: bool) -> None:

@@ -130,14 +130,18 @@ class Comm:
         self._gloo = group is not None and dist.get_backend(group) == "gloo"
         self.watch = watch if group is not None and world_size > 1 else None
         self._track = self.watch.track(name, dist.get_process_group_ranks(group)) if self.watch else None
+        self._released = False
 
     def _fingerprint(self, op: str, tensors: tuple) -> tuple | None:
-        """The next collective's fingerprint (None without a watch)."""
-        return self._track.issue(op, tensors, _call_site()) if self._track is not None else None
+        """The next collective's fingerprint (None without a watch); refuses a Comm whose group was released."""
+        if self._released:  # group=None would otherwise mean whichever default group exists by then
+            raise CollectiveError(f"{op} on {self.name} after its topology was closed (Topology.close)")
+        return self._track.issue(op, tensors, call_site()) if self._track is not None else None
 
     def release(self) -> None:
-        """Let go of the process group (Topology.close): any later collective fails instead of reaching it."""
-        self.group = None
+        """Let go of the process group (Topology.close), so its threads can end with it; a later collective
+        on this Comm raises CollectiveError."""
+        self.group, self._released = None, True
 
     def _run(self, op: str, nbytes: int, fn, *tensors: torch.Tensor) -> None:
         fp = self._fingerprint(op, tensors)
@@ -321,11 +325,11 @@ def _nbytes(t: torch.Tensor) -> int:
 _SITE_NAMES: dict[str, str] = {}
 
 
-def _call_site() -> str:
-    """'zero3.py:80': the first frame outside this file (about 0.4 us: a few frames up, one cached basename)."""
-    here = _call_site.__code__.co_filename
+def call_site(skip: str = __file__) -> str:
+    """'zero3.py:80': the first frame outside the file `skip` (by default this one: who called the collective).
+    About 0.4 us: a few frames up, one cached basename."""
     frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename == here:
+    while frame is not None and frame.f_code.co_filename == skip:
         frame = frame.f_back
     if frame is None:
         return "?"

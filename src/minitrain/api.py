@@ -48,6 +48,7 @@ from .parallel.shard_optimizer import (
     check_elementwise,
 )
 from .parallel.tp_plan import check_heads, hugging_face_plan, resolve
+from .parallel.whole_state import full_model_state, full_optimizer_state, load_optimizer_state
 from .precision import COMPUTE_DTYPES
 from .topology import Topology, under_torchrun
 
@@ -141,6 +142,7 @@ class _Prepared:
     shapes: dict = field(default_factory=dict)  # micro-batch input shape -> the activation shape stages exchange
     max_norm: float | None = None  # set by clip_grad_norm_ for the coming step
     optimizer: PreparedOptimizer | None = field(default=None, repr=False)
+    groups: list[list[str]] = field(default_factory=list)  # the param groups' parameters, by canonical name
 
 
 _prepared: weakref.WeakKeyDictionary[nn.Module, _Prepared] = weakref.WeakKeyDictionary()
@@ -239,7 +241,7 @@ def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param
                 "activation_checkpointing": getattr(activation_checkpointing, "__name__", activation_checkpointing)}
     _session.layout = layout
     stage = None if split is None else Stage(model, split, layout.pp.rank, pp)
-    state = _Prepared(strategy, settings, layout, pipeline, stage)
+    state = _Prepared(strategy, settings, layout, pipeline, stage, groups=[names for names, _ in groups])
     state.optimizer = PreparedOptimizer(strategy, state)
     _prepared[model] = state
     return model, state.optimizer
@@ -434,12 +436,18 @@ class PreparedOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         raise NotImplementedError("groups are fixed by prepare(param_groups=...); prepare a new model to change them")
 
-    def state_dict(self):
-        raise NotImplementedError("a rank holds only its shard of the optimizer; use minitrain.save_checkpoint, "
-                                  "which saves every rank's part so it loads at any world size or ZeRO stage")
+    def state_dict(self) -> dict:
+        """The whole optimizer's state_dict in torch's format, as the user's optimizer would give it in one process
+        over the whole model (its param groups, with the parameters numbered in their order): every rank's shard,
+        slice and stage put together on every rank. Collective: call it on every rank. (save_checkpoint writes
+        each rank's part instead, without gathering.)"""
+        topo = self._prepared.topo
+        return full_optimizer_state(self._strategy, self._prepared.groups, topo.everyone, topo.dp.rank, topo.tp.rank)
 
-    def load_state_dict(self, state_dict) -> None:
-        raise NotImplementedError("use minitrain.load_checkpoint")
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore a state_dict of torch's format (this optimizer's state_dict(), or a plain torch optimizer's over
+        the same param groups): each rank keeps the part it holds, and every group's options (lr, betas, ...)."""
+        load_optimizer_state(self._strategy, self._prepared.groups, state_dict)
 
     def __repr__(self) -> str:
         return f"PreparedOptimizer(ZeRO-{self._strategy.stage}, {self.inner!r})"
@@ -466,22 +474,12 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> float:
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model's state_dict, with exactly its own keys, on every rank (copies; the parameters are
-    gathered from their shards at ZeRO-3, so it is collective there): what to evaluate or export in memory."""
+    """The whole model's state_dict, with exactly its own keys, shapes and dtypes, on every rank (copies): what to
+    evaluate or export in memory. Put together from every data-parallel shard, tensor-parallel slice and pipeline
+    stage, so it is collective (call it on every rank) and holds the whole model on each."""
     state = _state_of(model)
-    if state.settings["tp"] > 1:
-        raise ValueError("full_state_dict gathers data-parallel shards, not tensor-parallel slices; with tp > 1 "
-                         "save_checkpoint and consolidate it (`minitrain ckpt consolidate`)")
-    strategy = state.strategy
-    flat = strategy.flat
-    whole = strategy.full_params()  # every trainable parameter, in the logical layout
-    by_id = {id(flat.param(s)): s for s in flat.segments}
-    out = {}
-    for key, value in model.state_dict(keep_vars=True).items():
-        seg = by_id.get(id(value))
-        out[key] = (whole[seg.logical:seg.logical + seg.numel].view(seg.shape).clone() if seg is not None
-                    else value.detach().clone())
-    return out
+    topo = state.topo
+    return full_model_state(state.strategy, topo.everyone, topo.dp, topo.tp, topo.pp)
 
 
 # --- checkpoints ------------------------------------------------------------------------------------
@@ -509,7 +507,8 @@ def save_checkpoint(directory: str | Path, model: nn.Module, optimizer: Prepared
     if optimizer is not state.optimizer:
         raise ValueError("save_checkpoint takes the optimizer prepare returned with this model")
     train_state = {"step": int(step), "optimizer_steps": state.strategy.optimizer.steps_taken,
-                   "optimizer_scalars": state.strategy.optimizer.scalar_state(), "extra": extra}
+                   "optimizer_scalars": state.strategy.optimizer.scalar_state(),
+                   "param_groups": state.strategy.optimizer.group_options(), "extra": extra}
     try:  # refuse what strict JSON cannot hold (a checkpoint's manifest is read back without NaN or Infinity)
         json.dumps(train_state, allow_nan=False)
     except (TypeError, ValueError) as e:
@@ -527,6 +526,11 @@ def load_checkpoint(directory: str | Path, model: nn.Module, optimizer: Prepared
         raise ValueError("load_checkpoint takes the optimizer prepare returned with this model")
     _all_ranks_arrive("load_checkpoint")
     train_state = checkpoint.load(directory, state.topo, state.strategy)
+    if "param_groups" in train_state:  # the learning rate a scheduler had set, betas, weight decay, ...
+        try:
+            state.strategy.optimizer.load_group_options(train_state["param_groups"])
+        except ValueError as e:
+            raise checkpoint.CheckpointError(f"checkpoint {directory}: {e}") from None
     return train_state["step"], train_state.get("extra")
 
 

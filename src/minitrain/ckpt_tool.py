@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from . import checkpoint
 from .config import ConfigError
 from .metrics import format_table, human_bytes
+from .parallel.placement import check_state
 
 
 def inspect(path: str) -> str:
@@ -84,6 +85,10 @@ def consolidated_state_dict(path: str) -> dict[str, torch.Tensor]:
             state[key] = checkpoint.read_tensor(step_dir / stored[entry["tensor"]], entry["tensor"])
         else:
             raise checkpoint.CheckpointError(f"checkpoint {step_dir} has no tensor for '{key}'")
+    # The result is checked against the model's own state_dict as the save recorded it (names, whole shapes,
+    # dtypes): a slice or a stray tensor is an error naming its key, never a file.
+    check_state(state, {e["key"]: (e["shape"], e["dtype"]) for e in manifest["state_dict"]},
+                f"checkpoint {step_dir} consolidated", checkpoint.CheckpointError)
     return state
 
 

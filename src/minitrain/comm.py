@@ -21,6 +21,7 @@ collective_watch.py).
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -276,6 +277,17 @@ class Comm:
         out = torch.empty(self.world_size * row.numel(), dtype=row.dtype, device=self.device)
         self.all_gather(out, row)
         return out.view(self.world_size, -1).cpu()
+
+    def gather_ragged(self, values: list[int]) -> list[list[int]]:
+        """Every rank's list of ints, of any length, on every rank (two fixed-size gathers)."""
+        lengths = self.gather_rows(torch.tensor([len(values)], dtype=torch.int64))[:, 0].tolist()
+        padded = torch.zeros(max(lengths), dtype=torch.int64)
+        padded[:len(values)] = torch.tensor(values, dtype=torch.int64)
+        return [row[:n] for row, n in zip(self.gather_rows(padded).tolist(), lengths)]
+
+    def gather_json(self, obj) -> list:
+        """Every rank's JSON-able `obj`, on every rank (as UTF-8 bytes: no pickles between ranks either)."""
+        return [json.loads(bytes(row).decode()) for row in self.gather_ragged(list(json.dumps(obj).encode()))]
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         self._run("send", _nbytes(tensor), lambda: dist.send(tensor, group=self.group, group_dst=dst), tensor)

@@ -25,7 +25,10 @@ from safetensors.torch import save_file
 
 from . import __version__, checkpoint
 from .ckpt_tool import consolidated_state_dict
+from .config import ModelConfig
 from .errors import ConfigError
+from .model import MiniGPT
+from .parallel.placement import check_state, dtype_name
 from .metrics import human_bytes
 from .run import saved_run_config
 from .run_files import TOKENIZER, copy_tokenizer
@@ -67,6 +70,18 @@ def check_out(out: Path) -> None:
         raise ConfigError(f"{out.parent}, where OUT would go, {what}")
 
 
+def _check_minigpt(state: dict, model_config: dict, step_dir: Path) -> None:
+    """The weights are exactly what the MiniGPT the config describes holds: its keys and shapes (built on the meta
+    device, so nothing is allocated); their dtype is the run's."""
+    import torch
+
+    with torch.device("meta"):
+        model = MiniGPT(ModelConfig(**model_config))
+    check_state(state, {k: (list(v.shape), dtype_name(state[k].dtype) if k in state else "")
+                        for k, v in model.state_dict().items()},
+                f"checkpoint {step_dir} consolidated for MiniGPT", checkpoint.CheckpointError)
+
+
 def export(source: str, out: str) -> str:
     target = Path(out)
     step_dir = source_step_dir(source)
@@ -74,6 +89,7 @@ def export(source: str, out: str) -> str:
     step_dir, manifest = checkpoint.verify(step_dir)
     run_config = saved_run_config(step_dir, manifest["config"])  # refuses a checkpoint of the Python API
     state = consolidated_state_dict(str(step_dir))
+    _check_minigpt(state, run_config["model"], step_dir)
     config = {"format": FORMAT, "model_type": "minigpt", "minitrain_version": __version__,
               "model": run_config["model"], "step": manifest["step"], "source": str(step_dir.resolve()),
               "corpus": run_config["data"]["corpus"], "tokenizer": None}

@@ -27,10 +27,14 @@ ZeRO stage (whose per-unit padding never reaches the file's coordinates).
 
 Everything else in the model's state_dict (frozen parameters, persistent
 buffers) is stored whole, as `model.<key>`, by the first data- and
-tensor-parallel rank of each pipeline stage. The manifest's `state_dict` maps
-every key of the model's own state_dict to a trainable parameter (tied weights:
-two keys, one parameter) or to such a stored tensor, which is how
-`ckpt consolidate` writes a file the model's load_state_dict accepts.
+tensor-parallel rank of each pipeline stage: a frozen tensor-parallel slice is
+gathered over its group first, and each rank takes its own slice back on load.
+The manifest's `state_dict` maps every key of the model's own state_dict to a
+trainable parameter (tied weights: two keys, one parameter) or to such a stored
+tensor (a tied frozen tensor: two keys, one stored name), with the whole
+model's shape and dtype for each, which is how `ckpt consolidate` writes a file
+the model's load_state_dict accepts and checks it key by key. The placement
+rule behind all of it: parallel/placement.py.
 """
 from .files import (FORMAT, LATEST, MANIFEST, RNG_KEYS, CheckpointError, complete_steps, find_latest, prune,
                     read_manifest, read_tensor, resolve, rng_state, set_rng_state, sha256_of, shard_file_name,

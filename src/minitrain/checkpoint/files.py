@@ -16,7 +16,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..progress import byte_bar
 
-FORMAT = "minitrain-checkpoint/4"
+FORMAT = "minitrain-checkpoint/5"
 MANIFEST = "manifest.json"
 MANIFEST_SHA = "manifest.sha256"  # written after the manifest, before the directory is renamed into place
 LATEST = "latest"

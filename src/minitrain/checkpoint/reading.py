@@ -11,6 +11,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..parallel.flat import FlatStrategy
+from ..parallel.placement import Placement, dtype_name
 from ..topology import Topology
 from .files import (RNG_KEYS, CheckpointError, read_manifest, read_tensor, resolve, set_rng_state, shard_file_name,
                     verify_files)
@@ -96,6 +97,22 @@ def _check_same_model(step_dir: Path, manifest: dict, strategy: FlatStrategy) ->
         raise CheckpointError(f"checkpoint {step_dir} holds a different model (this run vs checkpoint: {diff})")
 
 
+def _check_entries(step_dir: Path, stored: dict[str, dict], mine: list[Placement]) -> None:
+    """Every key of this rank's model is in the checkpoint, of the same kind, whole shape and dtype."""
+    absent = [p.key for p in mine if p.key not in stored]
+    if absent:
+        raise CheckpointError(f"checkpoint {step_dir} has no entry for {', '.join(absent[:5])}"
+                              f"{' ...' if len(absent) > 5 else ''} of this model's state_dict")
+    for p in mine:
+        entry = stored[p.key]
+        if ("param" in entry) != (p.kind == "param"):
+            was, now = ("trainable", "frozen or a buffer") if "param" in entry else ("frozen or a buffer", "trainable")
+            raise CheckpointError(f"checkpoint {step_dir}: '{p.key}' was {was} when saved and is {now} in this model")
+        if entry["shape"] != list(p.shape) or entry["dtype"] != dtype_name(p.dtype):
+            raise CheckpointError(f"checkpoint {step_dir}: '{p.key}' is {entry['shape']} {entry['dtype']} there, "
+                                  f"{list(p.shape)} {dtype_name(p.dtype)} in this model")
+
+
 def load(path: str | os.PathLike, topo: Topology, strategy: FlatStrategy) -> dict:
     """Verify the files this rank reads, then restore its parameters, optimizer state, frozen parameters and
     buffers and (same world size) its RNG, reading only what it holds. Collective at ZeRO-1/2 (the full
@@ -107,41 +124,41 @@ def load(path: str | os.PathLike, topo: Topology, strategy: FlatStrategy) -> dic
     wanted = flat.pieces(strategy.shard_ranges)
     length = sum(b - a for a, b in strategy.shard_ranges)
     keys = sorted({t["key"] for t in manifest["tensors"] if "pieces" in t})
-    mine = {"params": flat.dtype, "optim.master": strategy.optimizer.master.dtype}
+    flat_dtypes = {"params": flat.dtype, "optim.master": strategy.optimizer.master.dtype}
     stored = {m["key"]: m for m in manifest["state_dict"]}
-    absent = [key for key in strategy.model.state_dict() if key not in stored]
-    if absent:
-        raise CheckpointError(f"checkpoint {step_dir} has no entry for {', '.join(absent[:5])}"
-                              f"{' ...' if len(absent) > 5 else ''} of this model's state_dict")
-    extras = {key: value for key, value in strategy.model.state_dict(keep_vars=True).items()
-              if "tensor" in stored[key]}
+    mine = strategy.placements()
+    _check_entries(step_dir, stored, mine)
+    extras = [p for p in mine if p.kind != "param" and p.stored]  # a tied group's tensor once
     reads = {key: plan_reads(manifest, key, wanted) for key in keys}
     files = {file for per_key in reads.values() for file in per_key}
     extra_files = {t["key"]: t["file"] for t in manifest["tensors"] if t["key"].startswith("model.")}
-    files |= {extra_files[stored[key]["tensor"]] for key in extras if stored[key]["tensor"] in extra_files}
+    files |= {extra_files[stored[p.key]["tensor"]] for p in extras if stored[p.key]["tensor"] in extra_files}
     same_world = manifest["world_size"] == topo.world_size
     if same_world:
         files.add(shard_file_name(topo.rank))
     verify_files(step_dir, manifest, files)
-    for key, dtype in mine.items():
+    for key, dtype in flat_dtypes.items():
         theirs = next((t["dtype"] for t in manifest["tensors"] if t["key"] == key), None)
-        if theirs != str(dtype).removeprefix("torch."):
+        if theirs != dtype_name(dtype):
             raise CheckpointError(f"checkpoint {step_dir} stores {key} in {theirs}, this run keeps them in "
-                                  f"{str(dtype).removeprefix('torch.')} (resume with the dtype and precision it "
+                                  f"{dtype_name(dtype)} (resume with the dtype and precision it "
                                   "was saved with)")
     local = {key: read_local(step_dir, manifest, key, reads[key], wanted, length) for key in keys}
     train_state = manifest["train_state"]
     strategy.load_local(local, train_state["optimizer_scalars"])
+    values = strategy.model.state_dict(keep_vars=True)
     with torch.no_grad():
-        for key, value in extras.items():
-            name = stored[key]["tensor"]
+        for p in extras:
+            name = stored[p.key]["tensor"]
             if name not in extra_files:
-                raise CheckpointError(f"checkpoint {step_dir} has no tensor for '{key}'")
+                raise CheckpointError(f"checkpoint {step_dir} has no tensor for '{p.key}'")
             saved = read_tensor(step_dir / extra_files[name], name)
-            if saved.shape != value.shape:
-                raise CheckpointError(f"checkpoint {step_dir}: '{key}' has shape {list(saved.shape)}, the model's "
-                                      f"is {list(value.shape)}")
-            value.copy_(saved)  # in place: the tensor keeps its dtype and device
+            if list(saved.shape) != list(p.shape) or saved.dtype != p.dtype:
+                raise CheckpointError(f"checkpoint {step_dir}: '{p.key}' is stored as {list(saved.shape)} "
+                                      f"{dtype_name(saved.dtype)}, the model's is {list(p.shape)} {dtype_name(p.dtype)}")
+            if p.tp_slice is not None:  # this rank's tensor-parallel slice of the whole tensor
+                saved = saved.index_select(p.tp_slice.dim, p.tp_slice.index)
+            values[p.key].copy_(saved)  # in place: the tensor keeps its device, and a tied one stays tied
     if same_world:  # each rank continues its own random streams
         shard = step_dir / shard_file_name(topo.rank)
         set_rng_state({key: read_tensor(shard, key) for key in RNG_KEYS})

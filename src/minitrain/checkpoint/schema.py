@@ -61,7 +61,9 @@ MANIFEST_SCHEMA = {
                          "type": "object", "required": ["name", "padded_numel"],
                          "properties": {"name": _name, "padded_numel": _count}}}}},
         "state_dict": {"type": "array", "items": {
-            "type": "object", "required": ["key"], "properties": {"key": _name, "param": _name, "tensor": _name},
+            "type": "object", "required": ["key", "shape", "dtype"],
+            "properties": {"key": _name, "param": _name, "tensor": _name, "shape": _shape,
+                           "dtype": {"type": "string", "pattern": "^[a-z0-9_]{1,32}$"}},
             "oneOf": [{"required": ["param"]}, {"required": ["tensor"]}]}},
         "files": {"type": "array", "minItems": 1, "items": {
             "type": "object", "required": ["name", "rank", "bytes", "sha256"],
@@ -81,6 +83,8 @@ MANIFEST_SCHEMA = {
                                 # a torch optimizer's scalar states (minitrain.prepare): the dtype of each, or
                                 # null for a plain number
                                 "scalars": {"type": "object", "additionalProperties": {"enum": [None, *DTYPES]}}}},
+                            # the user's optimizer's param groups' options (minitrain.save_checkpoint)
+                            "param_groups": {"type": "array", "items": {"type": "object"}},
                             "tokens_seen": _count,
                             "corpus_sha256": {"type": "string", "pattern": "^[0-9a-f]{64}$"},
                             "loader": {"type": "object",

@@ -13,6 +13,8 @@ import torch
 from safetensors.torch import save_file
 
 from ..parallel.flat import FlatStrategy
+from ..parallel.placement import dtype_name
+from ..parallel.tensor import gather_slices
 from ..topology import Topology
 from .files import (FORMAT, LATEST, MANIFEST, MANIFEST_SHA, WRITTEN_BY, CheckpointError, _fsync_dir, _fsync_file,
                     _write_durably, rng_state, sha256_of, shard_file_name, step_dir_name, written_by)
@@ -30,19 +32,28 @@ class PeerSaveError(CheckpointError):
     caused_by_peer = True  # the launcher shows the failing rank's error first
 
 
-def model_entries(strategy: FlatStrategy) -> tuple[list[list[str]], dict[str, torch.Tensor]]:
-    """(for every key of the model's state_dict: [key, "param", trainable parameter name] or [key, "tensor",
-    stored name]; the tensors to store: frozen parameters and persistent buffers, as `model.<key>`)."""
-    flat_names = {id(strategy.flat.param_named(n)): n for n in strategy.flat.names()}
-    mapping, tensors = [], {}
-    for key, value in strategy.model.state_dict(keep_vars=True).items():
-        name = flat_names.get(id(value))
-        if name is not None:
-            mapping.append([key, "param", name])
+def model_entries(strategy: FlatStrategy, topo: Topology) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """(the manifest's entry for every key of this rank's model state_dict: {"key", "param": trainable parameter}
+    or {"key", "tensor": stored name}, with the whole model's "shape" and "dtype"; the tensors this rank stores).
+    By the placement rule (parallel/placement.py): frozen parameters and persistent buffers are stored whole as
+    `model.<key>`, once per tied group, by the first data- and tensor-parallel rank of each stage; a
+    tensor-parallel slice is gathered over its group first (collective over tp, on the first replica)."""
+    values = strategy.model.state_dict(keep_vars=True)
+    entries, tensors = [], {}
+    for p in strategy.placements():
+        entry = {"key": p.key, "shape": list(p.shape), "dtype": dtype_name(p.dtype)}
+        if p.kind == "param":
+            entry["param"] = p.source
         else:
-            mapping.append([key, "tensor", f"model.{key}"])
-            tensors[f"model.{key}"] = value.detach()
-    return mapping, tensors
+            entry["tensor"] = f"model.{p.source}"
+            if p.stored and topo.dp.rank == 0:
+                value = values[p.key].detach()
+                if p.tp_slice is not None:
+                    value = gather_slices(value, p.tp_slice, topo.tp)
+                if topo.tp.rank == 0:
+                    tensors[entry["tensor"]] = value
+        entries.append(entry)
+    return entries, tensors
 
 
 class ShardWrite:
@@ -55,16 +66,14 @@ class ShardWrite:
         self.final, self.tmp = root / step_dir_name(step), root / f".tmp-{step_dir_name(step)}"
         self.path = self.tmp / shard_file_name(topo.rank)
         # A background write needs a copy: training goes on changing the live buffers.
-        self.state_dict_map, extras = model_entries(strategy)
-        if topo.dp.rank != 0 or topo.tp.rank != 0:
-            extras = {}  # replicated: the stage's first replica writes them
+        self.state_dict_map, extras = model_entries(strategy, topo)
         shards = {k: v.detach().to("cpu", copy=copy).contiguous()
                   for k, v in {**strategy.state_shards(), **extras}.items()}
         self.shards = {**shards, **rng_state()}
         self.keys = list(self.shards)
         # The flat vectors this rank's file holds and their dtypes: ranks may differ (a rank whose shard is all
         # padding still stores its vectors; a user's optimizer may keep state in some parameter groups only).
-        self.flat_dtypes = {key: str(t.dtype).removeprefix("torch.") for key, t in shards.items()
+        self.flat_dtypes = {key: dtype_name(t.dtype) for key, t in shards.items()
                             if key.startswith(("params", "optim."))}
         self.row: list[int] | None = None  # [bytes, sha256 as 4 int64 words] once written
         self.error: str | None = None
@@ -123,10 +132,10 @@ def commit(job: ShardWrite) -> Path:
     # parameters are its own), so each says, and rank 0 writes them all into the manifest.
     ranges = job.strategy.checkpoint_ranges(topo.dp.rank)
     pieces = job.strategy.flat.pieces(ranges) if ranges else []
-    held = _gather_ragged(topo.everyone, [sum(b - a for a, b in ranges)] + [v for piece in pieces for v in piece])
+    held = topo.everyone.gather_ragged([sum(b - a for a, b in ranges)] + [v for piece in pieces for v in piece])
     # The whole model's parameters and state_dict keys: each rank knows those of its own part.
     flat = job.strategy.flat
-    described = _gather_json(topo.everyone, {
+    described = topo.everyone.gather_json({
         "segments": [[s.name, s.logical, list(s.full_shape or s.shape)] for s in flat.segments],
         "state_dict": job.state_dict_map, "flat_dtypes": job.flat_dtypes})
     failed = [rank for rank, r in enumerate(rows) if r[0]]
@@ -154,19 +163,6 @@ def commit(job: ShardWrite) -> Path:
             shutil.rmtree(old)
     topo.everyone.barrier()
     return job.final
-
-
-def _gather_ragged(comm, values: list[int]) -> list[list[int]]:
-    """Every rank's list of ints, of any length, on every rank (two fixed-size gathers)."""
-    lengths = comm.gather_rows(torch.tensor([len(values)], dtype=torch.int64))[:, 0].tolist()
-    padded = torch.zeros(max(lengths), dtype=torch.int64)
-    padded[:len(values)] = torch.tensor(values, dtype=torch.int64)
-    return [row[:n] for row, n in zip(comm.gather_rows(padded).tolist(), lengths)]
-
-
-def _gather_json(comm, obj) -> list:
-    """Every rank's JSON-able `obj`, on every rank (as UTF-8 bytes: no pickles between ranks either)."""
-    return [json.loads(bytes(row).decode()) for row in _gather_ragged(comm, list(json.dumps(obj).encode()))]
 
 
 def save(root: str | os.PathLike, step: int, topo: Topology, strategy: FlatStrategy,
@@ -235,10 +231,10 @@ def _manifest(step, topo, strategy, train_state, run_config, keys, rows, held, d
     for rank, part in enumerate(described):
         for seg_name, offset, shape in part["segments"]:
             segments.setdefault(seg_name, {"name": seg_name, "offset": offset, "shape": shape})
-        for key, kind, source in part["state_dict"]:
-            state_dict.setdefault(key, {"key": key, kind: source})
-            if kind == "tensor" and rank == _extras_writer(topo, rank):
-                stored.setdefault(source, shard_file_name(rank))
+        for entry in part["state_dict"]:
+            state_dict.setdefault(entry["key"], entry)
+            if "tensor" in entry and rank == _extras_writer(topo, rank):
+                stored.setdefault(entry["tensor"], shard_file_name(rank))
     tensors += [{"key": key, "file": file} for key, file in stored.items()]
     return {
         "format": FORMAT,

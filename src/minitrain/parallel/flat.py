@@ -21,6 +21,7 @@ from ..optim import clip_coefficient, clip_coefficient_tensor, sum_of_squares
 from .config import ParallelConfig
 from .layout import FlatParameters, Ranges, WholeModel, local_views, take
 from .memory_math import MEMORY_KINDS, MemoryLedger, memory_terms
+from .placement import Placement, placements
 
 # (master, flat parameters, this rank's shard ranges) -> an optimizer over the shard (see FlatStrategy)
 OptimizerFactory = Callable[[torch.Tensor, FlatParameters, Ranges], object]
@@ -83,8 +84,11 @@ class FlatStrategy:
         self.module: nn.Module = model
         self.last_sync: dict = {}
         self.ledger = MemoryLedger()
+        # What this rank holds of the whole model (all of it, a pipeline stage, tensor-parallel slices), and the
+        # placement of every entry of the whole model's state_dict (placement.py).
+        self.whole = whole or WholeModel.of(model)
         # Data parallel shards nothing, so it pads nothing; ZeRO pads every unit to a multiple of N.
-        self.flat = FlatParameters(model, comm.world_size if self.stage else 1, units, keep_grad, whole)
+        self.flat = FlatParameters(model, comm.world_size if self.stage else 1, units, keep_grad, self.whole)
         # Rank 0's initial parameters win, so replicas start identical whatever each rank's seed did.
         comm.broadcast(self.flat.data, src=0)
         for p in model.parameters():
@@ -106,6 +110,10 @@ class FlatStrategy:
         self.pp = Comm()  # the pipeline group, when this rank holds one stage of the model
         self._tp_sharded: Ranges = []  # physical ranges of parameters split across tp
         self._norm: float | None = None  # this step's global gradient norm, once computed
+
+    def placements(self) -> list[Placement]:
+        """How every entry of this rank's model's state_dict is held (placement.py), in the model's order."""
+        return placements(self.model, self.whole.slices, self.whole.state)
 
     def use_model_parallel(self, tp: Comm, pp: Comm) -> None:
         """The model is split across other groups too: norms must cover the whole model. Tensor-parallel

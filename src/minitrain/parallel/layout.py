@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 
 from .memory_math import padded_numel
+from .placement import Placement, whole_state
 
 
 @dataclass(frozen=True)
@@ -47,17 +48,19 @@ class TensorSlice:
 class WholeModel:
     """What a rank that holds part of a model (a pipeline stage, tensor-parallel slices) must know of the
     whole one to write checkpoints in its coordinates: every trainable parameter's offset in the logical
-    vector, the vector's length, and which of its own parameters are slices of a larger one. Computed from
+    vector, the vector's length, which of its own parameters are slices of a larger one, and the placement of
+    every entry of the whole model's state_dict (its order, shapes and dtypes: placement.py). Computed from
     the full model before it is split (`WholeModel.of`), then passed to the strategy."""
 
     offsets: dict[str, int]
     numel: int
     slices: dict[str, TensorSlice] = field(default_factory=dict)
+    state: dict[str, Placement] = field(default_factory=dict)
 
     @classmethod
     def of(cls, model: nn.Module) -> "WholeModel":
         offsets, numel = logical_layout(model)
-        return cls(offsets, numel)
+        return cls(offsets, numel, state=whole_state(model))
 
 
 @dataclass(frozen=True)
@@ -236,12 +239,14 @@ class FlatParameters:
                 physical[s.offset + at:s.offset + at + n] = logical[lo:lo + n]
         return physical
 
-    def pieces(self, ranges: Ranges) -> list[list[int]]:
+    def pieces(self, ranges: Ranges, replicated: bool = True) -> list[list[int]]:
         """[at, lo, hi] for a local vector taken from `ranges`: its elements [at, at + hi - lo)
-        hold logical [lo, hi). Padding maps to nothing."""
+        hold logical [lo, hi). Padding maps to nothing. replicated=False: only tensor-parallel slices'
+        elements (what a tensor-parallel rank but the first holds alone)."""
         out, at = [], 0
+        segments = self.segments if replicated else [s for s in self.segments if s.name in self.sliced]
         for a, b in ranges:
-            for s in self.segments:
+            for s in segments:
                 for local, logical, n in s.runs:
                     start = s.offset + local  # physical
                     lo, hi = max(a, start), min(b, start + n)

@@ -83,6 +83,21 @@ def group_runs(flat: FlatParameters, shard_ranges: Ranges, groups: list[list[str
     return runs
 
 
+_SKIP = object()
+
+
+def _json_option(value):
+    """An optimizer option as JSON, or _SKIP if JSON cannot hold it."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, (tuple, list)):
+        items = [_json_option(v) for v in value]
+        return _SKIP if any(v is _SKIP for v in items) else items
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return _SKIP
+
+
 class TorchShardOptimizer:
     """The strategies' optimizer interface (as FlatAdamW) over a user's torch optimizer.
 
@@ -99,8 +114,12 @@ class TorchShardOptimizer:
             for names, options in groups:
                 views = []
                 for name in names:
-                    s = by_name[name]
-                    views.append(master[s.offset:s.offset + s.numel].view(s.shape))
+                    s = by_name.get(name)
+                    if s is None:  # on another pipeline stage
+                        continue
+                    # A 0-dim parameter is seen as one element of shape (1,): its state stays a tensor like it
+                    # (not a scalar such as Adam's step), so it is saved and resharded as elementwise state.
+                    views.append(master[s.offset:s.offset + s.numel].view(s.shape or (1,)))
                     self.views.append((views[-1], s.offset, s.offset + s.numel))
                 param_groups.append({"params": views, **options})
         else:
@@ -126,6 +145,29 @@ class TorchShardOptimizer:
         for view, _, _ in self.views:
             view.grad = None
         self.steps_taken += 1
+
+    # --- the param groups' options (lr, betas, momentum, weight decay, a scheduler's initial_lr) ----------------
+    def group_options(self) -> list[dict]:
+        """Every param group's options as JSON (a tuple as a list, a 1-element tensor as its number); options JSON
+        cannot hold (a callable) are left out."""
+        return [{k: _json_option(v) for k, v in group.items() if k != "params" and _json_option(v) is not _SKIP}
+                for group in self.inner.param_groups]
+
+    def load_group_options(self, saved: list[dict]) -> None:
+        """Restore what group_options() gave, each option in the type it has now (a tuple stays a tuple, a tensor
+        a tensor, filled in place)."""
+        if len(saved) != len(self.inner.param_groups):
+            raise ValueError(f"{len(saved)} param groups were saved; this optimizer has "
+                             f"{len(self.inner.param_groups)}")
+        for group, options in zip(self.inner.param_groups, saved):
+            for key, value in options.items():
+                current = group.get(key)
+                if isinstance(current, torch.Tensor):
+                    current.fill_(value)
+                elif isinstance(current, tuple):
+                    group[key] = tuple(value)
+                else:
+                    group[key] = value
 
     # --- state: every state as a vector in local layout, so that it reshards like the parameters -------------
     def _kinds(self) -> tuple[list[str], dict[str, str | None]]:

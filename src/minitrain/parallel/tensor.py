@@ -100,6 +100,22 @@ def _sharded(full: torch.Tensor, dim: int, index: torch.Tensor) -> tuple[nn.Para
     return p, TensorSlice(tuple(full.shape), dim, index.cpu())
 
 
+def gather_slices(value: torch.Tensor, sl: TensorSlice, comm: Comm) -> torch.Tensor:
+    """The whole tensor of which each rank of `comm` holds a slice like `sl` (its own entries along sl.dim):
+    every rank's values and indices all-gathered, each put back where it came from. Collective over comm."""
+    if comm.world_size == 1:
+        return value
+    pieces = value.new_empty((comm.world_size, *value.shape))
+    comm.all_gather(pieces.view(-1), value.detach().contiguous().view(-1))
+    index = sl.index.to(device=comm.device, dtype=torch.int64)
+    indices = index.new_empty(comm.world_size * index.numel())
+    comm.all_gather(indices, index)
+    whole = value.new_empty(sl.full_shape)
+    for piece, rows in zip(pieces, indices.view(comm.world_size, -1)):
+        whole.index_copy_(sl.dim, rows.to(value.device), piece)
+    return whole
+
+
 def tensor_parallel_slices(model: nn.Module) -> dict[str, TensorSlice]:
     """{parameter name: its slice} for every sliced parameter of the layers below (tied weights under
     their canonical name, as named_parameters() gives it)."""

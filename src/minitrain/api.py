@@ -39,7 +39,7 @@ from torch import nn
 from . import checkpoint
 from .parallel import FlatStrategy, ModelPlan, cast_parameters, parallelize
 from .parallel.config import ParallelConfig
-from .parallel.pieces import PipelineSplit, Stage, cross_stage_ties, split_model
+from .parallel.pieces import PipelineSplit, Stage, check_pieces, check_split, cross_stage_ties, split_model
 from .parallel.pipeline import Pipeline
 from .parallel.schedules import SCHEDULES
 from .parallel.shard_optimizer import (
@@ -47,7 +47,7 @@ from .parallel.shard_optimizer import (
     TorchShardOptimizer,
     check_elementwise,
 )
-from .parallel.tp_plan import check_heads, hugging_face_plan, resolve
+from .parallel.tp_plan import check_plan, hugging_face_plan
 from .parallel.whole_state import full_model_state, full_optimizer_state, load_optimizer_state
 from .precision import COMPUTE_DTYPES
 from .topology import Topology, under_torchrun
@@ -219,7 +219,7 @@ def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param
     else:
         reduce = torch.float32 if reduce_dtype == "fp32" else COMPUTE_DTYPES[precision]
     pcfg = ParallelConfig(zero=zero, dp=dp, bucket_mb=bucket_mb, prefetch=prefetch, master_dtype=master,
-                          reduce_dtype=reduce, master_is_params=True)
+                          reduce_dtype=reduce, master_is_params=True, gather_on_use=True)
     if next(model.parameters()).device != topo.device:
         model.to(topo.device)
     if precision != "fp32":
@@ -279,6 +279,7 @@ def _pipeline_split(model: nn.Module, pp: int, pp_split, microbatches: int, sche
     if ties:
         raise ValueError(f"{ties[0]} are one tied weight on different pipeline stages (the embedding on the first, "
                          "the head on the last); untie them (e.g. tie_word_embeddings=False) to pipeline this model")
+    check_pieces(model, split, check_split(model, split, pp))  # the pieces must compute what the model's forward does
     return split
 
 
@@ -342,8 +343,8 @@ def _with_tp_plan(model: nn.Module, plan: ModelPlan | None, tp: int, tp_plan) ->
         tp_plan = hugging_face_plan(model)
     elif not isinstance(tp_plan, dict):
         raise ValueError(f"tp_plan must be a dict of module-name pattern to style, or 'auto'; got {tp_plan!r}")
-    resolve(model, tp_plan)  # a pattern matching nothing or an unknown style: said before any group is made
-    check_heads(model, tp)
+    check_plan(model, tp_plan, tp)  # a pattern matching nothing, an unknown style, a module it cannot split: said
+    # before any group is made
     return dataclasses.replace(plan or ModelPlan(), tensor_parallel=tp_plan)
 
 

@@ -23,6 +23,10 @@ class ParallelConfig:
     # does, instead of a master copy holding the same numbers (4 bytes per parameter, or per shard element,
     # saved). The CLI keeps the copy (its memory profile and demo count K = 12 bytes of optimizer state).
     master_is_params: bool = False
+    # ZeRO-3 on a model minitrain did not write: gather a unit whose parameter is used outside its own module's
+    # forward when an op receives it (param_use.py). The CLI's MiniGPT never does that, and its compiled blocks
+    # run without the mode.
+    gather_on_use: bool = False
 
     def __post_init__(self):
         if self.zero not in ZERO_STAGES:

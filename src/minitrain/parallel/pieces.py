@@ -13,9 +13,16 @@ names (the container becomes a ModuleDict keyed by the original indices), so a c
 layout names every parameter as the whole model does.
 
 `block_kwargs(model, hidden)` gives what each block needs besides the hidden states: for a
-Hugging Face Llama the rotary position embeddings, computed by the base model's `rotary_emb` (which
-holds no parameters and stays on every stage). With no attention mask passed, the model's SDPA
-attention is causal. `PipelineSplit.auto(model)` reads a Hugging Face model's own `base_model_pp_plan`.
+Hugging Face model (`PipelineSplit.auto(model)`, from its own `base_model_pp_plan`) the rotary position
+embeddings, computed by the base model's `rotary_emb` (which holds no parameters and stays on every
+stage), and the causal attention mask its own masking function makes (None for SDPA, which is then
+causal by itself; a real mask for eager attention, which would otherwise look at later tokens).
+
+Running pieces is exact only if the model's forward does nothing else: `check_pieces` runs both, the
+model's own forward and its pieces in order, on a probe input before anything is split, and refuses a
+split whose output differs (a mask the blocks need and the split does not carry, embeddings scaled in
+the base model's forward, logits post-processed after the head), and a Hugging Face config that
+soft-caps the logits or slides an attention window, which a short probe cannot tell apart.
 """
 from __future__ import annotations
 
@@ -35,6 +42,8 @@ class PipelineSplit:
     pieces: list[str]
     block_kwargs: BlockKwargs | None = None
 
+    example: torch.Tensor | None = None  # a probe input for check_pieces (default: token ids, for an embedding)
+
     @classmethod
     def auto(cls, model: nn.Module) -> PipelineSplit:
         """A Hugging Face model's own split: its config's `base_model_pp_plan` (embedding, layers, norm) under the
@@ -45,15 +54,52 @@ class PipelineSplit:
             raise ValueError(f"pp_split='auto' reads a Hugging Face model's own pipeline plan, and "
                              f"{type(model).__name__} ships none (config.base_model_pp_plan); give pp_split as the "
                              "ordered names of its pieces")
+        _refuse_what_a_probe_misses(model)
         pieces = [f"{prefix}.{name}" for name in base_plan] + list(getattr(type(model), "_pp_plan", None) or {})
-        base = getattr(model, prefix)
-        return cls(pieces, _rotary_kwargs if hasattr(base, "rotary_emb") else None)
+        return cls(pieces, _hugging_face_kwargs)
 
 
-def _rotary_kwargs(model: nn.Module, hidden: torch.Tensor) -> dict:
+def _refuse_what_a_probe_misses(model: nn.Module) -> None:
+    """A Hugging Face config whose forward does what the pieces would drop, and a short probe cannot show."""
+    config = model.config
+    name = type(model).__name__
+    if getattr(config, "final_logit_softcapping", None) is not None:
+        raise ValueError(f"{name} soft-caps its logits after the head (config.final_logit_softcapping), which running "
+                         "its pieces would skip: pipeline it with a split of your own that caps them, or use data "
+                         "parallel / ZeRO")
+    sliding = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+    if sliding or "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        raise ValueError(f"{name} attends within a sliding window (config.sliding_window), and pp_split='auto' carries "
+                         "a full causal mask: give a PipelineSplit whose block_kwargs makes the window's mask")
+
+
+def _hugging_face_kwargs(model: nn.Module, hidden: torch.Tensor) -> dict:
+    """What a Hugging Face decoder block takes besides the hidden states: the causal mask the model's own masking
+    function makes for these positions, and the rotary position embeddings if the base model has them."""
     base = getattr(model, model.base_model_prefix)
     positions = torch.arange(hidden.size(1), device=hidden.device).unsqueeze(0)
-    return {"position_embeddings": base.rotary_emb(hidden, positions)}
+    kwargs = {"attention_mask": _causal_mask(base.config, hidden, positions)}
+    if hasattr(base, "rotary_emb"):
+        kwargs["position_embeddings"] = base.rotary_emb(hidden, positions)
+    return kwargs
+
+
+def _causal_mask(config, hidden: torch.Tensor, positions: torch.Tensor):
+    """transformers' own causal mask (None where the attention is causal without one), across the versions that
+    named its arguments differently."""
+    import inspect
+
+    from transformers.masking_utils import create_causal_mask
+
+    params = inspect.signature(create_causal_mask).parameters
+    kwargs = {"config": config, "attention_mask": None, "position_ids": positions,
+              ("inputs_embeds" if "inputs_embeds" in params else "input_embeds"): hidden}
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            kwargs[name] = None
+    if "cache_position" in params:
+        kwargs["cache_position"] = positions[0]
+    return create_causal_mask(**kwargs)
 
 
 def _lookup(model: nn.Module, name: str) -> nn.Module | None:
@@ -126,6 +172,79 @@ def cross_stage_ties(model: nn.Module, split: PipelineSplit, stages: int) -> lis
     return shared
 
 
+def run_pieces(model: nn.Module, split: PipelineSplit, parts: list[tuple[str, nn.Module]], blocks_at: int,
+               x: torch.Tensor) -> torch.Tensor:
+    """Run `parts` (name, module) in order on x; the blocks container's blocks with split.block_kwargs."""
+    for i, (_, module) in enumerate(parts):
+        if i != blocks_at:
+            x = module(x)
+            continue
+        kwargs = split.block_kwargs(model, x) if split.block_kwargs else {}
+        for _, block in _items(module):
+            out = block(x, **kwargs)
+            x = out[0] if isinstance(out, tuple) else out  # older transformers return (hidden, ...)
+    return x
+
+
+def check_pieces(model: nn.Module, split: PipelineSplit, blocks_at: int) -> None:
+    """Refuse a split of the whole `model` whose pieces, run in order, do not give what its own forward gives on a
+    probe input (eval mode, no gradient; the model is left as it was)."""
+    parts = [(name, _lookup(model, name)) for name in split.pieces]
+    probe = split.example if split.example is not None else _probe_ids(model, parts[0])
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            theirs = _main_output(model(probe))
+            ours = run_pieces(model, split, parts, blocks_at, probe)
+    finally:
+        for m, training in modes:
+            m.training = training
+    name = type(model).__name__
+    if not isinstance(theirs, torch.Tensor) or theirs.shape != ours.shape:
+        raise ValueError(f"pp_split: the pieces {split.pieces} give a {list(ours.shape)} output where "
+                         f"{name}.forward gives {_described(theirs)}: list the pieces its forward runs, in order")
+    eps = torch.finfo(ours.dtype).eps if ours.is_floating_point() else 0.0
+    scale = max(1.0, float(theirs.abs().max()))
+    diff = float((ours - theirs).abs().max())
+    if not diff <= 64 * eps * scale:
+        raise ValueError(f"pp_split: running the pieces {split.pieces} in order does not give what {name}.forward "
+                         f"gives (they differ by up to {diff:.2e} on a probe input): its forward does more than its "
+                         "pieces (an attention mask its blocks need, embeddings scaled, logits post-processed). Give "
+                         "a PipelineSplit whose block_kwargs carries what the blocks need, or use data parallel / ZeRO")
+
+
+def _probe_ids(model: nn.Module, first: tuple[str, nn.Module]) -> torch.Tensor:
+    """Two rows of token ids (ascending and descending) for a model whose first piece is an embedding."""
+    name, module = first
+    if not isinstance(module, nn.Embedding):
+        raise ValueError(f"pp_split: cannot make a probe input for '{name}' (a {type(module).__name__}, not an "
+                         "nn.Embedding) to check the pieces against the model's forward; give PipelineSplit(..., "
+                         "example=<an input the model takes>)")
+    config = getattr(model, "config", None)
+    length = min(8, getattr(config, "max_position_embeddings", 8) or 8)
+    ids = torch.arange(length) * 7 % module.num_embeddings
+    return torch.stack([ids, ids.flip(0)]).to(module.weight.device)
+
+
+def _main_output(out):
+    """The tensor a model's forward returns: itself, a ModelOutput's logits, or the first of a tuple."""
+    if isinstance(out, torch.Tensor):
+        return out
+    logits = getattr(out, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(out, dict) and out:
+        return next(iter(out.values()))
+    if isinstance(out, (tuple, list)) and out:
+        return out[0]
+    return out
+
+
+def _described(value) -> str:
+    return f"a {list(value.shape)} tensor" if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
+
+
 class Stage:
     """What this rank's stage runs: its pieces in order, and the loss on the last."""
 
@@ -137,14 +256,7 @@ class Stage:
         self.blocks_at = next(i for i, (_, m) in enumerate(self.parts) if isinstance(m, nn.ModuleDict))
 
     def forward(self, x: torch.Tensor, target: torch.Tensor | None, loss_fn: Callable) -> torch.Tensor:
-        for i, (_, module) in enumerate(self.parts):
-            if i != self.blocks_at:
-                x = module(x)
-                continue
-            kwargs = self.split.block_kwargs(self.model, x) if self.split.block_kwargs else {}
-            for block in module.values():
-                out = block(x, **kwargs)
-                x = out[0] if isinstance(out, tuple) else out  # older transformers return (hidden, ...)
+        x = run_pieces(self.model, self.split, self.parts, self.blocks_at, x)
         return loss_fn(x, target) if self.last and target is not None else x
 
     @torch.no_grad()

@@ -125,53 +125,86 @@ def check_heads(model: nn.Module, degree: int) -> None:
                              f"(config.{attr}); each tensor-parallel rank needs whole heads: pick tp dividing it")
 
 
+def check_plan(model: nn.Module, plan: TpPlan, degree: int) -> dict[str, Style]:
+    """{module name: style} of a plan that applies to the model at this degree; else one ValueError naming the
+    module and what to change (said before any rank splits anything)."""
+    styles = resolve(model, plan)
+    check_heads(model, degree)
+    for name, style in styles.items():
+        _check_module(name, model.get_submodule(name), style, degree)
+    return styles
+
+
 def apply_tensor_parallel(model: nn.Module, plan: TpPlan, comm: Comm) -> None:
     """Replace the plan's modules by their tensor-parallel slices over `comm`, in place."""
     if comm.world_size == 1:
         return
-    styles = resolve(model, plan)
-    check_heads(model, comm.world_size)
+    styles = check_plan(model, plan, comm.world_size)
     ties = _ties(model)
     for name, style in styles.items():
         if isinstance(style, Replicated):
             continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, child, _parallel_layer(name, getattr(parent, child), style, comm))
+        setattr(parent, child, _parallel_layer(getattr(parent, child), style, comm))
     _retie(model, ties, styles)
 
 
-def _parallel_layer(name: str, module: nn.Module, style: Style, comm: Comm) -> nn.Module:
-    T = comm.world_size
+def _check_plain_forward(name: str, module: nn.Module, base: type[nn.Module]) -> None:
+    """The tensor-parallel layer replaces the module, forward included: one whose class has a forward of its own
+    (an embedding that scales its output, as Gemma's does) would lose what it adds, so it is refused."""
+    if type(module).forward is not base.forward:
+        raise ValueError(f"'{name}' is a {type(module).__name__}, whose forward is its own, not {base.__name__}'s; "
+                         f"a tensor-parallel {base.__name__} would replace it and drop what that forward does: "
+                         "leave it out of tp_plan (replicated)")
+
+
+def _check_module(name: str, module: nn.Module, style: Style, T: int) -> None:
+    """Can `style` split this module over T ranks? ValueError naming it and what to change, if not."""
+    if isinstance(style, Replicated):
+        return
     if isinstance(style, (Colwise, Rowwise)):
         _require_linear(name, module, style)
         if isinstance(style, Rowwise):
             _require_divides(name, "input features", module.in_features, T)
-            return RowParallelLinear(module, torch.arange(*even_split(module.in_features, comm)), comm)
+            return
         if module.out_features % style.parts:
             raise ValueError(f"'{name}' has {module.out_features} output features, not {style.parts} equal parts")
-        part = module.out_features // style.parts
-        _require_divides(name, "output features" + (" per part" if style.parts > 1 else ""), part, T)
-        mine = torch.arange(*even_split(part, comm))
-        rows = torch.cat([mine + k * part for k in range(style.parts)])
-        return ColumnParallelLinear(module, rows, comm, gather_output=style.gather_output)
+        _require_divides(name, "output features" + (" per part" if style.parts > 1 else ""),
+                         module.out_features // style.parts, T)
+        return
     if isinstance(style, VocabEmbedding):
         if not isinstance(module, nn.Embedding):
             raise ValueError(f"style vocab_embedding applies to nn.Embedding; '{name}' is a {type(module).__name__}")
+        _check_plain_forward(name, module, nn.Embedding)
         _require_divides(name, "vocabulary rows", module.num_embeddings, T)
         if module.max_norm is not None:
             raise ValueError(f"'{name}' renormalises rows (max_norm), which the vocabulary-parallel embedding "
                              "does not; leave it replicated")
-        return VocabParallelEmbedding(module, *even_split(module.num_embeddings, comm), comm)
+        return
     if not (type(module) is nn.CrossEntropyLoss and module.reduction == "mean" and module.weight is None
             and module.label_smoothing == 0):
         raise ValueError(f"style vocab_loss applies to a plain nn.CrossEntropyLoss (mean, no class weights or "
                          f"label smoothing); '{name}' is {module!r}")
+
+
+def _parallel_layer(module: nn.Module, style: Style, comm: Comm) -> nn.Module:
+    """The tensor-parallel layer of a module _check_module accepted."""
+    if isinstance(style, Rowwise):
+        return RowParallelLinear(module, torch.arange(*even_split(module.in_features, comm)), comm)
+    if isinstance(style, Colwise):
+        part = module.out_features // style.parts
+        mine = torch.arange(*even_split(part, comm))
+        rows = torch.cat([mine + k * part for k in range(style.parts)])
+        return ColumnParallelLinear(module, rows, comm, gather_output=style.gather_output)
+    if isinstance(style, VocabEmbedding):
+        return VocabParallelEmbedding(module, *even_split(module.num_embeddings, comm), comm)
     return VocabParallelCrossEntropy(comm)
 
 
 def _require_linear(name: str, module: nn.Module, style: Style) -> None:
     if isinstance(module, nn.Linear):
+        _check_plain_forward(name, module, nn.Linear)
         return
     kind = "colwise" if isinstance(style, Colwise) else "rowwise"
     if type(module).__name__ == "Conv1D":

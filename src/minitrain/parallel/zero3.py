@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_leaves
 
 from ..comm import Comm, PendingCollective
 from .config import ParallelConfig
 from .flat import OptimizerFactory
 from .layout import local_views, take
+from .param_use import GatherOnUse, tensors_in
 from .zero import Zero2
 
 
@@ -64,11 +64,41 @@ class Zero3(Zero2):
             buffer.untyped_storage().resize_(0)
         self._order = [i for i, plan in enumerate(self.plans) if plan.module is not None]  # forward order
         self._shared = [i for i, plan in enumerate(self.plans) if plan.module is None]
+        self._pinned: set[int] = set()  # gathered for a use outside their module: whole until their gradient is reduced
         for pos, i in enumerate(self._order):
             self.plans[i].module.register_forward_pre_hook(lambda _m, _args, pos=pos: self._before_forward(pos))
             self.plans[i].module.register_forward_hook(lambda _m, _args, out, pos=pos: self._after_forward(pos, out))
         model.register_forward_pre_hook(self._before_model_forward)
         model.register_forward_hook(self._after_model_forward)
+        if pcfg.gather_on_use:
+            self._watch_uses(model)
+
+    def _watch_uses(self, model: nn.Module) -> None:
+        """GatherOnUse active from the first forward pre-hook of any of the model's modules to its matching post-hook
+        (a submodule a loss calls, outside the model's forward, is watched too)."""
+        unit_of = {id(self.flat.param(seg)): i for i, unit in enumerate(self.flat.units) for seg in unit.segments}
+        watch = GatherOnUse(unit_of, lambda i: i in self._gathered, self._use_outside)
+        depth = [0]
+
+        def enter(_module, _args):
+            depth[0] += 1
+            if depth[0] == 1:
+                watch.__enter__()
+
+        def leave(_module, _args, _output):
+            depth[0] -= 1
+            if depth[0] == 0:
+                watch.__exit__(None, None, None)
+
+        for module in model.modules():
+            module.register_forward_pre_hook(enter, prepend=True)
+            module.register_forward_hook(leave, always_call=True)
+
+    def _use_outside(self, i: int) -> None:
+        """Unit i's parameter is used outside its module's forward: gather it, and keep it whole until its gradient
+        is reduced (the user's backward reads it again) or, without a backward, until the forward ends."""
+        self._ensure(i)
+        self._pinned.add(i)
 
     # --- gather and free ----------------------------------------------------------------
     def _start_gather(self, i: int) -> None:
@@ -87,6 +117,7 @@ class Zero3(Zero2):
             self._gathered.add(i)
 
     def _free(self, i: int) -> None:
+        self._pinned.discard(i)
         if i in self._gathered:
             self._gathered.remove(i)
             buffer = self._buffers_whole[i]
@@ -98,36 +129,45 @@ class Zero3(Zero2):
         for i in self._shared:  # used by several units: whole from forward until its gradient is reduced
             self._ensure(i)
 
-    def _after_model_forward(self, _model, _args, output) -> None:
+    def _after_model_forward(self, model, _args, output) -> None:
         if not torch.is_grad_enabled():  # no backward will come to free them
-            for i in self._shared:
+            for i in [*self._shared, *self._pinned]:
                 self._free(i)
         elif self._shared:
             # Backward starts at the model's output: make sure the shared unit is whole then too
             # (a no-grad forward, or another backward, may have freed it since this forward).
-            self._hook_outputs(output, self._before_model_backward)
+            self._hook_outputs(output, self._before_model_backward, type(model).__name__)
 
     def _before_model_backward(self, _grad) -> None:
         for i in self._shared:
             self._ensure(i)
 
-    def _hook_outputs(self, output, hook) -> None:
-        # Every tensor in the output, however nested (a Hugging Face ModelOutput is a dict): the first
-        # gradient to reach any of them starts this unit's backward.
-        for t in tree_leaves(output):
-            if isinstance(t, torch.Tensor) and t.requires_grad:
+    def _hook_outputs(self, output, hook, who: str) -> None:
+        # Every tensor in the output, however it is held (a Hugging Face ModelOutput is a dict, a block may return
+        # a dataclass): the first gradient to reach any of them starts this unit's backward.
+        found = False
+        for t in tensors_in(output):
+            if t.requires_grad:
                 t.register_hook(hook)
+                found = True
+        if not found:
+            raise ValueError(f"ZeRO-3 finds no tensor that requires grad in what '{who}' returned (a "
+                             f"{type(output).__name__}), so it cannot see its backward start to gather its parameters "
+                             "again: return the tensors (a tuple, dict or dataclass of them), or use zero=2")
 
     def _before_forward(self, pos: int) -> None:
+        for i in self._shared:  # a unit called on its own (from a loss), not through the model's forward
+            self._ensure(i)
         self._ensure(self._order[pos])
         if self.prefetch and pos + 1 < len(self._order):
             self._start_gather(self._order[pos + 1])
 
     def _after_forward(self, pos: int, output) -> None:
         i = self._order[pos]
-        self._free(i)
+        if i not in self._pinned:
+            self._free(i)
         if torch.is_grad_enabled():
-            self._hook_outputs(output, lambda _grad, pos=pos: self._before_backward(pos))
+            self._hook_outputs(output, lambda _grad, pos=pos: self._before_backward(pos), self.plans[i].name)
 
     def _before_backward(self, pos: int) -> None:
         self._ensure(self._order[pos])

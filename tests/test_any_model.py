@@ -1,0 +1,293 @@
+"""Models nobody here wrote, doing what models do: exact (equal to plain single-process PyTorch in float64) or
+refused with a reason, never silently wrong.
+
+- ZeRO-3 with a parameter used outside its module's forward (an nn.ParameterList indexed by the parent, a tied
+  head by direct weight access), a block returning a dataclass, a loss that calls submodules itself.
+- Refusals that name what to change: a tensor-parallel plan replacing a module with a forward of its own, a
+  pipeline split whose pieces do not compute what the model's forward does, an output ZeRO-3 cannot see into.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import minitrain
+from minitrain.parallel.pieces import PipelineSplit, check_pieces, check_split
+
+from .dist import run_ranks
+
+V, D, T = 16, 8, 6
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+TOL = 1e-12
+
+
+class ParameterListScales(nn.Module):
+    """Per-block scales in an nn.ParameterList, indexed in the parent's forward (never its own forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.blocks = nn.ModuleList(nn.Linear(D, D) for _ in range(2))
+        self.scales = nn.ParameterList(nn.Parameter(1 + 0.1 * torch.randn(D)) for _ in range(2))
+        self.head = nn.Linear(D, V)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for block, scale in zip(self.blocks, self.scales):
+            h = h + torch.tanh(block(h)) * scale
+        return self.head(h)
+
+
+class DirectTiedHead(nn.Module):
+    """A head tied to the embedding by reading its weight directly: F.linear(h, self.emb.weight)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.blocks = nn.ModuleList(nn.Linear(D, D) for _ in range(2))
+
+    def forward(self, x):
+        h = self.emb(x)
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        return F.linear(h, self.emb.weight)
+
+
+@dataclass
+class BlockOutput:
+    hidden: torch.Tensor
+    gate: torch.Tensor
+
+
+class DataclassBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(D, D)
+        self.gate = nn.Linear(D, 1)
+
+    def forward(self, h):
+        return BlockOutput(torch.tanh(self.proj(h)), torch.sigmoid(self.gate(h)))
+
+
+class DataclassBlocks(nn.Module):
+    """Blocks that return a dataclass of tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.blocks = nn.ModuleList(DataclassBlock() for _ in range(2))
+        self.head = nn.Linear(D, V)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for block in self.blocks:
+            out = block(h)
+            h = h + out.hidden * out.gate
+        return self.head(h)
+
+
+class Body(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.blocks = nn.ModuleList(nn.Linear(D, D) for _ in range(2))
+
+    def forward(self, x):
+        h = self.emb(x)
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        return h
+
+
+class TiedBodyAndHead(nn.Module):
+    """Called piece by piece by the loss (loss_by_parts), never through forward; the head tied to the embedding."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = Body()
+        self.head = nn.Linear(D, V, bias=False)
+        self.head.weight = self.body.emb.weight
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+MODELS = {"parameter_list": ParameterListScales, "direct_tie": DirectTiedHead, "dataclass": DataclassBlocks,
+          "by_parts": TiedBodyAndHead}
+
+
+def build(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    return MODELS[kind]().double()
+
+
+def loss_of(kind: str, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    logits = model.head(model.body(x)) if kind == "by_parts" else model(x)  # by_parts: the loss calls submodules
+    return F.cross_entropy(logits[:, :-1].reshape(-1, V), x[:, 1:].reshape(-1))
+
+
+def batches(steps: int = 3, batch: int = 4) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, V, (batch, T), generator=g) for _ in range(steps)]
+
+
+def plain(kind: str) -> tuple[list[float], dict]:
+    model = build(kind)
+    opt = ADAMW(model.parameters())
+    losses = []
+    for x in batches():
+        loss = loss_of(kind, model, x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _zero3_cases(topo, kinds):
+    minitrain.init_distributed()
+    out = {}
+    for kind in kinds:
+        for zero in (2, 3):
+            model, opt = minitrain.prepare(build(kind), ADAMW, zero=zero)
+            losses = []
+            for x in batches():
+                loss = loss_of(kind, model, x.chunk(topo.world_size)[topo.rank])
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                total = torch.tensor([loss.item()], dtype=torch.float64)
+                dist.all_reduce(total)
+                losses.append(float(total) / topo.world_size)
+            with torch.no_grad():  # an evaluation forward frees what it gathered
+                loss_of(kind, model, batches(1)[0])
+            out[(kind, zero)] = losses, minitrain.full_state_dict(model)
+    return out
+
+
+def test_zero3_gathers_parameters_used_outside_their_module_and_sees_into_any_output():
+    got = run_ranks(_zero3_cases, 2, list(MODELS), timeout_s=120)[0]
+    for kind in MODELS:
+        ref_losses, ref_state = plain(kind)
+        for zero in (2, 3):
+            losses, state = got[(kind, zero)]
+            assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= TOL, (kind, zero)
+            assert state.keys() == ref_state.keys()
+            for key, value in ref_state.items():
+                assert (state[key] - value).abs().max().item() <= TOL, (kind, zero, key)
+
+
+class Hidden:
+    """An object of its own, holding its tensor where ZeRO-3 cannot see it: no tensor in the output at all."""
+
+    def __init__(self, value):
+        self.get = lambda: value
+
+
+class OpaqueBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(D, D)
+
+    def forward(self, h):
+        return Hidden(self.proj(h))
+
+
+class OpaqueBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.blocks = nn.ModuleList(OpaqueBlock() for _ in range(2))
+
+    def forward(self, x):
+        h = self.emb(x)
+        for block in self.blocks:
+            h = block(h).get()
+        return h
+
+
+def test_an_output_zero3_cannot_see_into_is_refused_naming_its_type():
+    model, _ = minitrain.prepare(OpaqueBlocks().double(), ADAMW, zero=3)
+    with pytest.raises(ValueError, match="in what 'blocks.0' returned \\(a Hidden\\)"):
+        model(batches(1)[0])
+
+
+# --- refusals before anything is split ------------------------------------------------------------------------
+transformers = pytest.importorskip("transformers")
+
+
+def tiny(config_class, model_class, **options):
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = config_class(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16, head_dim=8,
+                          **options)
+    return model_class(config).double()
+
+
+class ScaledEmbedding(nn.Embedding):
+    """An embedding whose forward scales its output, as Gemma's does."""
+
+    def forward(self, ids):
+        return super().forward(ids) * self.embedding_dim ** 0.5
+
+
+def test_a_plan_that_would_replace_a_module_with_a_forward_of_its_own_is_refused():
+    from minitrain.parallel.tp_plan import check_plan, hugging_face_plan
+
+    model = tiny(transformers.LlamaConfig, transformers.LlamaForCausalLM, tie_word_embeddings=True)
+    old = model.model.embed_tokens
+    model.model.embed_tokens = ScaledEmbedding(old.num_embeddings, old.embedding_dim).double()
+    model.tie_weights()
+    with pytest.raises(ValueError, match="'model.embed_tokens' is a ScaledEmbedding, whose forward is its own"):
+        check_plan(model, hugging_face_plan(model), 2)  # tp_plan="auto" splits a tied embedding over the vocabulary
+    gemma = tiny(transformers.GemmaConfig, transformers.GemmaForCausalLM)
+    with pytest.raises(ValueError, match="whose forward is its own"):
+        check_plan(gemma, hugging_face_plan(gemma), 2)
+
+
+def _split_check(model, split):
+    check_pieces(model, split, check_split(model, split, 2))
+
+
+def test_a_pipeline_split_that_does_not_compute_the_models_forward_is_refused():
+    pieces = ["model.embed_tokens", "model.layers", "model.norm", "lm_head"]
+    eager = tiny(transformers.LlamaConfig, transformers.LlamaForCausalLM, attn_implementation="eager")
+
+    def rotary_only(model, hidden):  # the blocks' rotary embeddings, but no causal mask
+        positions = torch.arange(hidden.size(1)).unsqueeze(0)
+        return {"position_embeddings": model.model.rotary_emb(hidden, positions)}
+
+    with pytest.raises(ValueError, match="does not give what LlamaForCausalLM.forward gives"):
+        _split_check(eager, PipelineSplit(pieces, rotary_only))  # eager attention without its mask looks ahead
+    _split_check(eager, PipelineSplit.auto(eager))  # the auto split carries the model's own causal mask
+    gemma2 = tiny(transformers.Gemma2Config, transformers.Gemma2ForCausalLM)
+    with pytest.raises(ValueError, match="soft-caps its logits"):
+        PipelineSplit.auto(gemma2)
+    mistral = tiny(transformers.MistralConfig, transformers.MistralForCausalLM, sliding_window=4)
+    with pytest.raises(ValueError, match="sliding window"):
+        PipelineSplit.auto(mistral)
+    tempered = Tempered().double()
+    with pytest.raises(ValueError, match="does not give what Tempered.forward gives"):
+        _split_check(tempered, PipelineSplit(["emb", "blocks", "head"]))
+
+
+class Tempered(ParameterListScales):
+    """Logits divided by a temperature after the head: post-processing that running the pieces would skip."""
+
+    def __init__(self):
+        super().__init__()
+        self.scales = None
+        self.blocks.extend([nn.Linear(D, D)])
+
+    def forward(self, x):
+        h = self.emb(x)
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        return self.head(h) / 0.7

@@ -171,8 +171,86 @@ def _zero3_cases(topo, kinds):
     return out
 
 
-def test_zero3_gathers_parameters_used_outside_their_module_and_sees_into_any_output():
-    got = run_ranks(_zero3_cases, 2, list(MODELS), timeout_s=120)[0]
+def _ported_ddp_loops(topo):
+    """A loop written for DistributedDataParallel: it reads p.grad after backward and clips with torch's own
+    clip_grad_norm_ on model.parameters(); at ZeRO-2/3 two backwards before one step."""
+    out = {}
+    for zero in range(4):
+        model, opt = minitrain.prepare(build("parameter_list"), ADAMW, zero=zero)
+        norms, grads = [], []
+        for x in batches():
+            mine = x.chunk(topo.world_size)[topo.rank]
+            if zero >= 2:
+                for half in mine.chunk(2):  # two backwards, no no_sync: each syncs, and they add up
+                    (loss_of("parameter_list", model, half) / 2).backward()
+                try:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+                    out[f"clip-{zero}"] = "no error"
+                except RuntimeError as e:
+                    out[f"clip-{zero}"] = str(e)
+                norms.append(minitrain.clip_grad_norm_(model, 0.05))
+            else:
+                loss_of("parameter_list", model, mine).backward()
+                grads.append({n: p.grad.clone() for n, p in model.named_parameters()})  # DDP's guarantee
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+            opt.step()
+            opt.zero_grad()
+        out[zero] = norms, grads, minitrain.full_state_dict(model)
+    return out
+
+
+def _two_ranks(topo, kinds):
+    minitrain.init_distributed()
+    return _zero3_cases(topo, kinds), _ported_ddp_loops(topo)
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_ranks(_two_ranks, 2, list(MODELS), timeout_s=180)
+
+
+def plain_clipped(kind: str, max_norm: float) -> tuple[list[float], list[dict], dict]:
+    model = build(kind)
+    opt = ADAMW(model.parameters())
+    norms, grads = [], []
+    for x in batches():
+        loss_of(kind, model, x).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        opt.step()
+        opt.zero_grad()
+    return norms, grads, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_a_loop_ported_from_ddp_reads_averaged_gradients_or_is_told_where_they_went(two_ranks):
+    ref_norms, ref_grads, ref_state = plain_clipped("parameter_list", 0.05)
+    for rank_out in two_ranks:
+        ported = rank_out[1]
+        for zero in range(4):
+            norms, grads, state = ported[zero]
+            assert max(abs(a - b) for a, b in zip(norms, ref_norms)) <= TOL, zero  # the true global norm
+            assert min(ref_norms) > 0.05, "clipping must engage"
+            for got, ref in zip(grads, ref_grads):  # ZeRO-0/1: after backward, every p.grad is the average
+                for name, value in ref.items():
+                    assert (got[name] - value).abs().max().item() <= TOL, (zero, name)
+            for key, value in ref_state.items():  # torch's clip applied at 0/1, minitrain's at 2/3: same training
+                assert (state[key] - value).abs().max().item() <= TOL, (zero, key)
+        for zero in (2, 3):
+            assert "minitrain.clip_grad_norm_" in ported[f"clip-{zero}"] and "sharded" in ported[f"clip-{zero}"]
+
+
+def test_torch_clipping_where_it_cannot_be_honoured_is_refused():
+    """bf16 gradients summed in float32: the optimizer steps on the float32 sum, so a clip of the bf16 p.grad would
+    be silently ignored; it is refused at step()."""
+    model, opt = minitrain.prepare(build("parameter_list").float(), ADAMW, zero=1, precision="bf16")
+    loss_of("parameter_list", model, batches(1)[0]).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    with pytest.raises(RuntimeError, match="p.grad was changed between backward and optimizer.step"):
+        opt.step()
+
+
+def test_zero3_gathers_parameters_used_outside_their_module_and_sees_into_any_output(two_ranks):
+    got = two_ranks[0][0]
     for kind in MODELS:
         ref_losses, ref_state = plain(kind)
         for zero in (2, 3):

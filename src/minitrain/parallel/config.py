@@ -27,6 +27,9 @@ class ParallelConfig:
     # forward when an op receives it (param_use.py). The CLI's MiniGPT never does that, and its compiled blocks
     # run without the mode.
     gather_on_use: bool = False
+    # A user's loop may read p.grad as DistributedDataParallel's users do (visible_grads.py): averaged when backward
+    # returns at ZeRO-0/1, a ShardedGradient that says where the gradient went at ZeRO-2/3. The CLI reads none.
+    grads_visible: bool = False
 
     def __post_init__(self):
         if self.zero not in ZERO_STAGES:

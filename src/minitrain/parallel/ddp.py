@@ -17,6 +17,8 @@ gradient accumulation over k micro-batches all-reduces once.
 """
 from __future__ import annotations
 
+import contextlib
+
 import time
 
 import torch
@@ -47,6 +49,7 @@ class ReplicatedStrategy(FlatStrategy):
             self.flat.check_grads_in_place()
             self._sync()
             self._synced = True
+            self._show_averaged(self.to_reduce.tensor())
 
     def _averaged_grad(self) -> torch.Tensor:
         self.finish_grad_sync()
@@ -63,6 +66,21 @@ class ReplicatedStrategy(FlatStrategy):
 
 class NaiveDataParallel(ReplicatedStrategy):
     name = "ddp-naive"
+
+    def __init__(self, model: nn.Module, comm: Comm, pcfg: ParallelConfig, make_optimizer: OptimizerFactory,
+                 **kwargs):
+        super().__init__(model, comm, pcfg, make_optimizer, **kwargs)
+        self._suspended = False
+        self._sync_when_backward_ends(lambda: self._suspended)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Nothing to suspend in backward unless the sync runs when it ends (grads_visible)."""
+        previous, self._suspended = self._suspended, True
+        try:
+            yield
+        finally:
+            self._suspended = previous
 
     @torch.no_grad()
     def _sync(self) -> None:
@@ -81,6 +99,7 @@ class BucketedDataParallel(ReplicatedStrategy):
         super().__init__(model, comm, pcfg, make_optimizer, **kwargs)
         self.overlapped = OverlappedAllReduce(self.flat, comm, self.to_reduce, int(pcfg.bucket_mb * 2**20))
         self.buckets = self.overlapped.buckets
+        self._sync_when_backward_ends(lambda: not self.overlapped.enabled)
 
     def no_sync(self):
         return self.overlapped.no_sync()

@@ -22,6 +22,7 @@ from .config import ParallelConfig
 from .layout import FlatParameters, Ranges, WholeModel, local_views, take
 from .memory_math import MEMORY_KINDS, MemoryLedger, memory_terms
 from .placement import Placement, placements
+from .visible_grads import BackwardEndSync, VisibleGradGuard
 
 # (master, flat parameters, this rank's shard ranges) -> an optimizer over the shard (see FlatStrategy)
 OptimizerFactory = Callable[[torch.Tensor, FlatParameters, Ranges], object]
@@ -110,6 +111,8 @@ class FlatStrategy:
         self.pp = Comm()  # the pipeline group, when this rank holds one stage of the model
         self._tp_sharded: Ranges = []  # physical ranges of parameters split across tp
         self._norm: float | None = None  # this step's global gradient norm, once computed
+        self._visible_guard: VisibleGradGuard | None = None  # refuses p.grad changed after a sync (visible_grads.py)
+        self._backward_end: BackwardEndSync | None = None  # syncs when backward ends (grads_visible, stages 0-1)
 
     def placements(self) -> list[Placement]:
         """How every entry of this rank's model's state_dict is held (placement.py), in the model's order."""
@@ -149,6 +152,32 @@ class FlatStrategy:
             self.pp.all_reduce_sum(total)
             total = total[0]
         return total
+
+    # --- the gradients a ported DDP loop reads (visible_grads.py; grads_visible, stages 0 and 1) -----------------
+    def _sync_when_backward_ends(self, suspended) -> None:
+        """Finish the sync in the autograd engine's end-of-backward callback, unless `suspended()` (no_sync)."""
+        if self.pcfg.grads_visible:
+            self._backward_end = BackwardEndSync([self.flat.param(s) for s in self.flat.segments],
+                                                 self._sync_again, suspended)
+
+    def _sync_again(self) -> None:
+        self._synced = False  # a second backward before the step syncs its own gradients too, as DDP's does
+        self.finish_grad_sync()
+
+    def _show_averaged(self, averaged: torch.Tensor) -> None:
+        """p.grad (views of flat.grad) hold the averaged gradient: a wider averaged copy is rounded into them; a
+        fingerprint is taken where a change before step() could not be honoured."""
+        if not self.pcfg.grads_visible:
+            return
+        if averaged is not self.flat.grad:
+            self.flat.grad.copy_(averaged)
+        why = ("the model is split over tensor-parallel ranks" if self.tp.world_size > 1 else
+               "the model is split over pipeline stages" if self.pp.world_size > 1 else
+               "the optimizer steps on their sum in a wider dtype, not on p.grad" if averaged is not self.flat.grad
+               else None)
+        if why is not None:
+            self._visible_guard = self._visible_guard or VisibleGradGuard(why)
+            self._visible_guard.take(self.flat.grad)
 
     def ranges_of(self, rank: int) -> Ranges:
         """Physical ranges whose optimizer state `rank` holds: everything, or its chunk of each unit."""
@@ -203,6 +232,9 @@ class FlatStrategy:
         update are of the unscaled loss. max_norm: clip to it (default: the config's grad_clip).
         lr: the learning rate, or None to keep the optimizer's own. A non-finite norm (NaN/Inf in
         any rank's gradients, or an fp16 overflow) skips the update on every rank."""
+        if self._visible_guard is not None:
+            self.finish_grad_sync()
+            self._visible_guard.check(self.flat.grad)
         norm = self.grad_norm(loss_scale)
         if math.isfinite(norm):  # every rank sees the same norm, so every rank decides alike
             clip = self.pcfg.grad_clip if max_norm is None else max_norm

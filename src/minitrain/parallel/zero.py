@@ -40,6 +40,7 @@ from .config import ParallelConfig
 from .flat import FlatStrategy, OptimizerFactory, sync_summary
 from .layout import Segment, local_views
 from .units import module_units, unit_layout
+from .visible_grads import ShardedGradient
 
 MAX_INFLIGHT = 1  # unit reduce-scatters in flight before the oldest is waited for (bounds gradient memory)
 
@@ -68,10 +69,14 @@ class ShardedStrategy(FlatStrategy):
 
     _grad: torch.Tensor | None = None  # this step's averaged gradient shard, once synced
 
+    _averaged_in_sync = False  # the sync divides by N itself (ZeRO-1 whose p.grad a loop reads)
+
     def _averaged_grad(self) -> torch.Tensor:
         if self._grad is None:
             self.finish_grad_sync()
-            self._grad = self._gradient_shard().div_(self.comm.world_size)
+            self._grad = self._gradient_shard()
+            if not self._averaged_in_sync:
+                self._grad.div_(self.comm.world_size)
         return self._grad
 
     def _end_step(self) -> None:
@@ -95,6 +100,10 @@ class Zero1(ShardedStrategy):
         self.overlapped = OverlappedAllReduce(self.flat, comm, self.to_reduce, int(pcfg.bucket_mb * 2**20))
         self.buckets = self.overlapped.buckets
         self._synced = False
+        # A loop that reads p.grad gets every gradient averaged, as at data parallel: the whole summed buffer is
+        # divided (not only this rank's shard), when backward ends.
+        self._averaged_in_sync = pcfg.grads_visible
+        self._sync_when_backward_ends(lambda: not self.overlapped.enabled)
 
     def no_sync(self):
         return self.overlapped.no_sync()
@@ -107,6 +116,8 @@ class Zero1(ShardedStrategy):
             intervals = self.overlapped.finish()
             self.last_sync = {"buckets": len(self.buckets), **sync_summary(intervals, backward_end)}
             self._synced = True
+            if self._averaged_in_sync:
+                self._show_averaged(self.to_reduce.tensor().div_(self.comm.world_size))
 
     def _gradient_shard(self) -> torch.Tensor:
         """This rank's range of the summed gradient: a view (one unit, the whole model, gives one range)."""
@@ -139,6 +150,10 @@ class Zero2(ShardedStrategy):
         self._inflight: deque[tuple[int, PendingCollective, torch.Tensor | None, torch.Tensor]] = deque()
         self._reduced: set[int] = set()
         self._intervals: list[tuple[float, float]] = []
+        # What p.grad holds once its gradient is on its way to the shard: None, or for a loop that reads p.grad a
+        # ShardedGradient that says so (visible_grads.py).
+        self._sharded_grads = {seg.name: ShardedGradient(self.flat.param(seg), seg.name, self.stage)
+                               for seg in self.flat.segments} if pcfg.grads_visible else {}
         # A new forward means the last backward is over: finish its reductions now, so with
         # gradient accumulation the last unit's full gradient does not sit through a forward.
         model.register_forward_pre_hook(lambda _m, _args: self._retire_all())
@@ -147,6 +162,8 @@ class Zero2(ShardedStrategy):
         return self.grad_shard
 
     def zero_grad(self, release: bool = False) -> None:
+        for name in self._sharded_grads:
+            self.flat.param_named(name).grad = None
         if release:  # the shard's storage goes back; the first reduction of the next backward brings it again
             self.grad_shard.untyped_storage().resize_(0)
         else:
@@ -175,10 +192,11 @@ class Zero2(ShardedStrategy):
             # In the reduce dtype: copying the gradient in below widens it if mixed precision reduces in float32.
             buffer = self._buffers[i] = torch.zeros(unit.stop - unit.start, dtype=self.reduce_dtype, device=p.device)
             self.ledger.hold("grads", buffer)
-        self.ledger.hold("grads", p.grad)  # autograd's tensor and its copy coexist for a moment
-        buffer[seg.offset - unit.start:seg.offset - unit.start + seg.numel].copy_(p.grad.reshape(-1))
-        self.ledger.drop("grads", p.grad)
-        p.grad = None
+        grad = p.grad.take() if isinstance(p.grad, ShardedGradient) else p.grad  # accumulated through the sentinel
+        self.ledger.hold("grads", grad)  # autograd's tensor and its copy coexist for a moment
+        buffer[seg.offset - unit.start:seg.offset - unit.start + seg.numel].copy_(grad.reshape(-1))
+        self.ledger.drop("grads", grad)
+        p.grad = self._sharded_grads.get(seg.name)
         self._arrived[i].add(seg.name)
         if len(self._arrived[i]) == len(unit.segments):
             self._arrived[i] = set()

@@ -1,0 +1,100 @@
+"""What a loop ported from DistributedDataParallel sees in `p.grad` (the API's strategies; the CLI trainer reads
+no p.grad and keeps none of this).
+
+DDP's guarantee is that when `loss.backward()` returns (outside no_sync), every `p.grad` holds the gradient
+averaged over the ranks, so `torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)` clips by the true norm.
+- At ZeRO-0/1 the gradients are views of the flat buffer: `BackwardEndSync` finishes the bucketed all-reduce
+  and the division by N in a callback the autograd engine runs when backward ends (DDP does the same), so a
+  loop reads averaged gradients, and its in-place changes (torch's clipping) are what the optimizer applies.
+  Where a torch norm would not be the global one (tensor-parallel slices, pipeline stages) or where the
+  optimizer reads a wider copy (bf16 gradients summed in float32), a change made after backward is refused at
+  step() instead of being silently ignored or misapplied (`VisibleGradGuard`).
+- At ZeRO-2/3 each gradient is reduce-scattered into a shard as backward produces it and exists nowhere whole.
+  `p.grad` is then a `ShardedGradient`: a tensor without data whose every use raises, naming
+  `minitrain.clip_grad_norm_` (torch's clip_grad_norm_ used to see no gradients and return 0.0, clipping
+  nothing). The next backward accumulates through it as through a zero.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+class ShardedGradient(torch.Tensor):
+    """The `.grad` of a parameter whose gradient lives sharded across ranks: shaped like it, holding nothing."""
+
+    @staticmethod
+    def __new__(cls, param: torch.Tensor, name: str, stage: int):
+        grad = torch.Tensor._make_wrapper_subclass(cls, param.shape, dtype=param.dtype, device=param.device)
+        grad.param_name, grad.stage, grad.pending = name, stage, None
+        return grad
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        sentinel = next(a for a in args if isinstance(a, ShardedGradient))
+        other = next((a for a in args if isinstance(a, torch.Tensor) and not isinstance(a, ShardedGradient)), None)
+        # Autograd accumulating the next backward's gradient: the sentinel counts as zero and carries it to the
+        # post-accumulate hook (ZeRO-2's _grad_ready), which reduces it.
+        if func is torch.ops.aten.add_.Tensor and args[0] is sentinel and kwargs.get("alpha", 1) == 1:
+            sentinel.pending = other if sentinel.pending is None else sentinel.pending + other
+            return sentinel
+        if func is torch.ops.aten.add.Tensor and other is not None and kwargs.get("alpha", 1) == 1:
+            return other
+        if func is torch.ops.aten.detach.default:
+            return sentinel
+        raise RuntimeError(
+            f"the gradient of '{sentinel.param_name}' is sharded across ranks at ZeRO-{sentinel.stage} (reduce-scattered "
+            f"as backward produced it), so p.grad holds no values ({func} cannot read it): clip with "
+            "minitrain.clip_grad_norm_(model, max_norm), which takes the global norm over every shard; read whole "
+            "gradients at zero=0 or 1")
+
+    def __repr__(self, *, tensor_contents=None):
+        return f"ShardedGradient('{self.param_name}', ZeRO-{self.stage}, shape={tuple(self.shape)})"
+
+    def take(self) -> torch.Tensor | None:
+        """The gradient autograd accumulated into this sentinel, if any, handed over once."""
+        pending, self.pending = self.pending, None
+        return pending
+
+
+class BackwardEndSync:
+    """Calls `finish()` once when the autograd engine ends a backward in which some flattened parameter got a
+    gradient, unless `suspended()` (inside no_sync)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], finish: Callable[[], None], suspended: Callable[[], bool]):
+        self.finish, self.suspended, self._queued = finish, suspended, False
+        self.handles = [p.register_post_accumulate_grad_hook(self._touched) for p in params]
+
+    def _touched(self, _param) -> None:
+        if not self._queued and not self.suspended():
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._at_end)
+
+    def _at_end(self) -> None:
+        self._queued = False
+        self.finish()
+
+
+class VisibleGradGuard:
+    """A fingerprint of the visible gradients taken when the sync finishes, compared at step(): a change in
+    between (torch's clip_grad_norm_ on the slices or stages this rank holds, or on bf16 gradients whose float32
+    sum the optimizer reads) raises instead of training on a norm that is not the model's."""
+
+    def __init__(self, why: str):
+        self.why, self._fingerprint = why, None
+
+    def take(self, grad: torch.Tensor) -> None:
+        self._fingerprint = grad.detach().double().square().sum()
+
+    def check(self, grad: torch.Tensor) -> None:
+        if self._fingerprint is None:
+            return
+        before, self._fingerprint = self._fingerprint, None
+        if not bool(grad.detach().double().square().sum() == before):
+            raise RuntimeError(f"p.grad was changed between backward and optimizer.step() ({self.why}, so a norm "
+                               "torch computes from p.grad is not the model's): clip with "
+                               "minitrain.clip_grad_norm_(model, max_norm)")

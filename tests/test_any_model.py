@@ -199,14 +199,88 @@ def _ported_ddp_loops(topo):
     return out
 
 
-def _two_ranks(topo, kinds):
+def _fp16(topo, root):
+    """fp16 through minitrain.GradScaler at every stage. Run A meets a batch whose loss is not finite (skipped: every
+    parameter and all optimizer state unchanged, the scale halved), unscales before clipping, and is saved after
+    the skip and resumed by a fresh model; run B never sees the bad batch and starts at A's halved scale. The
+    scale is a power of two, so both must end bit for bit equal."""
+    out = {}
+    good = batches(3)
+    for zero in range(4):
+        def run(init_scale, bad_at, unscale):
+            model, opt = minitrain.prepare(build("parameter_list").float(), ADAMW, zero=zero, precision="fp16")
+            scaler = minitrain.GradScaler(opt, init_scale=init_scale, growth_interval=100)
+            seen = []
+            for i, x in enumerate(good[:1] + ([None] if bad_at else []) + good[1:]):
+                mine = (good[0] if x is None else x).chunk(topo.world_size)[topo.rank]
+                loss = loss_of("parameter_list", model, mine) * (float("inf") if x is None else 1.0)
+                before = (opt.state_dict(), minitrain.full_state_dict(model)) if x is None else None
+                scaler.scale(loss).backward()
+                if unscale:
+                    scaler.unscale_(opt)
+                minitrain.clip_grad_norm_(model, 0.05)
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+                if x is None:
+                    seen.append((before, (opt.state_dict(), minitrain.full_state_dict(model)), scaler.get_scale()))
+                    minitrain.save_checkpoint(root / f"fp16-{zero}", model, opt, i + 1)
+                    resumed, resumed_opt = minitrain.prepare(build("parameter_list").float(), ADAMW, zero=zero,
+                                                             precision="fp16")
+                    minitrain.load_checkpoint(root / f"fp16-{zero}", resumed, resumed_opt)
+                    resumed_scaler = minitrain.GradScaler(resumed_opt)  # made after the load: takes its state
+                    seen.append(resumed_scaler.get_scale())
+                    model, opt, scaler = resumed, resumed_opt, resumed_scaler
+            return seen, opt.state_dict(), minitrain.full_state_dict(model)
+
+        out[zero] = run(2.0 ** 10, True, True), run(2.0 ** 9, False, False)
+    return out
+
+
+def _two_ranks(topo, kinds, root):
     minitrain.init_distributed()
-    return _zero3_cases(topo, kinds), _ported_ddp_loops(topo)
+    return _zero3_cases(topo, kinds), _ported_ddp_loops(topo), _fp16(topo, root)
 
 
 @pytest.fixture(scope="module")
-def two_ranks():
-    return run_ranks(_two_ranks, 2, list(MODELS), timeout_s=180)
+def two_ranks(tmp_path_factory):
+    return run_ranks(_two_ranks, 2, list(MODELS), tmp_path_factory.mktemp("any"), timeout_s=180)
+
+
+def _bit_equal(a: dict, b: dict, where: str) -> None:
+    assert a.keys() == b.keys(), where
+    for key in a:
+        x, y = a[key], b[key]
+        if isinstance(x, dict):
+            _bit_equal(x, y, f"{where}: {key}")
+        elif isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and torch.equal(x, y), f"{where}: {key}"
+        elif isinstance(x, list) and x and isinstance(x[0], dict):
+            for i, (p, q) in enumerate(zip(x, y)):
+                _bit_equal(p, q, f"{where}: {key}[{i}]")
+        else:
+            assert x == y, f"{where}: {key}"
+
+
+def test_fp16_skips_an_overflowed_step_exactly_and_its_scale_survives_a_checkpoint(two_ranks):
+    for rank_out in two_ranks:
+        for zero, ((seen, opt_a, state_a), (_, opt_b, state_b)) in rank_out[2].items():
+            (before, after, scale), resumed_scale = seen
+            _bit_equal(after[0], before[0], f"ZeRO-{zero}: optimizer state across the skipped step")
+            _bit_equal(after[1], before[1], f"ZeRO-{zero}: parameters across the skipped step")
+            assert scale == resumed_scale == 2.0 ** 9, zero
+            assert all(v.dtype == torch.float16 for v in state_a.values())
+            _bit_equal(opt_a, opt_b, f"ZeRO-{zero}: optimizer, bad batch skipped vs never seen")
+            _bit_equal(state_a, state_b, f"ZeRO-{zero}: parameters, bad batch skipped vs never seen")
+
+
+def test_fp16_steps_only_through_its_scaler():
+    model, opt = minitrain.prepare(build("parameter_list").float(), ADAMW, zero=1, precision="fp16")
+    loss_of("parameter_list", model, batches(1)[0]).backward()
+    with pytest.raises(RuntimeError, match="minitrain.GradScaler"):
+        opt.step()
+    with pytest.raises(ValueError, match="needs no loss scaling"):
+        minitrain.GradScaler(minitrain.prepare(build("direct_tie").float(), ADAMW, precision="bf16")[1])
 
 
 def plain_clipped(kind: str, max_norm: float) -> tuple[list[float], list[dict], dict]:

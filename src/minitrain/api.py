@@ -49,6 +49,7 @@ from .parallel.shard_optimizer import (
 )
 from .parallel.tp_plan import check_plan, hugging_face_plan
 from .parallel.whole_state import full_model_state, full_optimizer_state, load_optimizer_state
+from .grad_scaler import GradScaler
 from .precision import COMPUTE_DTYPES
 from .topology import Topology, under_torchrun
 
@@ -142,6 +143,8 @@ class _Prepared:
     shapes: dict = field(default_factory=dict)  # micro-batch input shape -> the activation shape stages exchange
     max_norm: float | None = None  # set by clip_grad_norm_ for the coming step
     optimizer: PreparedOptimizer | None = field(default=None, repr=False)
+    scaler: GradScaler | None = field(default=None, repr=False)  # fp16: the loss scaler the loop calls
+    scaler_state: dict | None = None  # fp16: a loaded checkpoint's scaler state, for a scaler made after the load
     groups: list[list[str]] = field(default_factory=list)  # the param groups' parameters, by canonical name
 
 
@@ -164,8 +167,9 @@ def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param
         (e.g. no weight decay for biases and norms); every trainable parameter in exactly one group.
         Default: one group of every trainable parameter. Frozen parameters (requires_grad=False) are
         never updated and hold no gradient or optimizer state.
-    precision: fp32 (compute in the parameters' dtype, float32 or float64) or bf16 (bfloat16 parameters
-        and forward under autocast, float32 master weights and optimizer state). reduce_dtype: fp32 or
+    precision: fp32 (compute in the parameters' dtype, float32 or float64), bf16 (bfloat16 parameters
+        and forward under autocast, float32 master weights and optimizer state) or fp16 (the same in float16,
+        with the loss scaled by minitrain.GradScaler(optimizer), which the loop calls as torch.amp.GradScaler). reduce_dtype: fp32 or
         compute, what bf16 gradients are summed in. dp (zero=0): bucketed (all-reduce overlapped with
         backward) or naive. bucket_mb: bucket cap. prefetch (zero=3): gather the next block early.
     activation_checkpointing: none | block (recompute each layer of the model's ModuleList/ModuleDict in
@@ -193,10 +197,8 @@ def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param
                                    pipeline_split=lambda m, stage, stages: split_model(m, split, stage, stages))
     if model in _prepared:
         raise ValueError(f"this {type(model).__name__} was already prepared; prepare a model once")
-    if precision not in ("fp32", "bf16"):
-        raise ValueError(f"precision must be fp32 or bf16, got {precision!r}"
-                         + ("; fp16 needs loss scaling, which the CLI trainer does: use bf16" if precision == "fp16"
-                            else ""))
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"precision must be fp32, bf16 or fp16, got {precision!r}")
     if reduce_dtype not in ("fp32", "compute"):
         raise ValueError(f"reduce_dtype must be fp32 or compute, got {reduce_dtype!r}")
     if dp == "torch":
@@ -208,8 +210,8 @@ def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param
     if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
         raise ValueError(f"trainable parameters must share one floating dtype; found {sorted(map(str, dtypes))}")
     master = next(iter(dtypes))
-    if precision == "bf16" and master != torch.float32:
-        raise ValueError(f"precision='bf16' keeps float32 master weights: give a float32 model, not {master}")
+    if precision != "fp32" and master != torch.float32:
+        raise ValueError(f"precision={precision!r} keeps float32 master weights: give a float32 model, not {master}")
     groups = _named_groups(model, param_groups)
     if zero >= 1:
         for _, options in groups:
@@ -306,7 +308,7 @@ def pipeline_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
     if inputs.size(0) % M:
         raise ValueError(f"a batch of {inputs.size(0)} does not cut into microbatches={M} equal micro-batches")
     shape = _activation_shape(state, inputs[:inputs.size(0) // M])
-    loss = state.pipeline.run(inputs, targets, 1.0, sync=True,
+    loss = state.pipeline.run(inputs, targets, _loss_scale(state), sync=True,
                               forward=lambda inp, tgt: state.stage.forward(inp, tgt, loss_fn), shape=shape)
     pp = state.topo.pp
     value = torch.tensor([float(loss)], dtype=torch.float64, device=state.topo.device)
@@ -419,14 +421,23 @@ class PreparedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One update of every rank's parameters (collective). A step whose gradients hold NaN/Inf on any rank
-        is skipped on every rank (parameters and optimizer state unchanged)."""
+        is skipped on every rank (parameters and optimizer state unchanged). In fp16, step through the
+        GradScaler instead (scaler.step(optimizer))."""
+        if self._prepared.settings["precision"] == "fp16":
+            raise RuntimeError("precision='fp16' steps through its loss scaler: scaler = minitrain.GradScaler(optimizer),"
+                               " then scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()")
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        max_norm, self._prepared.max_norm = self._prepared.max_norm, None
-        self._strategy.step(None, 1.0, max_norm if max_norm is not None else 0.0)
+        self._step(1.0)
         return loss
+
+    def _step(self, loss_scale: float) -> float:
+        """The update from gradients of the loss times loss_scale; returns the (unscaled) global gradient norm,
+        not finite if the step was skipped."""
+        max_norm, self._prepared.max_norm = self._prepared.max_norm, None
+        return self._strategy.step(None, loss_scale, max_norm if max_norm is not None else 0.0)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients for the next step. They live in minitrain's buffers, so they are zeroed in place;
@@ -470,9 +481,19 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> float:
     if not max_norm > 0:
         raise ValueError(f"max_norm must be > 0, got {max_norm}")
     state = _state_of(model)
-    norm = state.strategy.grad_norm()
+    norm = state.strategy.grad_norm(_loss_scale(state))
     state.max_norm = float(max_norm)
     return norm
+
+
+def _loss_scale(state: _Prepared) -> float:
+    """What this step's gradients are multiplied by: fp16's loss scale (until unscale_), else 1."""
+    if state.settings["precision"] != "fp16":
+        return 1.0
+    if state.scaler is None:
+        raise RuntimeError("precision='fp16' needs its loss scaler: scaler = minitrain.GradScaler(optimizer), and "
+                           "scaler.scale(loss).backward()")
+    return state.scaler.loss_scale()
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -511,6 +532,8 @@ def save_checkpoint(directory: str | Path, model: nn.Module, optimizer: Prepared
     train_state = {"step": int(step), "optimizer_steps": state.strategy.optimizer.steps_taken,
                    "optimizer_scalars": state.strategy.optimizer.scalar_state(),
                    "param_groups": state.strategy.optimizer.group_options(), "extra": extra}
+    if state.settings["precision"] == "fp16":
+        train_state["loss_scaler"] = state.scaler.state_dict() if state.scaler is not None else state.scaler_state
     try:  # refuse what strict JSON cannot hold (a checkpoint's manifest is read back without NaN or Infinity)
         json.dumps(train_state, allow_nan=False)
     except (TypeError, ValueError) as e:
@@ -528,6 +551,11 @@ def load_checkpoint(directory: str | Path, model: nn.Module, optimizer: Prepared
         raise ValueError("load_checkpoint takes the optimizer prepare returned with this model")
     _all_ranks_arrive("load_checkpoint")
     train_state = checkpoint.load(directory, state.topo, state.strategy)
+    if train_state.get("loss_scaler") is not None and state.settings["precision"] == "fp16":
+        if state.scaler is not None:
+            state.scaler.load_state_dict(train_state["loss_scaler"])
+        else:
+            state.scaler_state = train_state["loss_scaler"]
     if "param_groups" in train_state:  # the learning rate a scheduler had set, betas, weight decay, ...
         try:
             state.strategy.optimizer.load_group_options(train_state["param_groups"])
@@ -537,6 +565,7 @@ def load_checkpoint(directory: str | Path, model: nn.Module, optimizer: Prepared
 
 
 __all__ = [
+    "GradScaler",
     "PipelineSplit",
     "PreparedOptimizer",
     "barrier",

@@ -226,6 +226,19 @@ class FlatStrategy:
         return self._total_sum_sq(parts).sqrt() / loss_scale
 
     @torch.no_grad()
+    def unscale_grads(self, scale: float) -> None:
+        """Divide this step's synced gradient by fp16's loss scale in place (torch.amp.GradScaler.unscale_); the
+        step then runs with loss_scale=1. A power of two: no bit of a finite gradient changes but its exponent.
+        Finishes the sync (collective where it is)."""
+        self.finish_grad_sync()
+        if self.stage <= 1 and self.pcfg.grads_visible:  # the whole averaged gradient p.grad shows
+            whole = self.to_reduce.tensor()
+            whole.div_(scale)
+            self._show_averaged(whole)
+        else:
+            self._averaged_grad().div_(scale)
+
+    @torch.no_grad()
     def step(self, lr: float | None = None, loss_scale: float = 1.0, max_norm: float | None = None) -> float:
         """Sync gradients, clip, update parameters on every rank; return the global grad norm.
         The gradients are of loss * loss_scale (fp16 loss scaling); the norm returned and the

@@ -94,7 +94,8 @@ class VisibleGradGuard:
         if self._fingerprint is None:
             return
         before, self._fingerprint = self._fingerprint, None
-        if not bool(grad.detach().double().square().sum() == before):
+        now = grad.detach().double().square().sum()
+        if not bool((now == before) | (now.isnan() & before.isnan())):  # a NaN gradient is unchanged too
             raise RuntimeError(f"p.grad was changed between backward and optimizer.step() ({self.why}, so a norm "
                                "torch computes from p.grad is not the model's): clip with "
                                "minitrain.clip_grad_norm_(model, max_norm)")

@@ -78,6 +78,10 @@ STYLES: dict[str, Style] = {
     "embedding_rowwise": VocabEmbedding(), "replicate": Replicated(),
 }
 TpPlan = dict[str, "str | Style"]
+# Styles Hugging Face plans use that minitrain does not implement (mixtures of experts, packed projections, ...).
+HUGGING_FACE_ONLY = ("packed_colwise", "packed_rowwise", "moe_tp_experts", "local_colwise", "local_rowwise",
+                     "local_packed_rowwise", "local", "gather", "ep_router", "grouped_gemm", "sequence_parallel",
+                     "isolated", "mla_kv_a_proj")
 
 
 def matches(pattern: str, name: str) -> bool:
@@ -95,7 +99,10 @@ def resolve(model: nn.Module, plan: TpPlan) -> dict[str, Style]:
     for pattern, style in plan.items():
         if isinstance(style, str):
             if style not in STYLES:
-                raise ValueError(f"tp_plan['{pattern}'] = '{style}' is not a style minitrain knows; use one of "
+                hint = (" (a Hugging Face style for packed or expert weights, which minitrain's tensor parallelism "
+                        "does not split: give tp_plan without it, leaving that module replicated)"
+                        if style in HUGGING_FACE_ONLY else "")
+                raise ValueError(f"tp_plan['{pattern}'] = '{style}' is not a style minitrain knows{hint}; use one of "
                                  f"{', '.join(STYLES)}")
             style = STYLES[style]
         found = [name for name in names if matches(pattern, name)]

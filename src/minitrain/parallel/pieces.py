@@ -180,9 +180,12 @@ def run_pieces(model: nn.Module, split: PipelineSplit, parts: list[tuple[str, nn
             x = module(x)
             continue
         kwargs = split.block_kwargs(model, x) if split.block_kwargs else {}
-        for _, block in _items(module):
+        for key, block in _items(module):
             out = block(x, **kwargs)
             x = out[0] if isinstance(out, tuple) else out  # older transformers return (hidden, ...)
+            if not isinstance(x, torch.Tensor):
+                raise ValueError(f"pp_split: block '{key}' returned a {type(out).__name__}; pipeline stages pass one "
+                                 "tensor (or a tuple starting with it) from block to block")
     return x
 
 
@@ -192,15 +195,31 @@ def check_pieces(model: nn.Module, split: PipelineSplit, blocks_at: int) -> None
     parts = [(name, _lookup(model, name)) for name in split.pieces]
     probe = split.example if split.example is not None else _probe_ids(model, parts[0])
     modes = [(m, m.training) for m in model.modules()]
+    buffers = {key: b.clone() for key, b in model.named_buffers()}
     model.eval()
     try:
         with torch.no_grad():
             theirs = _main_output(model(probe))
-            ours = run_pieces(model, split, parts, blocks_at, probe)
+            after_model = {key: b.clone() for key, b in model.named_buffers()}
+            _restore(model, buffers)
+            try:
+                ours = run_pieces(model, split, parts, blocks_at, probe)
+            except ValueError:
+                raise
+            except Exception as e:  # noqa: BLE001 - whatever breaks, the split does not run this model
+                raise ValueError(f"pp_split: running the pieces {split.pieces} in order failed on a probe input "
+                                 f"({type(e).__name__}: {e}); list the pieces its forward runs, in order") from e
+            after_pieces = dict(model.named_buffers())
+            changed = next((key for key in buffers if not torch.equal(after_model[key], after_pieces[key])), None)
     finally:
         for m, training in modes:
             m.training = training
+        _restore(model, buffers)
     name = type(model).__name__
+    if changed is not None:
+        raise ValueError(f"pp_split: {name}.forward updates buffer '{changed}' differently from its pieces run in "
+                         "order (an update outside them would never happen): update it inside a piece, or use data "
+                         "parallel / ZeRO")
     if not isinstance(theirs, torch.Tensor) or theirs.shape != ours.shape:
         raise ValueError(f"pp_split: the pieces {split.pieces} give a {list(ours.shape)} output where "
                          f"{name}.forward gives {_described(theirs)}: list the pieces its forward runs, in order")
@@ -212,6 +231,12 @@ def check_pieces(model: nn.Module, split: PipelineSplit, blocks_at: int) -> None
                          f"gives (they differ by up to {diff:.2e} on a probe input): its forward does more than its "
                          "pieces (an attention mask its blocks need, embeddings scaled, logits post-processed). Give "
                          "a PipelineSplit whose block_kwargs carries what the blocks need, or use data parallel / ZeRO")
+
+
+def _restore(model: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for key, b in model.named_buffers():
+            b.copy_(buffers[key])
 
 
 def _probe_ids(model: nn.Module, first: tuple[str, nn.Module]) -> torch.Tensor:

@@ -129,6 +129,11 @@ class TorchShardOptimizer:
                 param_groups.append({"params": views, **options})
         self.views.sort(key=lambda v: v[1])
         self.inner = optimizer_fn(param_groups)
+        # Where each view's scalar state (Adam's step) is read back from a checkpoint's vector: its first element
+        # that is a parameter's, not padding (which a checkpoint does not hold, and loads as zero).
+        real = flat.local_ranges([(s.offset, s.offset + s.numel) for s in flat.segments], shard_ranges)
+        self._scalar_at = [min((max(a, lo) for lo, hi in real if lo < b and hi > a), default=None)
+                           for _, a, b in self.views]
 
     @torch.no_grad()
     def step(self, grad: torch.Tensor, lr: float | None, grad_scale: float = 1.0) -> None:
@@ -224,15 +229,15 @@ class TorchShardOptimizer:
     def load_state(self, tensors: dict[str, torch.Tensor], scalars: dict) -> None:
         self.master.copy_(tensors["master"])
         dtypes = scalars.get("scalars", {})
-        for view, a, b in self.views:
-            if a == b:
-                continue  # an empty piece of a group holds no state
+        for (view, a, b), at in zip(self.views, self._scalar_at):
+            if at is None:
+                continue  # an empty piece of a group, or padding only: it holds no state
             state = self.inner.state[view]
             for name, vec in tensors.items():
                 if name == "master":
                     continue
                 if name in dtypes:
-                    value = float(vec[a])
+                    value = float(vec[at])
                     state[name] = torch.tensor(value, dtype=getattr(torch, dtypes[name])) if dtypes[name] else value
                 else:
                     state[name] = vec[a:b].view_as(view).to(self.master.dtype).clone()

@@ -114,6 +114,19 @@ def _two_ranks(topo, root):
         minitrain.load_checkpoint(path, back, back_opt)
         assert back.lm_head.weight is back.model.embed_tokens.weight, "the frozen tie must hold after a load"
         out[f"tied-{zero}"] = (minitrain.full_state_dict(tied), minitrain.full_state_dict(back))
+    # 4. model.load_state_dict after prepare, as users load weights: the next step starts from them at every stage.
+    new_weights = llama(seed=7).state_dict()
+    for zero in range(4):
+        model, opt = minitrain.prepare(llama(), ADAMW, zero=zero)
+        _train(model, opt, steps[:1])
+        model.load_state_dict(new_weights)
+        _train(model, opt, steps[1:2])
+        out[f"loaded-{zero}"] = minitrain.full_state_dict(model)
+        try:
+            model.state_dict()
+            out[f"state_dict-{zero}"] = "given"
+        except RuntimeError as e:
+            out[f"state_dict-{zero}"] = str(e)
     return out
 
 
@@ -182,6 +195,27 @@ def test_a_frozen_tied_embedding_saves_and_loads_tied_at_every_stage(two_ranks):
         manifest = json.loads((root / f"tied-{zero}" / "step-000001" / "manifest.json").read_text())
         stored = [t["key"] for t in manifest["tensors"] if t["key"].startswith("model.")]
         assert stored.count("model.model.embed_tokens.weight") == 1 and "model.lm_head.weight" not in stored
+
+
+def test_loading_weights_into_a_prepared_model_takes_effect_at_every_stage(two_ranks):
+    """model.load_state_dict after prepare: ZeRO-2 used to step from its old master copy (the loaded weights were
+    silently undone), ZeRO-3 wrote into freed shards. model.state_dict() at ZeRO-3 is refused, naming the call that
+    gathers."""
+    (rank0, rank1), _ = two_ranks
+    model = llama()
+    opt = ADAMW([p for p in model.parameters() if p.requires_grad])
+    for i, x in enumerate(batches(3, 4)[:2]):
+        if i == 1:
+            model.load_state_dict(llama(seed=7).state_dict())
+        lm_loss(model, x).backward()
+        opt.step()
+        opt.zero_grad()
+    ref = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for zero in range(4):
+        for got in (rank0, rank1):
+            _close(got[f"loaded-{zero}"], ref, f"load_state_dict at ZeRO-{zero}", 1e-10)
+        expected = "minitrain.full_state_dict" if zero == 3 else "given"
+        assert expected in rank0[f"state_dict-{zero}"], zero
 
 
 # --- one process ---------------------------------------------------------------------------------------------

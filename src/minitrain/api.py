@@ -221,8 +221,7 @@ def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param
     else:
         reduce = torch.float32 if reduce_dtype == "fp32" else COMPUTE_DTYPES[precision]
     pcfg = ParallelConfig(zero=zero, dp=dp, bucket_mb=bucket_mb, prefetch=prefetch, master_dtype=master,
-                          reduce_dtype=reduce, master_is_params=True, gather_on_use=True,
-                          grads_visible=True)
+                          reduce_dtype=reduce, master_is_params=True, user_loop=True)
     if next(model.parameters()).device != topo.device:
         model.to(topo.device)
     if precision != "fp32":

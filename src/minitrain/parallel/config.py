@@ -23,13 +23,15 @@ class ParallelConfig:
     # does, instead of a master copy holding the same numbers (4 bytes per parameter, or per shard element,
     # saved). The CLI keeps the copy (its memory profile and demo count K = 12 bytes of optimizer state).
     master_is_params: bool = False
-    # ZeRO-3 on a model minitrain did not write: gather a unit whose parameter is used outside its own module's
-    # forward when an op receives it (param_use.py). The CLI's MiniGPT never does that, and its compiled blocks
-    # run without the mode.
-    gather_on_use: bool = False
-    # A user's loop may read p.grad as DistributedDataParallel's users do (visible_grads.py): averaged when backward
-    # returns at ZeRO-0/1, a ShardedGradient that says where the gradient went at ZeRO-2/3. The CLI reads none.
-    grads_visible: bool = False
+    # The model and the loop are a user's (minitrain.prepare), who may do what users of PyTorch do:
+    # - read p.grad as DistributedDataParallel's users do (visible_grads.py): averaged when backward returns at
+    #   ZeRO-0/1, a ShardedGradient that says where the gradient went at ZeRO-2/3;
+    # - use a parameter outside its own module's forward: ZeRO-3 gathers its unit when an op receives it
+    #   (param_use.py);
+    # - call model.load_state_dict after prepare (the master is taken from the new values; ZeRO-3 gathers first)
+    #   and model.state_dict() (refused at ZeRO-3, whose parameters are shards: full_state_dict gathers them).
+    # The CLI's MiniGPT and trainer do none of it, and its compiled blocks run without the ZeRO-3 mode.
+    user_loop: bool = False
 
     def __post_init__(self):
         if self.zero not in ZERO_STAGES:

@@ -75,7 +75,7 @@ class NaiveDataParallel(ReplicatedStrategy):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Nothing to suspend in backward unless the sync runs when it ends (grads_visible)."""
+        """Nothing to suspend in backward unless the sync runs when it ends (user_loop)."""
         previous, self._suspended = self._suspended, True
         try:
             yield

@@ -112,7 +112,10 @@ class FlatStrategy:
         self._tp_sharded: Ranges = []  # physical ranges of parameters split across tp
         self._norm: float | None = None  # this step's global gradient norm, once computed
         self._visible_guard: VisibleGradGuard | None = None  # refuses p.grad changed after a sync (visible_grads.py)
-        self._backward_end: BackwardEndSync | None = None  # syncs when backward ends (grads_visible, stages 0-1)
+        self._backward_end: BackwardEndSync | None = None  # syncs when backward ends (user_loop, stages 0-1)
+        self._state_hooks: list = []  # handles of the hooks on the user's model.state_dict / load_state_dict
+        if pcfg.user_loop:
+            self._follow_user_state_dict(model)
 
     def placements(self) -> list[Placement]:
         """How every entry of this rank's model's state_dict is held (placement.py), in the model's order."""
@@ -153,10 +156,10 @@ class FlatStrategy:
             total = total[0]
         return total
 
-    # --- the gradients a ported DDP loop reads (visible_grads.py; grads_visible, stages 0 and 1) -----------------
+    # --- the gradients a ported DDP loop reads (visible_grads.py; user_loop, stages 0 and 1) -----------------
     def _sync_when_backward_ends(self, suspended) -> None:
         """Finish the sync in the autograd engine's end-of-backward callback, unless `suspended()` (no_sync)."""
-        if self.pcfg.grads_visible:
+        if self.pcfg.user_loop:
             self._backward_end = BackwardEndSync([self.flat.param(s) for s in self.flat.segments],
                                                  self._sync_again, suspended)
 
@@ -167,7 +170,7 @@ class FlatStrategy:
     def _show_averaged(self, averaged: torch.Tensor) -> None:
         """p.grad (views of flat.grad) hold the averaged gradient: a wider averaged copy is rounded into them; a
         fingerprint is taken where a change before step() could not be honoured."""
-        if not self.pcfg.grads_visible:
+        if not self.pcfg.user_loop:
             return
         if averaged is not self.flat.grad:
             self.flat.grad.copy_(averaged)
@@ -178,6 +181,17 @@ class FlatStrategy:
         if why is not None:
             self._visible_guard = self._visible_guard or VisibleGradGuard(why)
             self._visible_guard.take(self.flat.grad)
+
+    # --- the user's own model.load_state_dict / state_dict (user_loop) ---------------------------------------------
+    def _follow_user_state_dict(self, model: nn.Module) -> None:
+        self._state_hooks.append(model.register_load_state_dict_post_hook(lambda _m, _keys: self.params_loaded()))
+
+    @torch.no_grad()
+    def params_loaded(self) -> None:
+        """New values were loaded into the parameters (model.load_state_dict after prepare): a master kept apart from
+        them (ZeRO-2, mixed precision) is taken from them again, or the next step would bring the old values back."""
+        if not self.master_is_params:
+            self.optimizer.master.copy_(take(self.flat.data, self.shard_ranges))
 
     def ranges_of(self, rank: int) -> Ranges:
         """Physical ranges whose optimizer state `rank` holds: everything, or its chunk of each unit."""
@@ -231,7 +245,7 @@ class FlatStrategy:
         step then runs with loss_scale=1. A power of two: no bit of a finite gradient changes but its exponent.
         Finishes the sync (collective where it is)."""
         self.finish_grad_sync()
-        if self.stage <= 1 and self.pcfg.grads_visible:  # the whole averaged gradient p.grad shows
+        if self.stage <= 1 and self.pcfg.user_loop:  # the whole averaged gradient p.grad shows
             whole = self.to_reduce.tensor()
             whole.div_(scale)
             self._show_averaged(whole)

@@ -102,7 +102,7 @@ class Zero1(ShardedStrategy):
         self._synced = False
         # A loop that reads p.grad gets every gradient averaged, as at data parallel: the whole summed buffer is
         # divided (not only this rank's shard), when backward ends.
-        self._averaged_in_sync = pcfg.grads_visible
+        self._averaged_in_sync = pcfg.user_loop
         self._sync_when_backward_ends(lambda: not self.overlapped.enabled)
 
     def no_sync(self):
@@ -153,7 +153,7 @@ class Zero2(ShardedStrategy):
         # What p.grad holds once its gradient is on its way to the shard: None, or for a loop that reads p.grad a
         # ShardedGradient that says so (visible_grads.py).
         self._sharded_grads = {seg.name: ShardedGradient(self.flat.param(seg), seg.name, self.stage)
-                               for seg in self.flat.segments} if pcfg.grads_visible else {}
+                               for seg in self.flat.segments} if pcfg.user_loop else {}
         # A new forward means the last backward is over: finish its reductions now, so with
         # gradient accumulation the last unit's full gradient does not sit through a forward.
         model.register_forward_pre_hook(lambda _m, _args: self._retire_all())

@@ -70,7 +70,7 @@ class Zero3(Zero2):
             self.plans[i].module.register_forward_hook(lambda _m, _args, out, pos=pos: self._after_forward(pos, out))
         model.register_forward_pre_hook(self._before_model_forward)
         model.register_forward_hook(self._after_model_forward)
-        if pcfg.gather_on_use:
+        if pcfg.user_loop:
             self._watch_uses(model)
 
     def _watch_uses(self, model: nn.Module) -> None:
@@ -93,6 +93,34 @@ class Zero3(Zero2):
         for module in model.modules():
             module.register_forward_pre_hook(enter, prepend=True)
             module.register_forward_hook(leave, always_call=True)
+
+    def _follow_user_state_dict(self, model: nn.Module) -> None:
+        """model.load_state_dict gathers every unit first and keeps this rank's chunks of the loaded values
+        (collective: every rank loads, as every rank prepared); model.state_dict() is refused, its parameters
+        being freed shards between steps."""
+        super()._follow_user_state_dict(model)
+        self._state_hooks.append(model.register_load_state_dict_pre_hook(self._before_user_load))
+        self._state_hooks.append(model.register_state_dict_pre_hook(self._refuse_values))
+
+    def _before_user_load(self, *_args) -> None:
+        for i in range(len(self.flat.units)):
+            self._ensure(i)
+
+    @torch.no_grad()
+    def params_loaded(self) -> None:
+        for i, unit in enumerate(self.flat.units):
+            a, b = unit.chunk(self.comm.rank, self.comm.world_size)
+            self._param_views[i].copy_(self._buffers_whole[i][a - unit.start:b - unit.start])
+            self._free(i)
+        if not self.master_is_params:
+            self.optimizer.master.copy_(self.param_shard)
+
+    @staticmethod
+    def _refuse_values(_module, _prefix, keep_vars) -> None:
+        if not keep_vars:
+            raise RuntimeError("at ZeRO-3 a rank holds only shards of the parameters (the rest is freed between steps), "
+                               "so model.state_dict() has no values to give: use minitrain.full_state_dict(model) "
+                               "(collective, the whole model on every rank) or minitrain.save_checkpoint")
 
     def _use_outside(self, i: int) -> None:
         """Unit i's parameter is used outside its module's forward: gather it, and keep it whole until its gradient

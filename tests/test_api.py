@@ -240,8 +240,10 @@ def test_refused_inputs_say_what_to_fix():
     with pytest.raises(ValueError, match="frozen"):
         m = make_model("gpt2")
         minitrain.prepare(m, OPTIMIZERS["sgd"], param_groups=[{"params": list(m.parameters())}])
-    with pytest.raises(ValueError, match="fp16 needs loss scaling"):
-        minitrain.prepare(make_model("gpt2"), OPTIMIZERS["sgd"], precision="fp16")
+    with pytest.raises(ValueError, match="precision must be fp32, bf16 or fp16, got 'fp8'"):
+        minitrain.prepare(make_model("gpt2"), OPTIMIZERS["sgd"], precision="fp8")
+    with pytest.raises(ValueError, match="keeps float32 master weights: give a float32 model"):
+        minitrain.prepare(make_model("gpt2"), OPTIMIZERS["sgd"], precision="fp16")  # a float64 model
     with pytest.raises(ValueError, match="not returned by minitrain.prepare"):
         minitrain.clip_grad_norm_(make_model("gpt2"), 1.0)
 

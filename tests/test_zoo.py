@@ -68,7 +68,8 @@ class Spec:
 SPECS = st.builds(Spec, width=st.sampled_from([7, 8]), tie=st.sampled_from(["none", "module", "direct"]),
                   freeze=st.sampled_from(["none", "embedding", "block"]), container=st.sampled_from(["list", "dict"]),
                   scales=st.booleans(), twice=st.booleans(), root_bias=st.booleans(), temperature=st.booleans(),
-                  gain=st.booleans(), root_buffers=st.booleans(), block_output=st.sampled_from(["tensor", "tuple", "dict", "dataclass"]),
+                  gain=st.booleans(), root_buffers=st.booleans(),
+                  block_output=st.sampled_from(["tensor", "tuple", "dict", "dataclass"]),
                   model_output=st.sampled_from(["tensor", "tuple", "dict", "dataclass"]),
                   optimizer=st.sampled_from(["adamw", "sgd"]))
 
@@ -258,7 +259,8 @@ def check(spec: Spec, results: dict) -> None:
                 assert spec.width % 2 and "does not divide" in reason, f"{where}: {reason}"
             else:
                 assert "pp" in layout and not spec.plain_pieces, f"{where}: {reason}"
-                assert "pp_split" in reason or "tied weight on different pipeline stages" in reason, f"{where}: {reason}"
+                assert "pp_split" in reason or "tied weight on different pipeline stages" in reason, \
+                    f"{where}: {reason}"
             continue
         _, state, _, resumed, source = results[i]
         _close(state, ref[1], where)
@@ -278,13 +280,14 @@ def test_the_zoo_covers_what_it_claims(tmp_path):
     """The hand-picked models every CI run trains, whatever Hypothesis draws: one with everything at once, one a
     pipeline must accept."""
     everything = Spec(width=7, tie="direct", freeze="block", container="dict", scales=True, twice=True,
-                      root_bias=True, temperature=True, gain=True, root_buffers=True, block_output="dataclass", model_output="dict",
-                      optimizer="adamw")
+                      root_bias=True, temperature=True, gain=True, root_buffers=True, block_output="dataclass",
+                      model_output="dict", optimizer="adamw")
     plain = Spec(width=8, tie="none", freeze="block", container="list", scales=False, twice=False, root_bias=False,
-                 temperature=False, gain=False, root_buffers=False, block_output="tuple", model_output="tensor", optimizer="sgd")
+                 temperature=False, gain=False, root_buffers=False, block_output="tuple", model_output="tensor",
+                 optimizer="sgd")
     frozen_tie = Spec(width=8, tie="module", freeze="embedding", container="list", scales=True, twice=False,
-                      root_bias=False, temperature=True, gain=False, root_buffers=True, block_output="tensor", model_output="tuple",
-                      optimizer="adamw")
+                      root_bias=False, temperature=True, gain=False, root_buffers=True, block_output="tensor",
+                      model_output="tuple", optimizer="adamw")
     specs = [everything, plain, frozen_tie]
     results = run_ranks(_zoo, 2, [asdict(s) for s in specs], tmp_path, timeout_s=240)[0]
     for spec, got in zip(specs, results):

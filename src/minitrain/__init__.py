@@ -30,6 +30,7 @@ from .parallel.model_plan import ModelPlan
 
 __version__ = "0.1.0"
 
-__all__ = ["GradScaler", "ModelPlan", "PipelineSplit", "PreparedOptimizer", "__version__", "barrier", "cleanup", "clip_grad_norm_",
+__all__ = ["GradScaler", "ModelPlan", "PipelineSplit", "PreparedOptimizer", "__version__", "barrier", "cleanup",
+           "clip_grad_norm_",
            "dp_rank", "dp_world_size", "full_state_dict", "init_distributed", "is_main_process", "load_checkpoint",
            "no_sync", "pipeline_step", "prepare", "save_checkpoint", "wrap_for_ddp"]

@@ -169,9 +169,9 @@ def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param
         never updated and hold no gradient or optimizer state.
     precision: fp32 (compute in the parameters' dtype, float32 or float64), bf16 (bfloat16 parameters
         and forward under autocast, float32 master weights and optimizer state) or fp16 (the same in float16,
-        with the loss scaled by minitrain.GradScaler(optimizer), which the loop calls as torch.amp.GradScaler). reduce_dtype: fp32 or
-        compute, what bf16 gradients are summed in. dp (zero=0): bucketed (all-reduce overlapped with
-        backward) or naive. bucket_mb: bucket cap. prefetch (zero=3): gather the next block early.
+        with the loss scaled by minitrain.GradScaler(optimizer), which the loop calls as torch.amp.GradScaler).
+        reduce_dtype: fp32 or compute, what 16-bit gradients are summed in. dp (zero=0): bucketed (all-reduce
+        overlapped with backward) or naive. bucket_mb: bucket cap. prefetch (zero=3): gather the next block early.
     activation_checkpointing: none | block (recompute each layer of the model's ModuleList/ModuleDict in
         backward) | selective (needs a plan naming what to recompute) | a module-name pattern such as
         "model.layers.*" | a module class such as LlamaDecoderLayer: those modules are recomputed.
@@ -423,8 +423,9 @@ class PreparedOptimizer(torch.optim.Optimizer):
         is skipped on every rank (parameters and optimizer state unchanged). In fp16, step through the
         GradScaler instead (scaler.step(optimizer))."""
         if self._prepared.settings["precision"] == "fp16":
-            raise RuntimeError("precision='fp16' steps through its loss scaler: scaler = minitrain.GradScaler(optimizer),"
-                               " then scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()")
+            raise RuntimeError("precision='fp16' steps through its loss scaler: scaler = "
+                               "minitrain.GradScaler(optimizer), then scaler.scale(loss).backward(); "
+                               "scaler.step(optimizer); scaler.update()")
         loss = None
         if closure is not None:
             with torch.enable_grad():

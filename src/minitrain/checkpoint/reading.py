@@ -155,7 +155,8 @@ def load(path: str | os.PathLike, topo: Topology, strategy: FlatStrategy) -> dic
             saved = read_tensor(step_dir / extra_files[name], name)
             if list(saved.shape) != list(p.shape) or saved.dtype != p.dtype:
                 raise CheckpointError(f"checkpoint {step_dir}: '{p.key}' is stored as {list(saved.shape)} "
-                                      f"{dtype_name(saved.dtype)}, the model's is {list(p.shape)} {dtype_name(p.dtype)}")
+                                      f"{dtype_name(saved.dtype)}, the model's is {list(p.shape)} "
+                                      f"{dtype_name(p.dtype)}")
             if p.tp_slice is not None:  # this rank's tensor-parallel slice of the whole tensor
                 saved = saved.index_select(p.tp_slice.dim, p.tp_slice.index)
             values[p.key].copy_(saved)  # in place: the tensor keeps its device, and a tied one stays tied

@@ -47,8 +47,8 @@ class ShardedGradient(torch.Tensor):
         if func is torch.ops.aten.detach.default:
             return sentinel
         raise RuntimeError(
-            f"the gradient of '{sentinel.param_name}' is sharded across ranks at ZeRO-{sentinel.stage} (reduce-scattered "
-            f"as backward produced it), so p.grad holds no values ({func} cannot read it): clip with "
+            f"the gradient of '{sentinel.param_name}' is sharded across ranks at ZeRO-{sentinel.stage} "
+            f"(reduce-scattered as backward produced it), so p.grad holds no values ({func} cannot read it): clip with "
             "minitrain.clip_grad_norm_(model, max_norm), which takes the global norm over every shard; read whole "
             "gradients at zero=0 or 1")
 

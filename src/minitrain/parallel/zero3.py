@@ -118,8 +118,9 @@ class Zero3(Zero2):
     @staticmethod
     def _refuse_values(_module, _prefix, keep_vars) -> None:
         if not keep_vars:
-            raise RuntimeError("at ZeRO-3 a rank holds only shards of the parameters (the rest is freed between steps), "
-                               "so model.state_dict() has no values to give: use minitrain.full_state_dict(model) "
+            raise RuntimeError("at ZeRO-3 a rank holds only shards of the parameters (the rest is freed between "
+                               "steps), so model.state_dict() has no values to give: use "
+                               "minitrain.full_state_dict(model) "
                                "(collective, the whole model on every rank) or minitrain.save_checkpoint")
 
     def _use_outside(self, i: int) -> None:

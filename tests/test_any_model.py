@@ -229,9 +229,56 @@ def _fp16(topo, root):
     return out
 
 
+class WithEmptyAndRunningMean(ParameterListScales):
+    """A 0-element parameter (a prefix of length 0) and a buffer updated from each rank's own data."""
+
+    def __init__(self):
+        super().__init__()
+        self.prefix = nn.Parameter(torch.zeros(0, D))
+        self.register_buffer("mean_hidden", torch.zeros(D))
+
+    def forward(self, x):
+        out = super().forward(x)
+        with torch.no_grad():
+            self.mean_hidden.copy_(self.emb(x).mean((0, 1)))
+        return out + self.prefix.sum()
+
+
+def _habits(topo, root):
+    """model.zero_grad() in place of the optimizer's, a 0-element parameter, BatchNorm, a buffer updated from data."""
+    out = {}
+    for zero in range(4):
+        model, opt = minitrain.prepare(build("parameter_list"), ADAMW, zero=zero)
+        for x in batches():
+            model.zero_grad()  # torch's set_to_none: a fresh start for every gradient
+            loss_of("parameter_list", model, x.chunk(topo.world_size)[topo.rank]).backward()
+            opt.step()
+        out[("zero_grad", zero)] = minitrain.full_state_dict(model)
+        torch.manual_seed(0)
+        model, opt = minitrain.prepare(WithEmptyAndRunningMean().double(), ADAMW, zero=zero)
+        loss_of("parameter_list", model, batches(1)[0].chunk(topo.world_size)[topo.rank]).backward()
+        opt.step()
+        try:
+            minitrain.save_checkpoint(root / f"buffers-{zero}", model, opt, 1)
+            out[("buffer", zero)] = "saved"
+        except ValueError as e:
+            out[("buffer", zero)] = str(e)
+    norm = nn.Sequential(nn.Linear(D, D), nn.BatchNorm1d(D)).double()
+    model, opt = minitrain.prepare(norm, ADAMW, zero=1)
+    x = torch.randn(4, D, dtype=torch.float64)
+    try:
+        model(x)
+        out["batchnorm"] = "ran"
+    except RuntimeError as e:
+        out["batchnorm"] = str(e)
+    model.eval()
+    model(x)  # frozen statistics: the same on every rank
+    return out
+
+
 def _two_ranks(topo, kinds, root):
     minitrain.init_distributed()
-    return _zero3_cases(topo, kinds), _ported_ddp_loops(topo), _fp16(topo, root)
+    return _zero3_cases(topo, kinds), _ported_ddp_loops(topo), _fp16(topo, root), _habits(topo, root)
 
 
 @pytest.fixture(scope="module")
@@ -264,6 +311,27 @@ def test_fp16_skips_an_overflowed_step_exactly_and_its_scale_survives_a_checkpoi
             assert all(v.dtype == torch.float16 for v in state_a.values())
             _bit_equal(opt_a, opt_b, f"ZeRO-{zero}: optimizer, bad batch skipped vs never seen")
             _bit_equal(state_a, state_b, f"ZeRO-{zero}: parameters, bad batch skipped vs never seen")
+
+
+def test_model_zero_grad_an_empty_parameter_and_per_rank_statistics(two_ranks):
+    """model.zero_grad() (set_to_none) instead of the optimizer's: ZeRO-2/3 went on accumulating into their shard
+    (5e-2 off), ZeRO-0/1 refused naming an internal call; a 0-element parameter was refused at ZeRO-0/1; BatchNorm
+    and a buffer updated from each rank's data silently differed per rank."""
+    _, ref_state = plain("parameter_list")
+    for rank_out in two_ranks:
+        habits = rank_out[3]
+        for zero in range(4):
+            state = habits[("zero_grad", zero)]
+            for key, value in ref_state.items():
+                assert (state[key] - value).abs().max().item() <= TOL, (zero, key)
+            assert "buffer 'mean_hidden' differs across data-parallel ranks" in habits[("buffer", zero)], zero
+        assert "'1' (BatchNorm1d) normalizes by the statistics of each rank's own batch" in habits["batchnorm"]
+
+
+def test_a_zero_stage_that_is_not_one_is_refused():
+    for zero in (True, 2.0, "2", 4):
+        with pytest.raises(ValueError, match="zero must be one of the ZeRO stages 0, 1, 2, 3"):
+            minitrain.prepare(build("direct_tie"), ADAMW, zero=zero)
 
 
 def test_fp16_steps_only_through_its_scaler():

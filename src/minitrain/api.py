@@ -22,6 +22,7 @@ ranks that did not (within the timeout given to init_distributed) rather than ha
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import functools
@@ -48,6 +49,7 @@ from .parallel.shard_optimizer import (
     check_elementwise,
 )
 from .parallel.tp_plan import check_plan, hugging_face_plan
+from .parallel.replica_state import check_buffers_agree, refuse_batch_statistics
 from .parallel.whole_state import full_model_state, full_optimizer_state, load_optimizer_state
 from .grad_scaler import GradScaler
 from .precision import COMPUTE_DTYPES
@@ -78,10 +80,18 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0) -> tuple[i
         elif under_torchrun():
             topo = Topology.from_env(backend, timeout_s)
             gloo = dist.new_group(backend="gloo") if topo.backend != "gloo" else None
+            # A script that never calls cleanup() leaves the groups' threads running into the interpreter's exit,
+            # where a torchrun rank may abort ("terminate called without an active exception"): leave them first.
+            atexit.register(_leave_at_exit, topo)
         else:
             topo, gloo = Topology.single(), None
         _session = _Session(topo, timeout_s, gloo)
     return _session.topo.rank, _session.topo.world_size
+
+
+def _leave_at_exit(topo: Topology) -> None:
+    if _session is not None and _session.topo is topo:
+        cleanup()
 
 
 def _topology() -> Topology:
@@ -146,6 +156,7 @@ class _Prepared:
     scaler: GradScaler | None = field(default=None, repr=False)  # fp16: the loss scaler the loop calls
     scaler_state: dict | None = None  # fp16: a loaded checkpoint's scaler state, for a scaler made after the load
     groups: list[list[str]] = field(default_factory=list)  # the param groups' parameters, by canonical name
+    hooks: list = field(default_factory=list, repr=False)  # handles of the hooks prepare put on the model
 
 
 _prepared: weakref.WeakKeyDictionary[nn.Module, _Prepared] = weakref.WeakKeyDictionary()
@@ -189,6 +200,8 @@ def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param
     topo = _topology()
     if not isinstance(model, nn.Module):
         raise TypeError(f"prepare needs an nn.Module, got {type(model).__name__}")
+    if not isinstance(zero, int) or isinstance(zero, bool) or zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero must be one of the ZeRO stages 0, 1, 2, 3; got {zero!r}")
     _check_degrees(topo.world_size, tp, tp_plan, pp, pp_split)
     plan = _with_tp_plan(model, plan, tp, tp_plan)
     split = _pipeline_split(model, pp, pp_split, microbatches, schedule)
@@ -243,7 +256,8 @@ def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param
                 "activation_checkpointing": getattr(activation_checkpointing, "__name__", activation_checkpointing)}
     _session.layout = layout
     stage = None if split is None else Stage(model, split, layout.pp.rank, pp)
-    state = _Prepared(strategy, settings, layout, pipeline, stage, groups=[names for names, _ in groups])
+    state = _Prepared(strategy, settings, layout, pipeline, stage, groups=[names for names, _ in groups],
+                      hooks=refuse_batch_statistics(model, layout.dp.world_size))
     state.optimizer = PreparedOptimizer(strategy, state)
     _prepared[model] = state
     return model, state.optimizer
@@ -502,6 +516,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     stage, so it is collective (call it on every rank) and holds the whole model on each."""
     state = _state_of(model)
     topo = state.topo
+    check_buffers_agree(state.strategy.model, topo.dp, "full_state_dict")
     return full_model_state(state.strategy, topo.everyone, topo.dp, topo.tp, topo.pp)
 
 
@@ -540,6 +555,7 @@ def save_checkpoint(directory: str | Path, model: nn.Module, optimizer: Prepared
         raise ValueError(f"save_checkpoint: extra must be plain JSON (dicts, lists, strings, finite numbers): {e}") \
             from None
     _all_ranks_arrive("save_checkpoint")
+    check_buffers_agree(state.strategy.model, state.topo.dp, "save_checkpoint")
     return checkpoint.save(directory, int(step), state.topo, state.strategy, train_state, {"prepare": state.settings})
 
 

@@ -202,6 +202,12 @@ class Comm:
             self._run("all_reduce", _nbytes(tensor),
                       lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group), tensor)
 
+    def all_reduce_min(self, tensor: torch.Tensor) -> None:
+        """In place: tensor <- elementwise min over ranks."""
+        if self.world_size > 1:
+            self._run("all_reduce", _nbytes(tensor),
+                      lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group), tensor)
+
     def _launch(self, op: str, nbytes: int, start, *tensors: torch.Tensor) -> PendingCollective:
         """Start an async collective (start() returns its Work); returns at once. Its fingerprint is taken
         here, in issue order; the watch counts this rank as in it only while it waits for it."""

@@ -113,9 +113,11 @@ class FlatStrategy:
         self._norm: float | None = None  # this step's global gradient norm, once computed
         self._visible_guard: VisibleGradGuard | None = None  # refuses p.grad changed after a sync (visible_grads.py)
         self._backward_end: BackwardEndSync | None = None  # syncs when backward ends (user_loop, stages 0-1)
-        self._state_hooks: list = []  # handles of the hooks on the user's model.state_dict / load_state_dict
+        self._user_hooks: list = []  # handles of the hooks on the user's model.state_dict / load_state_dict
         if pcfg.user_loop:
             self._follow_user_state_dict(model)
+            if self.flat.grad is not None:
+                self._keep_grads_in_place()
 
     def placements(self) -> list[Placement]:
         """How every entry of this rank's model's state_dict is held (placement.py), in the model's order."""
@@ -163,6 +165,21 @@ class FlatStrategy:
             self._backward_end = BackwardEndSync([self.flat.param(s) for s in self.flat.segments],
                                                  self._sync_again, suspended)
 
+    def _keep_grads_in_place(self) -> None:
+        """A gradient autograd made afresh because p.grad had been set to None (model.zero_grad(), torch's default
+        set_to_none) is copied into its place in the flat buffer, which p.grad then views again: torch's meaning
+        (a fresh start for that gradient) kept, and the sync sees it. Registered before the sync's own hooks."""
+        def keep(p, view):
+            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+                p.grad = view
+
+        for seg in self.flat.segments:
+            if seg.numel:
+                view = self.flat.grad[seg.offset:seg.offset + seg.numel].view(seg.shape)
+                self._user_hooks.append(self.flat.param(seg).register_post_accumulate_grad_hook(
+                    lambda p, view=view: keep(p, view)))
+
     def _sync_again(self) -> None:
         self._synced = False  # a second backward before the step syncs its own gradients too, as DDP's does
         self.finish_grad_sync()
@@ -184,7 +201,7 @@ class FlatStrategy:
 
     # --- the user's own model.load_state_dict / state_dict (user_loop) ---------------------------------------------
     def _follow_user_state_dict(self, model: nn.Module) -> None:
-        self._state_hooks.append(model.register_load_state_dict_post_hook(lambda _m, _keys: self.params_loaded()))
+        self._user_hooks.append(model.register_load_state_dict_post_hook(lambda _m, _keys: self.params_loaded()))
 
     @torch.no_grad()
     def params_loaded(self) -> None:

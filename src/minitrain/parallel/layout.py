@@ -221,9 +221,10 @@ class FlatParameters:
         (e.g. someone called zero_grad(set_to_none=True)): the sync would miss it."""
         base, size = self.grad.data_ptr(), self.grad.element_size()  # once: this runs every step
         for seg, p in zip(self.segments, self._params):
-            if p.grad is None or p.grad.data_ptr() != base + seg.offset * size:
-                raise RuntimeError(f"gradient of '{seg.name}' is no longer a view of the flat gradient "
-                                   "buffer; zero gradients with strategy.zero_grad(), not set_to_none")
+            if seg.numel and (p.grad is None or p.grad.data_ptr() != base + seg.offset * size):
+                raise RuntimeError(f"the gradient of '{seg.name}' was replaced (p.grad set to None, e.g. by "
+                                   "model.zero_grad()), so the gradient sync would miss it: zero gradients with the "
+                                   "optimizer's zero_grad()")
 
     # --- coordinates ----------------------------------------------------------------
     def to_logical(self, physical: torch.Tensor) -> torch.Tensor:

@@ -149,6 +149,7 @@ class Zero2(ShardedStrategy):
         self._buffers: dict[int, torch.Tensor] = {}  # unit -> its full gradient, being filled by backward
         self._inflight: deque[tuple[int, PendingCollective, torch.Tensor | None, torch.Tensor]] = deque()
         self._reduced: set[int] = set()
+        self._fresh: dict[int, bool] = {}  # unit -> whether this backward's gradients started afresh (user_loop)
         self._intervals: list[tuple[float, float]] = []
         # What p.grad holds once its gradient is on its way to the shard: None, or for a loop that reads p.grad a
         # ShardedGradient that says so (visible_grads.py).
@@ -192,7 +193,10 @@ class Zero2(ShardedStrategy):
             # In the reduce dtype: copying the gradient in below widens it if mixed precision reduces in float32.
             buffer = self._buffers[i] = torch.zeros(unit.stop - unit.start, dtype=self.reduce_dtype, device=p.device)
             self.ledger.hold("grads", buffer)
-        grad = p.grad.take() if isinstance(p.grad, ShardedGradient) else p.grad  # accumulated through the sentinel
+        carried = isinstance(p.grad, ShardedGradient)  # p.grad not set to None since the last backward
+        grad = p.grad.take() if carried else p.grad
+        if self._sharded_grads:
+            self._note_start(i, seg.name, carried)
         self.ledger.hold("grads", grad)  # autograd's tensor and its copy coexist for a moment
         buffer[seg.offset - unit.start:seg.offset - unit.start + seg.numel].copy_(grad.reshape(-1))
         self.ledger.drop("grads", grad)
@@ -200,7 +204,20 @@ class Zero2(ShardedStrategy):
         self._arrived[i].add(seg.name)
         if len(self._arrived[i]) == len(unit.segments):
             self._arrived[i] = set()
+            self._fresh.pop(i, None)
             self._reduce_unit(i)
+
+    def _note_start(self, i: int, name: str, carried: bool) -> None:
+        """A user's loop (user_loop): a gradient autograd started afresh (p.grad was None: model.zero_grad(), or
+        the optimizer's) means this unit's shard starts afresh too, as torch's gradient would; one carried by its
+        ShardedGradient adds to it. A unit with both is refused: its shard cannot be zeroed for some of them."""
+        fresh = self._fresh.setdefault(i, not carried)
+        if fresh == carried:
+            raise RuntimeError(f"'{name}' kept its gradient since the last backward while others of its block did not "
+                               f"(p.grad set to None for some parameters only): at ZeRO-{self.stage} zero every "
+                               "gradient at once, with the optimizer's zero_grad() or model.zero_grad()")
+        if fresh:
+            self._reduced.discard(i)
 
     def _reduce_unit(self, i: int) -> None:
         while len(self._inflight) >= MAX_INFLIGHT:

@@ -99,8 +99,8 @@ class Zero3(Zero2):
         (collective: every rank loads, as every rank prepared); model.state_dict() is refused, its parameters
         being freed shards between steps."""
         super()._follow_user_state_dict(model)
-        self._state_hooks.append(model.register_load_state_dict_pre_hook(self._before_user_load))
-        self._state_hooks.append(model.register_state_dict_pre_hook(self._refuse_values))
+        self._user_hooks.append(model.register_load_state_dict_pre_hook(self._before_user_load))
+        self._user_hooks.append(model.register_state_dict_pre_hook(self._refuse_values))
 
     def _before_user_load(self, *_args) -> None:
         for i in range(len(self.flat.units)):

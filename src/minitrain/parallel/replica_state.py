@@ -1,0 +1,69 @@
+"""State that data-parallel replicas cannot keep equal by themselves, for a model minitrain did not write.
+
+Data parallelism is exact because every replica computes with the same parameters and buffers on its share
+of the batch, and the gradients are averaged. Two things a model may do break that silently:
+
+- A normalization layer in training mode that normalizes by the batch's own statistics (BatchNorm, and an
+  InstanceNorm that tracks running statistics): each rank normalizes by its own share, so the outputs are
+  not those of one process on the whole batch, and the running statistics drift apart rank by rank.
+  `refuse_batch_statistics` makes such a layer raise when it runs in training mode over several replicas
+  (torch.nn.SyncBatchNorm, which reduces the statistics over the ranks, and layers in eval mode pass).
+- Any other buffer the model updates from its data (an average of activations, a counter of seen tokens).
+  `check_buffers_agree` compares every buffer with the first replica's before a save or a full_state_dict,
+  which would otherwise keep the first replica's values as if every rank had them.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..comm import Comm
+
+BATCH_STATISTICS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
+
+
+def refuse_batch_statistics(model: nn.Module, replicas: int) -> list:
+    """Forward pre-hooks (their handles) that refuse a batch-statistics layer in training mode over `replicas`."""
+    if replicas == 1:
+        return []
+    handles = []
+    for name, module in model.named_modules():
+        if not isinstance(module, BATCH_STATISTICS) or isinstance(module, nn.SyncBatchNorm):
+            continue
+        if isinstance(module, nn.modules.instancenorm._InstanceNorm) and not module.track_running_stats:
+            continue  # each sample by itself: nothing crosses the batch
+
+        def check(module, _args, name=name):
+            if module.training:
+                raise RuntimeError(
+                    f"'{name}' ({type(module).__name__}) normalizes by the statistics of each rank's own batch in "
+                    f"training mode, so over {replicas} data-parallel replicas it is not the model one process "
+                    "trains, and its running statistics differ rank by rank: convert it with "
+                    "torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) before prepare (CUDA), keep it in eval "
+                    "mode (frozen statistics), or use LayerNorm / GroupNorm")
+
+        handles.append(module.register_forward_pre_hook(check))
+    return handles
+
+
+def check_buffers_agree(model: nn.Module, dp: Comm, what: str) -> None:
+    """Every persistent buffer equal to the first data-parallel replica's, bit for bit; else ValueError naming the
+    first that differs (the same on every rank). Collective over dp."""
+    if dp.world_size == 1:
+        return
+    buffers = [(key, b) for key, b in model.state_dict(keep_vars=True).items()
+               if not isinstance(b, nn.Parameter) and b.numel()]
+    if not buffers:
+        return
+    mine = torch.cat([b.detach().reshape(-1).to(torch.float64) for _, b in buffers])
+    first = mine.clone()
+    dp.broadcast(first, src=0)
+    differs = ~((mine == first) | (mine.isnan() & first.isnan()))
+    at = torch.tensor([int(differs.nonzero()[0]) if bool(differs.any()) else mine.numel()], device=mine.device)
+    dp.all_reduce_min(at)
+    if int(at) < mine.numel():
+        ends = torch.tensor([b.numel() for _, b in buffers]).cumsum(0)
+        key = buffers[int((ends <= int(at)).sum())][0]
+        raise ValueError(f"{what}: buffer '{key}' differs across data-parallel ranks (the model updates it from each "
+                         "rank's own data), so no one value is the model's: keep it equal on every rank (compute "
+                         "it from reduced values), or make it a non-persistent buffer")

@@ -306,6 +306,13 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_key(tmp_path):
     other, other_opt = minitrain.prepare(other, ADAMW, zero=0)
     with pytest.raises(CheckpointError, match="'model.embed_tokens.weight' is \\[64, 16\\] float64 there"):
         minitrain.load_checkpoint(tmp_path, other, other_opt)
+    more = llama(frozen_embedding=True)
+    more.register_buffer("step_count", torch.zeros((), dtype=torch.float64))
+    more, more_opt = minitrain.prepare(more, ADAMW, zero=0)
+    minitrain.save_checkpoint(tmp_path / "more", more, more_opt, 1)
+    fewer, fewer_opt = minitrain.prepare(llama(frozen_embedding=True), ADAMW, zero=0)
+    with pytest.raises(CheckpointError, match="holds 'step_count', which this model's state_dict has not"):
+        minitrain.load_checkpoint(tmp_path / "more", fewer, fewer_opt)
     out = tmp_path / "out"
     out.mkdir()
     consolidate(str(tmp_path), str(out / "model.safetensors"))

@@ -97,8 +97,13 @@ def _check_same_model(step_dir: Path, manifest: dict, strategy: FlatStrategy) ->
         raise CheckpointError(f"checkpoint {step_dir} holds a different model (this run vs checkpoint: {diff})")
 
 
-def _check_entries(step_dir: Path, stored: dict[str, dict], mine: list[Placement]) -> None:
-    """Every key of this rank's model is in the checkpoint, of the same kind, whole shape and dtype."""
+def _check_entries(step_dir: Path, stored: dict[str, dict], mine: list[Placement], whole: list[str]) -> None:
+    """The checkpoint holds exactly the whole model's keys (`whole`); every key of this rank's part is of the same
+    kind, whole shape and dtype."""
+    extra = [key for key in stored if key not in set(whole)]
+    if extra:
+        raise CheckpointError(f"checkpoint {step_dir} holds '{extra[0]}', which this model's state_dict has not"
+                              f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}")
     absent = [p.key for p in mine if p.key not in stored]
     if absent:
         raise CheckpointError(f"checkpoint {step_dir} has no entry for {', '.join(absent[:5])}"
@@ -127,7 +132,7 @@ def load(path: str | os.PathLike, topo: Topology, strategy: FlatStrategy) -> dic
     flat_dtypes = {"params": flat.dtype, "optim.master": strategy.optimizer.master.dtype}
     stored = {m["key"]: m for m in manifest["state_dict"]}
     mine = strategy.placements()
-    _check_entries(step_dir, stored, mine)
+    _check_entries(step_dir, stored, mine, list(strategy.whole.state))
     extras = [p for p in mine if p.kind != "param" and p.stored]  # a tied group's tensor once
     reads = {key: plan_reads(manifest, key, wanted) for key in keys}
     files = {file for per_key in reads.values() for file in per_key}

@@ -235,8 +235,7 @@ def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param
         reduce = torch.float32 if reduce_dtype == "fp32" else COMPUTE_DTYPES[precision]
     pcfg = ParallelConfig(zero=zero, dp=dp, bucket_mb=bucket_mb, prefetch=prefetch, master_dtype=master,
                           reduce_dtype=reduce, master_is_params=True, user_loop=True)
-    if next(model.parameters()).device != topo.device:
-        model.to(topo.device)
+    topo = _on_models_device(topo, model)
     if precision != "fp32":
         cast_parameters(model, COMPUTE_DTYPES[precision])
         _forward_under_autocast(model, topo.device, COMPUTE_DTYPES[precision])
@@ -261,6 +260,22 @@ def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param
     state.optimizer = PreparedOptimizer(strategy, state)
     _prepared[model] = state
     return model, state.optimizer
+
+
+def _on_models_device(topo: Topology, model: nn.Module) -> Topology:
+    """One process: the model stays on the device the user put it on (a CUDA model is not moved to the CPU), and
+    the topology computes there. Several ranks: the model goes to this rank's device (its local rank's GPU under
+    NCCL)."""
+    devices = {t.device for t in [*model.parameters(), *model.buffers()]}
+    if len(devices) > 1:
+        raise ValueError(f"{type(model).__name__} is spread over {sorted(map(str, devices))}; put it on one device "
+                         "before prepare (each rank holds its part on its own device)")
+    device = devices.pop()
+    if topo.world_size == 1 and topo.backend == "none":
+        return topo if device == topo.device else Topology.single(device)
+    if device != topo.device:
+        model.to(topo.device)
+    return topo
 
 
 def _check_degrees(world: int, tp, tp_plan, pp, pp_split) -> None:

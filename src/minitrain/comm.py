@@ -139,6 +139,14 @@ class Comm:
             raise CollectiveError(f"{op} on {self.name} after its topology was closed (Topology.close)")
         return self._track.issue(op, tensors, call_site()) if self._track is not None else None
 
+    def _on_device(self, *tensors: torch.Tensor) -> None:
+        """Every tensor a collective is given lives on this group's device (cuda for NCCL): a CPU tensor handed to
+        NCCL fails deep in the backend, and where one rank only copies, the bug would hide until there are two."""
+        for t in tensors:
+            if t.device != self.device:
+                raise CollectiveError(f"a {t.device} tensor was handed to a collective of the {self.name} group, whose "
+                                      f"tensors live on {self.device}")
+
     def release(self) -> None:
         """Let go of the process group (Topology.close), so its threads can end with it; a later collective
         on this Comm raises CollectiveError."""
@@ -186,6 +194,7 @@ class Comm:
 
     # --- collectives -----------------------------------------------------------------
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        self._on_device(tensor)
         if self.world_size > 1:
             # group_src: `src` is a rank of this group, which is not the global rank in a sub-group.
             self._run("broadcast", _nbytes(tensor), lambda: dist.broadcast(tensor, group=self.group, group_src=src),
@@ -193,17 +202,20 @@ class Comm:
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         """In place: tensor <- sum over ranks."""
+        self._on_device(tensor)
         if self.world_size > 1:
             self._run("all_reduce", _nbytes(tensor), lambda: dist.all_reduce(tensor, group=self.group), tensor)
 
     def all_reduce_max(self, tensor: torch.Tensor) -> None:
         """In place: tensor <- elementwise max over ranks."""
+        self._on_device(tensor)
         if self.world_size > 1:
             self._run("all_reduce", _nbytes(tensor),
                       lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group), tensor)
 
     def all_reduce_min(self, tensor: torch.Tensor) -> None:
         """In place: tensor <- elementwise min over ranks."""
+        self._on_device(tensor)
         if self.world_size > 1:
             self._run("all_reduce", _nbytes(tensor),
                       lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group), tensor)
@@ -220,6 +232,7 @@ class Comm:
 
     def all_reduce_sum_async(self, tensor: torch.Tensor) -> PendingCollective:
         """Start an in-place sum over ranks; returns at once. Call .wait() before using tensor."""
+        self._on_device(tensor)
         if self.world_size == 1:
             return PendingCollective(self, "all_reduce", 0)
         return self._launch("all_reduce", _nbytes(tensor),
@@ -227,6 +240,7 @@ class Comm:
 
     def reduce_scatter_sum(self, shard_out: torch.Tensor, full_in: torch.Tensor) -> None:
         """shard_out <- this rank's 1/N slice of (sum over ranks of full_in)."""
+        self._on_device(shard_out, full_in)
         if self.world_size == 1:
             shard_out.copy_(full_in)
             return
@@ -235,6 +249,7 @@ class Comm:
 
     def all_gather(self, full_out: torch.Tensor, shard_in: torch.Tensor) -> None:
         """full_out <- concatenation of every rank's shard_in, in rank order."""
+        self._on_device(full_out, shard_in)
         if self.world_size == 1:
             full_out.copy_(shard_in)
             return
@@ -243,6 +258,7 @@ class Comm:
 
     def reduce_scatter_sum_async(self, shard_out: torch.Tensor, full_in: torch.Tensor) -> PendingCollective:
         """Async reduce_scatter_sum; shard_out is valid after .wait()."""
+        self._on_device(shard_out, full_in)
         if self.world_size == 1:
             shard_out.copy_(full_in)
             return PendingCollective(self, "reduce_scatter", 0)
@@ -251,6 +267,7 @@ class Comm:
 
     def all_gather_async(self, full_out: torch.Tensor, shard_in: torch.Tensor) -> PendingCollective:
         """Async all_gather; full_out is valid after .wait()."""
+        self._on_device(full_out, shard_in)
         if self.world_size == 1:
             full_out.copy_(shard_in)
             return PendingCollective(self, "all_gather", 0)
@@ -271,6 +288,7 @@ class Comm:
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """Block j of inp (split into world_size equal blocks) goes to rank j; out holds the
         blocks every rank sent to this one, in rank order."""
+        self._on_device(out, inp)
         if self.world_size == 1:
             out.copy_(inp)
             return
@@ -296,9 +314,11 @@ class Comm:
         return [json.loads(bytes(row).decode()) for row in self.gather_ragged(list(json.dumps(obj).encode()))]
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
+        self._on_device(tensor)
         self._run("send", _nbytes(tensor), lambda: dist.send(tensor, group=self.group, group_dst=dst), tensor)
 
     def recv(self, tensor: torch.Tensor, src: int) -> None:
+        self._on_device(tensor)
         self._run("recv", _nbytes(tensor), lambda: dist.recv(tensor, group=self.group, group_src=src), tensor)
 
     def exchange(self, sends: list[tuple[torch.Tensor, int]],
@@ -308,6 +328,7 @@ class Comm:
         flight (wait on them before touching their tensors). Starting a send together with the next
         receive, rather than send then receive, is what keeps two ranks that exchange both ways from
         each blocking in its send: NCCL runs one pair's sends and receives on one stream."""
+        self._on_device(*(t for t, _ in sends + recvs))
         ops = ([dist.P2POp(dist.isend, t, group=self.group, group_peer=dst) for t, dst in sends]
                + [dist.P2POp(dist.irecv, t, group=self.group, group_peer=src) for t, src in recvs])
         if not ops:

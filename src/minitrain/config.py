@@ -155,7 +155,8 @@ class DDPConfig:
 @dataclass
 class DistConfig:
     nproc: int = opt(1, "ranks to spawn on this machine (ignored under torchrun, which sets the world size)")
-    backend: str = opt("auto", "auto | gloo | nccl; auto picks nccl when CUDA is available, else gloo")
+    backend: str = opt("auto", "auto | gloo | nccl; auto picks nccl when CUDA is available (a GPU per local rank, "
+                               "or refused), else gloo")
     timeout_s: float = opt(300.0, "process-group timeout: a collective stuck this long fails instead of hanging")
     threads_per_rank: int = opt(1, "torch CPU threads per rank (1 avoids oversubscribing cores)")
     fingerprint_every: int = opt(100, "every this many steps the ranks compare, through the rendezvous store (a "
@@ -305,15 +306,19 @@ def check_model(m: ModelConfig) -> None:
 
 
 def _check_gpus(d: DistConfig) -> None:
-    """NCCL needs one CUDA device per local rank."""
-    if d.backend != "nccl":
+    """NCCL (asked for, or picked by auto on a machine with a GPU) needs one CUDA device per local rank: a node
+    with fewer is refused, not run on gloo behind the user's back."""
+    if d.backend == "gloo":
         return
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if d.backend == "auto" and gpus == 0:
+        return
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", d.nproc))
     if gpus < local_ranks:
-        raise ConfigError(f"--backend nccl needs a CUDA device per rank: {local_ranks} local ranks, "
+        how = "--backend nccl" if d.backend == "nccl" else "--backend auto picks NCCL on a machine with a GPU, and"
+        raise ConfigError(f"{how} needs a CUDA device per rank: {local_ranks} local ranks, "
                           f"{gpus} GPU(s) visible; use --backend gloo or fewer ranks")
 
 

@@ -31,13 +31,23 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT
 
 
 def resolve_backend(backend: str) -> str:
-    """'auto' means nccl when there is a CUDA device for every local rank, else gloo."""
+    """'auto' means nccl on a machine with a CUDA device, else gloo (local_device then insists on one GPU per
+    local rank, rather than a silent fall back to gloo on a node with too few)."""
     if backend != "auto":
         return backend
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if torch.cuda.is_available() and torch.cuda.device_count() >= local_ranks:
-        return "nccl"
-    return "gloo"
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def local_device(backend: str, local_rank: int, local_ranks: int) -> torch.device:
+    """This rank's device: under NCCL its local rank's GPU (ConfigError when the node has fewer GPUs than local
+    ranks: two ranks on one GPU would deadlock NCCL or run out of memory), the CPU under gloo."""
+    if backend != "nccl":
+        return torch.device("cpu")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count < local_ranks or local_rank >= count:
+        raise ConfigError(f"{local_ranks} rank(s) on this node but {count} GPU(s): NCCL needs a GPU per local rank; "
+                          "start fewer ranks per node (--nproc-per-node), or use --dist.backend gloo")
+    return torch.device("cuda", local_rank)
 
 
 def under_torchrun() -> bool:
@@ -135,14 +145,14 @@ class Topology:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local_rank = int(os.environ["LOCAL_RANK"])
         backend = resolve_backend(backend)
-        if backend == "nccl":
-            device = torch.device("cuda", local_rank)
+        device = local_device(backend, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        if device.type == "cuda":  # before any CUDA work: every rank's kernels and NCCL on its own GPU
             torch.cuda.set_device(device)
-        else:
-            device = torch.device("cpu")
         timeout = timedelta(seconds=timeout_s + MARGIN_S)
         store = _rendezvous_store(rank, world, timeout)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        # device_id binds the group to this GPU (NCCL connects eagerly, and never guesses GPU 0 for a rank).
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
+                                device_id=device if device.type == "cuda" else None)
         watch = CollectiveWatch(rank, world, store, timeout_s, dist.group.WORLD, report)
         comm = Comm(rank, world, dist.group.WORLD, device, "world", watch)
         return cls(rank, world, local_rank, backend, device, comm, watch=watch, opened=[comm])
@@ -154,9 +164,18 @@ class Topology:
         (or at half of a timeout shorter than 2 x MARGIN_S)."""
         rank, world = dist.get_rank(), dist.get_world_size()
         backend = str(dist.get_backend())  # "gloo", "nccl", or a per-device list such as "cpu:gloo,cuda:nccl"
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        device = torch.device("cuda", local_rank) if "nccl" in backend else torch.device("cpu")
         backend = "nccl" if "nccl" in backend else "gloo"
+        device = torch.device("cpu")
+        if backend == "nccl":
+            # The local rank's GPU; a launcher that sets no LOCAL_RANK leaves the device the process chose (its
+            # group's bound device, or torch.cuda.set_device's), not GPU 0 for every rank.
+            local = os.environ.get("LOCAL_RANK")
+            bound = getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None)
+            index = int(local) if local is not None else bound.index if bound is not None \
+                else torch.cuda.current_device()
+            device = local_device(backend, index, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+            torch.cuda.set_device(device)
+        local_rank = device.index if device.type == "cuda" else int(os.environ.get("LOCAL_RANK", "0"))
         watch = open_watch(dist.group.WORLD) or cls._new_watch(rank, world, device, report)
         comm = Comm(rank, world, dist.group.WORLD, device, "world", watch)
         return cls(rank, world, local_rank, backend, device, comm, watch=watch, opened=[comm])

@@ -88,21 +88,30 @@ def _write_durably(path: Path, text: str) -> None:
 
 # --- random number generators ----------------------------------------------------------------
 RNG_KEYS = ("rng.torch", "rng.python", "rng.python_gauss", "rng.numpy", "rng.numpy_gauss")
+CUDA_RNG = "rng.cuda"  # a process with CUDA also saves every device's generator: (devices, state bytes)
 
 
 def rng_state() -> dict[str, torch.Tensor]:
-    """This process's torch, python and numpy generator states as tensors (safetensors holds
-    nothing else). Mersenne Twister words fit int64; a cached Gaussian, if any, is a float64."""
+    """This process's torch (CPU, and every CUDA device's), python and numpy generator states as tensors
+    (safetensors holds nothing else). Mersenne Twister words fit int64; a cached Gaussian, if any, is a float64."""
     _, words, gauss = random.getstate()
     _, keys, pos, has_gauss, cached = np.random.get_state()
-    return {"rng.torch": torch.get_rng_state(),
-            "rng.python": torch.tensor(words, dtype=torch.int64),
-            "rng.python_gauss": torch.tensor([] if gauss is None else [gauss], dtype=torch.float64),
-            "rng.numpy": torch.tensor([*keys.tolist(), pos, has_gauss], dtype=torch.int64),
-            "rng.numpy_gauss": torch.tensor([cached], dtype=torch.float64)}
+    state = {"rng.torch": torch.get_rng_state(),
+             "rng.python": torch.tensor(words, dtype=torch.int64),
+             "rng.python_gauss": torch.tensor([] if gauss is None else [gauss], dtype=torch.float64),
+             "rng.numpy": torch.tensor([*keys.tolist(), pos, has_gauss], dtype=torch.int64),
+             "rng.numpy_gauss": torch.tensor([cached], dtype=torch.float64)}
+    if torch.cuda.is_available():  # dropout on a GPU draws from these, not from the CPU generator
+        state[CUDA_RNG] = torch.stack([s.cpu() for s in torch.cuda.get_rng_state_all()])
+    return state
 
 
 def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    """Restore what rng_state() gave. CUDA generators are restored where both the save and this process have
+    CUDA, device by device (as many as both have)."""
+    if CUDA_RNG in state and torch.cuda.is_available():
+        devices = min(len(state[CUDA_RNG]), torch.cuda.device_count())
+        torch.cuda.set_rng_state_all(list(state[CUDA_RNG][:devices]))
     torch.set_rng_state(state["rng.torch"])
     gauss = state["rng.python_gauss"].tolist()
     random.setstate((3, tuple(state["rng.python"].tolist()), gauss[0] if gauss else None))

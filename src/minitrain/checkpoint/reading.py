@@ -13,7 +13,7 @@ from safetensors import SafetensorError, safe_open
 from ..parallel.flat import FlatStrategy
 from ..parallel.placement import Placement, dtype_name
 from ..topology import Topology
-from .files import (RNG_KEYS, CheckpointError, read_manifest, read_tensor, resolve, set_rng_state, shard_file_name,
+from .files import (CUDA_RNG, RNG_KEYS, CheckpointError, read_manifest, read_tensor, resolve, set_rng_state, shard_file_name,
                     verify_files)
 
 # --- load -------------------------------------------------------------------------------
@@ -167,5 +167,6 @@ def load(path: str | os.PathLike, topo: Topology, strategy: FlatStrategy) -> dic
             values[p.key].copy_(saved)  # in place: the tensor keeps its device, and a tied one stays tied
     if same_world:  # each rank continues its own random streams
         shard = step_dir / shard_file_name(topo.rank)
-        set_rng_state({key: read_tensor(shard, key) for key in RNG_KEYS})
+        saved = {t["key"] for t in manifest["tensors"] if t["file"] == shard_file_name(topo.rank)}
+        set_rng_state({key: read_tensor(shard, key) for key in (*RNG_KEYS, CUDA_RNG) if key in saved})
     return train_state

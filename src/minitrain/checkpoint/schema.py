@@ -28,7 +28,7 @@ DTYPES = {"float64": "F64", "float32": "F32", "bfloat16": "BF16", "float16": "F1
           "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
 # The random-number states every shard holds (files.rng_state): dtype and the lengths it may have.
 RNG_DTYPES = {"rng.torch": "U8", "rng.python": "I64", "rng.python_gauss": "F64", "rng.numpy": "I64",
-              "rng.numpy_gauss": "F64"}
+              "rng.numpy_gauss": "F64", "rng.cuda": "U8"}
 RNG_LENGTHS = {"rng.torch": {torch.get_rng_state().numel()},  # the CPU generator's state
                "rng.python": {625},  # Mersenne Twister: 624 words and a position
                "rng.python_gauss": {0, 1},  # a cached Gaussian, or none
@@ -201,3 +201,6 @@ def check_shard_header(step_dir: Path, manifest: dict, name: str) -> None:
         if key in RNG_LENGTHS and (len(shape) != 1 or shape[0] not in RNG_LENGTHS[key]):
             raise CheckpointError(f"{path}: tensor '{key}' has shape {list(shape)}; a random state of this kind has "
                                   f"{' or '.join(map(str, sorted(RNG_LENGTHS[key])))} elements")
+        if key == "rng.cuda" and (len(shape) != 2 or shape[0] < 1):
+            raise CheckpointError(f"{path}: tensor '{key}' has shape {list(shape)}; the CUDA generators' states are "
+                                  "(devices, state bytes)")

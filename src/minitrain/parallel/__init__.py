@@ -72,7 +72,7 @@ def make_strategy(model: nn.Module, comm: Comm, pcfg: ParallelConfig, make_optim
         cls = {"naive": NaiveDataParallel, "bucketed": BucketedDataParallel, "torch": TorchDataParallel}[pcfg.dp]
         strategy = cls(model, comm, pcfg, make_optimizer, **kwargs)
     if tp is not None or pp is not None:
-        strategy.use_model_parallel(tp or Comm(), pp or Comm())
+        strategy.use_model_parallel(tp or Comm(device=comm.device), pp or Comm(device=comm.device))
     return strategy
 
 

@@ -107,8 +107,8 @@ class FlatStrategy:
             master = take(self.flat.data, self.shard_ranges).to(pcfg.master_dtype)
         self.optimizer = make_optimizer(master, self.flat, self.shard_ranges)
         self.reduce_dtype = pcfg.reduce_dtype  # gradients are summed across ranks in this dtype
-        self.tp = Comm()  # the tensor-parallel group, when the model is split (use_model_parallel)
-        self.pp = Comm()  # the pipeline group, when this rank holds one stage of the model
+        self.tp = Comm(device=comm.device)  # the tensor-parallel group, when the model is split (use_model_parallel)
+        self.pp = Comm(device=comm.device)  # the pipeline group, when this rank holds one stage of the model
         self._tp_sharded: Ranges = []  # physical ranges of parameters split across tp
         self._norm: float | None = None  # this step's global gradient norm, once computed
         self._visible_guard: VisibleGradGuard | None = None  # refuses p.grad changed after a sync (visible_grads.py)

@@ -40,6 +40,11 @@ def check_elementwise(optimizer_fn: OptimizerFn, options: dict) -> None:
     pieces = [p.clone() for p in start.reshape(-1).split([7, 13, 10])]
     try:
         opt_whole = optimizer_fn([{"params": [whole], **options}])
+        if opt_whole.param_groups[0].get("capturable"):
+            # A capturable optimizer keeps its step on the device, which the probe's host tensors cannot; whether
+            # it is elementwise does not depend on where the step is kept.
+            options = {**options, "capturable": False}
+            opt_whole = optimizer_fn([{"params": [whole], **options}])
         opt_pieces = optimizer_fn([{"params": pieces, **options}])
         for g in grads:
             whole.grad = g.clone()
@@ -129,6 +134,7 @@ class TorchShardOptimizer:
                 param_groups.append({"params": views, **options})
         self.views.sort(key=lambda v: v[1])
         self.inner = optimizer_fn(param_groups)
+        self._group_of = {id(view): group for group in self.inner.param_groups for view in group["params"]}
         # Where each view's scalar state (Adam's step) is read back from a checkpoint's vector: its first element
         # that is a parameter's, not padding (which a checkpoint does not hold, and loads as zero).
         real = flat.local_ranges([(s.offset, s.offset + s.numel) for s in flat.segments], shard_ranges)
@@ -209,6 +215,12 @@ class TorchShardOptimizer:
             out[name] = vec
         return out
 
+    def _scalar_device(self, view: torch.Tensor) -> torch.device:
+        """Where torch keeps a parameter's scalar state (Adam's step): on its device for a capturable or fused
+        optimizer (the step stays on the device), on the host otherwise."""
+        group = self._group_of[id(view)]
+        return view.device if group.get("capturable") or group.get("fused") else torch.device("cpu")
+
     def elementwise_states(self) -> int:
         """State tensors per element besides the master (AdamW: 2, SGD with momentum: 1), once it has stepped."""
         return len(self._kinds()[0])
@@ -238,7 +250,8 @@ class TorchShardOptimizer:
                     continue
                 if name in dtypes:
                     value = float(vec[at])
-                    state[name] = torch.tensor(value, dtype=getattr(torch, dtypes[name])) if dtypes[name] else value
-                else:
-                    state[name] = vec[a:b].view_as(view).to(self.master.dtype).clone()
+                    state[name] = torch.tensor(value, dtype=getattr(torch, dtypes[name]),
+                                               device=self._scalar_device(view)) if dtypes[name] else value
+                else:  # a checkpoint is read on the host: the state goes where its parameter lives
+                    state[name] = vec[a:b].to(device=view.device, dtype=self.master.dtype).view_as(view).clone()
         self.steps_taken = int(scalars.get("steps_taken", 0))

@@ -85,7 +85,8 @@ class ShardedStrategy(FlatStrategy):
     @torch.no_grad()
     def _load_params(self, local: torch.Tensor) -> None:
         """Every rank restores its own shard; the full parameters are gathered from them."""
-        for u, view in zip(self.flat.units, local_views(local.to(self.flat.dtype), self.shard_ranges)):
+        local = local.to(device=self.flat.data.device, dtype=self.flat.dtype)  # a checkpoint is read on the host
+        for u, view in zip(self.flat.units, local_views(local, self.shard_ranges)):
             self.comm.all_gather(self.flat.data[u.start:u.stop], view)
 
 

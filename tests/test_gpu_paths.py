@@ -1,0 +1,176 @@
+"""The CUDA/NCCL paths, proven on this CPU machine by construction: a model on the `meta` device stands for a
+model on a GPU (its tensors live somewhere that is not the host, so anything left on the host, or moved there,
+shows), torch.cuda's functions patched to report devices, and init_process_group caught before it connects.
+
+Each test fails on the code before the fix it names (issue: GPU-correct before the first GPU)."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+import minitrain
+from minitrain.checkpoint import files
+from minitrain.comm import CollectiveError, Comm
+from minitrain.config import ConfigError
+from minitrain import topology
+from minitrain.topology import Topology
+
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2)
+CAPTURABLE = functools.partial(torch.optim.AdamW, lr=1e-2, capturable=True)
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+        self.blocks = nn.ModuleList(nn.Linear(6, 6) for _ in range(2))
+        self.head = nn.Linear(6, 11)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        return self.head(h)
+
+
+def tiny(device: str = "cpu") -> nn.Module:
+    torch.manual_seed(0)
+    with torch.device(device):
+        return Tiny()
+
+
+def _step(model, opt, device):
+    x = torch.arange(12, device=device).view(2, 6) % 11
+    model(x).float().square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_prepare_keeps_a_model_on_its_own_device():
+    """The single-process API moved a CUDA model to the CPU (Topology.single() is the CPU): a model elsewhere stays
+    there, and its flat buffers and optimizer state live there too."""
+    for zero in range(4):
+        model, opt = minitrain.prepare(tiny("meta"), ADAMW, zero=zero)
+        assert {p.device.type for p in model.parameters()} == {"meta"}, zero
+        strategy = minitrain.api._state_of(model).strategy
+        assert strategy.optimizer.master.device.type == "meta" and strategy.comm.device.type == "meta", zero
+
+
+def test_a_checkpoint_loads_onto_the_device_its_model_lives_on(tmp_path, monkeypatch):
+    """A checkpoint is read on the host. At ZeRO-1/2 the host shard went into the parameters' all_gather as it
+    was (NCCL refuses a CPU tensor), and the optimizer state stayed on the host, so the first step after a resume
+    mixed devices. Now every tensor handed to a collective lives on the group's device, and the state goes where
+    its parameter is (a capturable optimizer's step too; a plain one's step stays on the host, as torch keeps it)."""
+    handed = []
+    original = Comm.all_gather
+
+    def spy(self, full_out, shard_in):
+        handed.append((full_out.device, shard_in.device))
+        return original(self, full_out, shard_in)
+
+    monkeypatch.setattr(Comm, "all_gather", spy)
+    for zero in range(4):
+        model, opt = minitrain.prepare(tiny(), ADAMW, zero=zero)
+        _step(model, opt, "cpu")
+        minitrain.save_checkpoint(tmp_path / str(zero), model, opt, 1)
+        for optimizer, step_device in ((ADAMW, "cpu"), (CAPTURABLE, "meta")):
+            meta, meta_opt = minitrain.prepare(tiny("meta"), optimizer, zero=zero)
+            handed.clear()
+            minitrain.load_checkpoint(tmp_path / str(zero), meta, meta_opt)
+            assert all(out == inp for out, inp in handed), (zero, handed)
+            for state in meta_opt.inner.state.values():
+                assert state["exp_avg"].device.type == state["exp_avg_sq"].device.type == "meta", zero
+                assert state["step"].device.type == step_device, (zero, optimizer)
+            if optimizer is ADAMW:  # the user's optimizer steps with its restored state (capturable kernels
+                for group in meta_opt.param_groups:  # refuse meta tensors; the plain ones run)
+                    for view in group["params"]:
+                        view.grad = torch.zeros_like(view)
+                meta_opt.inner.step()
+
+
+def test_a_collective_refuses_a_tensor_off_its_device():
+    comm = Comm(device="meta")
+    with pytest.raises(CollectiveError, match="a cpu tensor was handed to a collective of the world group"):
+        comm.all_gather(torch.empty(4, device="meta"), torch.zeros(4))
+
+
+def test_capturable_optimizers_are_accepted_under_zero():
+    """Refused before: the elementwise probe ran them on host tensors, which capturable=True does not allow."""
+    for zero in (1, 2, 3):
+        minitrain.prepare(tiny("meta"), CAPTURABLE, zero=zero)
+
+
+def _cuda(monkeypatch, count: int) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+
+def test_each_rank_gets_its_local_ranks_gpu_or_a_refusal(monkeypatch):
+    _cuda(monkeypatch, 2)
+    assert topology.resolve_backend("auto") == "nccl"
+    assert topology.local_device("nccl", 1, 2) == torch.device("cuda", 1)
+    assert topology.local_device("gloo", 1, 2) == torch.device("cpu")
+    _cuda(monkeypatch, 1)  # a node with fewer GPUs than ranks: refused, not quietly run on gloo
+    assert topology.resolve_backend("auto") == "nccl"
+    with pytest.raises(ConfigError, match="2 rank\\(s\\) on this node but 1 GPU\\(s\\)"):
+        topology.local_device("nccl", 1, 2)
+    _cuda(monkeypatch, 0)
+    assert topology.resolve_backend("auto") == "gloo"
+
+
+class _Joined(Exception):
+    pass
+
+
+def test_joining_binds_each_rank_to_its_gpu(monkeypatch):
+    """Under torchrun with NCCL, the device is set from LOCAL_RANK before anything runs on it, and the process
+    group is bound to it (device_id), so no rank defaults to GPU 0."""
+    _cuda(monkeypatch, 4)
+    chosen, joined = [], {}
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+
+    def init_process_group(backend, **kwargs):
+        joined.update(kwargs, backend=backend)
+        raise _Joined
+
+    monkeypatch.setattr(torch.distributed, "init_process_group", init_process_group)
+    monkeypatch.setattr("minitrain.topology._rendezvous_store", lambda *a: None)
+    for key, value in dict(RANK="3", WORLD_SIZE="4", LOCAL_RANK="3", LOCAL_WORLD_SIZE="4", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT="1").items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(_Joined):
+        Topology.from_env("nccl")
+    assert chosen == [torch.device("cuda", 3)]
+    assert joined["backend"] == "nccl" and joined["device_id"] == torch.device("cuda", 3)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(ConfigError, match="8 rank\\(s\\) on this node but 4 GPU\\(s\\)"):
+        Topology.from_env("auto")
+
+
+def test_cuda_generators_are_saved_and_restored(monkeypatch):
+    """Dropout on a GPU draws from the CUDA generators: a resume now continues them like the CPU one."""
+    states = [torch.full((16,), 7, dtype=torch.uint8), torch.full((16,), 9, dtype=torch.uint8)]
+    restored = []
+    _cuda(monkeypatch, 2)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [s.clone() for s in states])
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.extend)
+    saved = files.rng_state()
+    assert torch.equal(saved["rng.cuda"], torch.stack(states))
+    files.set_rng_state(saved)
+    assert [s.tolist() for s in restored] == [s.tolist() for s in states]
+
+
+def test_a_checkpoint_with_cuda_generators_round_trips(tmp_path, monkeypatch):
+    states = [torch.arange(16, dtype=torch.uint8)]
+    restored = []
+    _cuda(monkeypatch, 1)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [s.clone() for s in states])
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.extend)
+    model, opt = minitrain.prepare(tiny(), ADAMW, zero=1)
+    minitrain.save_checkpoint(tmp_path, model, opt, 1)
+    again, again_opt = minitrain.prepare(tiny(), ADAMW, zero=1)
+    minitrain.load_checkpoint(tmp_path, again, again_opt)
+    assert [s.tolist() for s in restored] == [s.tolist() for s in states]

@@ -60,3 +60,59 @@ def test_bench_throughput_on_the_gpu_reports_mfu_against_the_data_sheet(tmp_path
                      "2", "--out", "tp", cwd=tmp_path, timeout_s=600)
     assert result.returncode == 0, result.stderr
     assert "MFU" in result.stdout
+
+
+def _tiny_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Embedding(64, 32), torch.nn.Linear(32, 32), torch.nn.GELU(),
+                               torch.nn.Linear(32, 64)).cuda()
+
+
+def _api_steps(model, opt, steps):
+    import minitrain
+
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randint(0, 64, (4, 8), generator=g).cuda()
+        logits = model(x)
+        torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 64).float(), x[:, 1:].reshape(-1)).backward()
+        minitrain.clip_grad_norm_(model, 1.0)
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_the_api_on_cuda_in_bf16_saves_and_resumes_bit_identically(zero, tmp_path):
+    import functools
+
+    import minitrain
+
+    adamw = functools.partial(torch.optim.AdamW, lr=1e-3)
+    model, opt = minitrain.prepare(_tiny_model(), adamw, zero=zero, precision="bf16")
+    assert all(p.is_cuda for p in model.parameters())  # prepare keeps the model on its GPU
+    _api_steps(model, opt, 2)
+    minitrain.save_checkpoint(tmp_path, model, opt, 2)
+    _api_steps(model, opt, 2)
+    again, again_opt = minitrain.prepare(_tiny_model(), adamw, zero=zero, precision="bf16")
+    minitrain.load_checkpoint(tmp_path, again, again_opt)
+    assert all(t.is_cuda for state in again_opt.inner.state.values() for k, t in state.items() if k != "step")
+    _api_steps(again, again_opt, 2)
+    a, b = minitrain.full_state_dict(model), minitrain.full_state_dict(again)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_every_zero_stage_trains_on_the_gpu(zero):
+    trainer = _trainer(**{"train.precision": "bf16", "train.zero": zero})
+    records = [trainer.train_step() for _ in range(3)]
+    assert all(r.loss == r.loss for r in records) and records[-1].busy_s_per_rank[0] > 0
+
+
+def test_an_async_snapshot_goes_to_pinned_host_memory(tmp_path):
+    from minitrain.checkpoint.writing import ShardWrite
+
+    trainer = _trainer(**{"train.precision": "bf16", "train.zero": 2})
+    trainer.train_step()
+    job = ShardWrite(tmp_path, 1, trainer.topo, trainer.strategy, {}, {}, copy=True)
+    assert all(t.is_pinned() for k, t in job.shards.items() if not k.startswith("rng."))
+    job._arrived.synchronize()

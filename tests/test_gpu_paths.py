@@ -5,6 +5,7 @@ shows), torch.cuda's functions patched to report devices, and init_process_group
 Each test fails on the code before the fix it names (issue: GPU-correct before the first GPU)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -174,3 +175,167 @@ def test_a_checkpoint_with_cuda_generators_round_trips(tmp_path, monkeypatch):
     again, again_opt = minitrain.prepare(tiny(), ADAMW, zero=1)
     minitrain.load_checkpoint(tmp_path, again, again_opt)
     assert [s.tolist() for s in restored] == [s.tolist() for s in states]
+
+
+# --- figures that would be wrong on NCCL, with fake Works that complete later than they return ------------------
+class FakeEvent:
+    """A device mark: done once the device has a time for it."""
+
+    def __init__(self, time=None):
+        self.time = time
+
+
+class FakeClock:
+    """A device clock (clock.py's interface) driven by the test: mark() stamps the device's time `now`."""
+    on_device = True
+
+    def __init__(self):
+        self.now = 0.0
+
+    def mark(self):
+        return FakeEvent(self.now)
+
+    def mark_done(self, work):
+        return work.done_event
+
+    def ready(self, mark):
+        return mark.time is not None
+
+    def seconds(self, mark):
+        return mark.time
+
+
+class FakeWork:
+    """An NCCL collective: wait() returns at once (it only orders the stream), the future is complete when
+    queued, and the device finishes it later (finish)."""
+
+    def __init__(self):
+        self.done_event = FakeEvent()
+
+    def wait(self):
+        return True
+
+    def is_completed(self):
+        return self.done_event.time is not None
+
+    def get_future(self):
+        future = torch.futures.Future()
+        future.set_result(None)
+        return future
+
+    def finish(self, at: float):
+        self.done_event.time = at
+
+
+def _device_comm():
+    comm = Comm(rank=0, world_size=2, device="cpu", name="dp")
+    comm.clock = FakeClock()
+    return comm
+
+
+def test_a_collective_is_timed_on_the_device_not_at_enqueue():
+    """comm_ms was booked when the host passed the collective: about nothing on NCCL. Now the device's marks
+    are booked once they are done (after the step's host synchronisation)."""
+    comm = _device_comm()
+    work = FakeWork()
+    pending = comm._launch("all_reduce", 64, lambda: work)
+    assert not pending.done()  # NCCL's future says done at once; the device does not
+    launched, completed = pending.wait()  # returns at once, as on NCCL
+    assert comm.totals().seconds == 0.0 and comm.totals().calls == 0  # not done on the device: not booked yet
+    comm.clock.now = 0.3
+    work.finish(at=0.5)
+    assert pending.done() and comm.totals().calls == 1 and comm.totals().seconds == pytest.approx(0.5)
+
+
+def test_the_gradient_sync_overlap_is_read_from_device_marks():
+    comm = _device_comm()
+    model, _ = minitrain.prepare(tiny(), ADAMW, zero=0)
+    strategy = minitrain.api._state_of(model).strategy
+    strategy.comm = comm
+    first, second, end = FakeEvent(0.0), FakeEvent(), FakeEvent(0.6)
+    strategy.sync_at(2, [(first, FakeEvent(0.4)), (FakeEvent(0.2), second)], end)
+    assert strategy.last_sync == {}  # not read before the device is done
+    second.time = 1.0
+    sync = strategy.last_sync
+    assert sync["allreduce_calls"] == 2 and sync["allreduce_inflight_s"] == pytest.approx(1.0)
+    assert sync["overlap"] == pytest.approx(0.6)  # 0.6 s of the 1.0 s in flight before backward ended
+
+
+def test_the_watch_sees_a_collective_the_device_has_not_finished():
+    """On NCCL the host leaves a collective at once: the watch counted the rank as out of it, and a hang in it
+    went unseen. It now watches the Work until the device finishes it."""
+    from minitrain.collective_watch import CollectiveWatch
+
+    watch = CollectiveWatch(0, 1, torch.distributed.HashStore(), 0.05, object(), report=lambda *a: None)
+    try:
+        work = FakeWork()
+        fp = ("dp", 1, "all_reduce", ((4,),), "float32", "test.py:1")
+        watch.outstanding(fp, work.is_completed)
+        assert watch._in_collective()[0] == fp
+        import time
+
+        time.sleep(0.1)
+        assert "stuck" in (watch._due() or "")
+        work.finish(at=1.0)
+        assert watch._in_collective() is None and watch._due() is None
+    finally:
+        watch.close()
+
+
+def test_the_pipeline_times_its_actions_with_the_device_clock():
+    """Its bubble was host time after a synchronisation per action; now it is read from the clock's marks
+    without any synchronisation (here every mark is one device second after the last)."""
+    from minitrain.parallel.pipeline import Pipeline
+
+    comm = Comm(device="cpu", name="pp")
+    comm.clock = TickingClock()
+    stage = nn.Linear(4, 4).double()
+    pipeline = Pipeline(lambda x, y: stage(x).square().mean() if y is not None else stage(x), comm, "1f1b", 2, 4,
+                        torch.float64, torch.device("cpu"), forward_context=contextlib.nullcontext,
+                        no_sync=contextlib.nullcontext)
+    pipeline.run(torch.randn(4, 4, dtype=torch.float64), torch.zeros(4), 1.0, sync=True)
+    # marks: start, then per action (F0, F1, B0, B1 for M=2 on one stage) began and ended, then the end
+    assert pipeline.measured["span_s"] == 9.0 and pipeline.measured["busy_s"] == 4.0
+
+
+class TickingClock(FakeClock):
+    def mark(self):
+        self.now += 1.0
+        return FakeEvent(self.now)
+
+
+def test_busy_time_on_a_device_comes_from_its_events():
+    """Per-rank busy time (the straggler report) was host time less host waits: on a GPU, the time to enqueue.
+    With a device clock the row carries the step before's device time in its phases but comm."""
+    from minitrain.config import build_config
+    from minitrain.trainer import Trainer
+
+    cfg = build_config(cli_values={"model.preset": "tiny", "train.log_every": 0}).validate()
+    trainer = Trainer(cfg, Topology.single())
+    trainer.topo.dp.clock = FakeClock()  # the device path, with host-timed phases
+    first = trainer.train_step()
+    second = trainer.train_step()
+    assert first.busy_s_per_rank == [0.0]  # nothing measured before the first step
+    phases = first.phases_s
+    expected = sum(phases[k] or 0.0 for k in ("data", "forward", "backward", "forward_backward", "optimizer"))
+    assert second.busy_s_per_rank == [pytest.approx(expected)]
+
+
+def test_a_snapshot_makes_no_second_copy_of_the_state_where_it_lives(tmp_path, monkeypatch):
+    """An async save copied the parameters into a new tensor where they live (torch.cat of the shard ranges, a
+    clone at ZeRO-3) before moving them to the host; now the pieces go straight into host memory."""
+    from minitrain.checkpoint.writing import ShardWrite
+
+    for zero in range(4):
+        model, opt = minitrain.prepare(tiny(), ADAMW, zero=zero)
+        _step(model, opt, "cpu")
+        state = minitrain.api._state_of(model)
+        made = []
+        monkeypatch.setattr(torch, "cat", lambda *a, **k: made.append("cat") or torch.stack([]))
+        monkeypatch.setattr(torch.Tensor, "clone", lambda *a, **k: made.append("clone"))
+        try:
+            job = ShardWrite(tmp_path, 1, state.topo, state.strategy, {}, {}, copy=True)
+        finally:
+            monkeypatch.undo()
+        assert made == [], zero
+        assert torch.equal(job.shards["params"], state.strategy.local_params()), zero

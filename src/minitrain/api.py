@@ -339,9 +339,9 @@ def pipeline_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
     loss = state.pipeline.run(inputs, targets, _loss_scale(state), sync=True,
                               forward=lambda inp, tgt: state.stage.forward(inp, tgt, loss_fn), shape=shape)
     pp = state.topo.pp
-    value = torch.tensor([float(loss)], dtype=torch.float64, device=state.topo.device)
+    value = loss.reshape(1).to(device=state.topo.device, dtype=torch.float64)
     pp.broadcast(value, src=pp.world_size - 1)  # the last stage computed it
-    return float(value)
+    return float(value)  # the one read of the device in a pipeline step
 
 
 def _activation_shape(state: _Prepared, micro: torch.Tensor) -> tuple[int, ...]:

@@ -122,6 +122,8 @@ class CollectiveWatch:
         self._tracks: dict[str, GroupTrack] = {}
         self._ring: collections.deque = collections.deque(maxlen=RING)
         self._current: tuple | None = None  # (fingerprint, monotonic time entered) of the collective we are in
+        # Collectives the host has left but the device may not have finished (GPU): (fingerprint, entered, done).
+        self._outstanding: collections.deque = collections.deque()
         self._last: tuple | None = None  # the last one this rank finished
         self._step: int | None = None  # the training step in progress, when a trainer says
         self._checks = 0  # periodic checks so far: their keys' names (a rolled-back run repeats its steps)
@@ -148,6 +150,14 @@ class CollectiveWatch:
     def leave(self, fp: tuple) -> None:
         self._current = None
         self._last = fp
+
+    def outstanding(self, fp: tuple, done) -> None:
+        """On a GPU the host leaves a collective as soon as it is queued: the device is in it until `done()` says
+        otherwise. The thread watches such collectives like the one the host is in (a hang in one is a hang)."""
+        with self._lock:
+            while self._outstanding and self._outstanding[0][2]():  # finished ones go as new ones come
+                self._outstanding.popleft()
+            self._outstanding.append((fp, time.monotonic(), done))
 
     def diagnose(self, reason: str, fp: tuple | None) -> Diagnosis | None:
         """Called when collective `fp` raised in the main thread: the diagnosis every rank agrees on, waiting at
@@ -256,12 +266,22 @@ class CollectiveWatch:
                                         f"rank {self.rank}: {json.dumps(self._state())}", [], self._step))
                 return
 
+    def _in_collective(self) -> tuple | None:
+        """(fingerprint, entered) of the collective this rank is in: the one the host waits in, else the oldest the
+        device has not finished (those finished are dropped, oldest first)."""
+        if self._current is not None:
+            return self._current
+        with self._lock:
+            while self._outstanding and self._outstanding[0][2]():
+                self._outstanding.popleft()
+            return self._outstanding[0][:2] if self._outstanding else None
+
     def _due(self) -> str | None:
         """Why this rank should declare a hang now, if it should."""
         with self._lock:
             if self._request is not None:
                 return self._request
-        current = self._current
+        current = self._in_collective()
         if current is not None:
             waited = time.monotonic() - current[1]
             if waited > self.timeout_s:
@@ -299,7 +319,7 @@ class CollectiveWatch:
 
     def _state(self) -> dict:
         """Where this rank is: in a collective, or in Python (the main thread's innermost frame)."""
-        current, state = self._current, {"rank": self.rank, "step": self._step}
+        current, state = self._in_collective(), {"rank": self.rank, "step": self._step}
         if current is not None:
             state.update(at=fp_json(current[0]), for_s=round(time.monotonic() - current[1], 1))
         else:

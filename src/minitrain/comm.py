@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .clock import clock_for
 from .diagnosis import first_sentence
 
 # torch 2.13 renamed the single-tensor collectives; older releases (>= 2.4) have the old names.
@@ -71,16 +72,20 @@ class OpStats:
 
 
 class PendingCollective:
-    """An async collective in flight. `wait()` finishes it, books its stats and returns
-    its (launched, completed) perf_counter times."""
+    """An async collective in flight. `wait()` finishes it (on a GPU: orders the compute stream after it; the host
+    does not block), books its stats and returns its (launched, completed) marks on the comm's clock (clock.py:
+    host seconds, or CUDA events read after the step's host synchronisation)."""
 
     def __init__(self, comm: "Comm", op: str, nbytes: int, work=None, payload: torch.Tensor | None = None,
-                 fp: tuple | None = None):
+                 fp: tuple | None = None, launched=None):
         self.comm, self.op, self.nbytes, self.work, self.fp = comm, op, nbytes, work, fp
+        self.clock = comm.clock
         self.payload = payload  # a tensor the op reads or writes, kept alive until wait()
-        self.launched = time.perf_counter()
-        self.completed: float | None = None if work is not None else self.launched
-        if work is not None:
+        self.launched = launched if launched is not None else self.clock.mark()  # marked before it was issued
+        self.completed = None if work is not None else self.launched
+        if work is not None and self.clock.on_device:
+            self.completed = self.clock.mark_done(work)  # NCCL's future completes when queued: an event instead
+        elif work is not None:
             try:
                 work.get_future().add_done_callback(self._mark_completed)
             except RuntimeError:  # some gloo ops (reduce_scatter) have no future: completion = wait's return
@@ -89,27 +94,34 @@ class PendingCollective:
     def _mark_completed(self, _future) -> None:
         self.completed = time.perf_counter()
 
-    def wait(self) -> tuple[float, float]:
+    def wait(self) -> tuple:
         if self.work is not None:
             watch = self.comm.watch if self.fp is not None else None
-            if watch is not None:
+            if watch is not None and not self.clock.on_device:
                 watch.enter(self.fp)
             try:
                 self.work.wait()
             except RuntimeError as e:
                 raise self.comm.failure(self.op, self.nbytes, e, self.fp) from e
             finally:  # whatever ends the wait (an interrupt too), this rank is no longer in it
-                if watch is not None:
+                if watch is not None and not self.clock.on_device:
                     watch.leave(self.fp)
+            if watch is not None and self.clock.on_device:  # the host passed; the device is in it until it is done
+                watch.outstanding(self.fp, self.work.is_completed)
             if self.completed is None:  # the callback may still be on its way; bound it by now
                 self.completed = time.perf_counter()
-            self.comm.book(self.op, self.nbytes, self.completed - self.launched)
+            self.comm.record(self.op, self.nbytes, self.launched, self.completed)
             self.work = self.payload = None
         return self.launched, self.completed
 
     def done(self) -> bool:
-        """True once the backend has finished it (no waiting); wait() still books it."""
-        return self.work is None or self.completed is not None or self.work.is_completed()
+        """True once the backend has finished it (no waiting); wait() still books it. On a GPU the device says
+        (NCCL's future reports a collective done as soon as it is queued)."""
+        if self.work is None:
+            return True
+        if self.clock.on_device:
+            return self.work.is_completed()
+        return self.completed is not None or self.work.is_completed()
 
     def then(self, fn) -> torch.futures.Future:
         """A torch Future that completes with fn() once this collective has (DDP hooks return one)."""
@@ -132,6 +144,20 @@ class Comm:
         self.watch = watch if group is not None and world_size > 1 else None
         self._track = self.watch.track(name, dist.get_process_group_ranks(group)) if self.watch else None
         self._released = False
+        self._clock = None  # made on first use (a CUDA clock needs the device): clock.py
+        self._unbooked: list[tuple] = []  # (op, bytes, began, ended, tag) on a device clock, booked once done
+        self.tag: str | None = None  # set around a region whose collectives' seconds are wanted apart (take_tagged)
+        self._tagged: dict[str, float] = {}
+
+    @property
+    def clock(self):
+        if self._clock is None:
+            self._clock = clock_for(self.device)
+        return self._clock
+
+    @clock.setter
+    def clock(self, clock) -> None:
+        self._clock = clock
 
     def _fingerprint(self, op: str, tensors: tuple) -> tuple | None:
         """The next collective's fingerprint (None without a watch); refuses a Comm whose group was released."""
@@ -156,7 +182,8 @@ class Comm:
         fp = self._fingerprint(op, tensors)
         if fp is not None:
             self.watch.enter(fp)
-        start = time.perf_counter()
+        clock = self.clock
+        start = clock.mark()
         try:
             fn()
         except RuntimeError as e:  # gloo reports timeouts and dead peers as RuntimeError
@@ -164,13 +191,42 @@ class Comm:
         finally:  # whatever ends it (an interrupt too), this rank is no longer in it
             if fp is not None:
                 self.watch.leave(fp)
-        self.book(op, nbytes, time.perf_counter() - start)
+        end = clock.mark()  # on a GPU: the compute stream waits for the collective, so this fires after it
+        if fp is not None and clock.on_device:  # the host returned at once; the device is in it until `end`
+            self.watch.outstanding(fp, lambda: clock.ready(end))
+        self.record(op, nbytes, start, end)
 
-    def book(self, op: str, nbytes: int, seconds: float) -> None:
+    def record(self, op: str, nbytes: int, began, ended) -> None:
+        """Book a collective between two marks of the clock: now on the host, once both are done on a device."""
+        if self.clock.on_device:
+            self._unbooked.append((op, nbytes, began, ended, self.tag))
+        else:
+            self.book(op, nbytes, ended - began, self.tag)
+
+    def settle(self) -> None:
+        """Book the collectives whose device marks are done (after the step's host synchronisation, all of them)."""
+        clock, waiting = self.clock, []
+        for op, nbytes, began, ended, tag in self._unbooked:
+            if clock.ready(began) and clock.ready(ended):
+                self.book(op, nbytes, clock.seconds(ended) - clock.seconds(began), tag)
+            else:
+                waiting.append((op, nbytes, began, ended, tag))
+        self._unbooked = waiting
+
+    def book(self, op: str, nbytes: int, seconds: float, tag: str | None = None) -> None:
         stats = self.stats.setdefault(op, OpStats())
         stats.calls += 1
         stats.bytes += nbytes
         stats.seconds += seconds
+        if tag is not None:
+            self._tagged[tag] = self._tagged.get(tag, 0.0) + seconds
+
+    def take_tagged(self, tag: str) -> float:
+        """Seconds of the collectives recorded while `tag` was set, since the last take (booked ones only: on a GPU,
+        read after the step's host synchronisation)."""
+        if self._unbooked:
+            self.settle()
+        return self._tagged.pop(tag, 0.0)
 
     def failure(self, op: str, nbytes: int, cause: Exception, fp: tuple | None = None) -> CollectiveError:
         """The error to raise for a collective that raised `cause`; with a watch, it waits (a few seconds at
@@ -187,7 +243,10 @@ class Comm:
                                culprit=self.watch.rank in diagnosis.culprits)
 
     def totals(self) -> OpStats:
-        """Sum over all ops so far (take differences for per-step figures)."""
+        """Sum over all ops so far (take differences for per-step figures); on a GPU, of those whose device marks
+        are done (all of them after the step's host synchronisation)."""
+        if self._unbooked:
+            self.settle()
         return OpStats(sum(s.calls for s in self.stats.values()),
                        sum(s.bytes for s in self.stats.values()),
                        sum(s.seconds for s in self.stats.values()))
@@ -224,11 +283,12 @@ class Comm:
         """Start an async collective (start() returns its Work); returns at once. Its fingerprint is taken
         here, in issue order; the watch counts this rank as in it only while it waits for it."""
         fp = self._fingerprint(op, tensors)
+        launched = self.clock.mark()
         try:
             work = start()
         except RuntimeError as e:
             raise self.failure(op, nbytes, e, fp) from e
-        return PendingCollective(self, op, nbytes, work, fp=fp)
+        return PendingCollective(self, op, nbytes, work, fp=fp, launched=launched)
 
     def all_reduce_sum_async(self, tensor: torch.Tensor) -> PendingCollective:
         """Start an in-place sum over ranks; returns at once. Call .wait() before using tensor."""
@@ -335,6 +395,7 @@ class Comm:
             return []
         nbytes = sum(_nbytes(t) for t, _ in sends + recvs)
         fp = self._fingerprint("send/recv", tuple(t for t, _ in sends + recvs))
+        launched = self.clock.mark()
         try:
             works = dist.batch_isend_irecv(ops)
         except RuntimeError as e:
@@ -343,13 +404,13 @@ class Comm:
             # NCCL coalesces the batch into one work for every op: wait for all of it (on NCCL, wait() only
             # orders the compute stream after the transfers; the host does not block).
             for work in works:
-                PendingCollective(self, "send/recv", nbytes, work, fp=fp).wait()
+                PendingCollective(self, "send/recv", nbytes, work, fp=fp, launched=launched).wait()
             return []
         # Each send keeps its tensor until waited on: the buffer must outlive the transfer.
-        in_flight = [PendingCollective(self, "send", _nbytes(t), w, payload=t, fp=fp)
+        in_flight = [PendingCollective(self, "send", _nbytes(t), w, payload=t, fp=fp, launched=launched)
                      for (t, _), w in zip(sends, works)]
         for (t, _), w in zip(recvs, works[len(sends):]):
-            PendingCollective(self, "recv", _nbytes(t), w, fp=fp).wait()
+            PendingCollective(self, "recv", _nbytes(t), w, fp=fp, launched=launched).wait()
         return in_flight
 
     def barrier(self) -> None:

@@ -137,6 +137,7 @@ class Trainer:
         self.stop_ranks: list[int] = []  # ...and which ranks received one
         self.pending_save_written = False  # every rank's background write has finished (or failed)
         self._last_exchange_end: float | None = None  # when this rank's last statistics exchange returned
+        self._device_busy = 0.0  # on a GPU: the last step's busy seconds, from its events (train_step)
 
     def _pipeline_builder(self):
         """Builds the executor of a pipelined (or micro-batched) step, or None when the step is one pass."""
@@ -205,15 +206,24 @@ class Trainer:
                 bracketed = {"compute_and_sync_s": done - start, "sync_exposed_s": done - backward_end}
             waited = time.perf_counter() - backward_end
         lr = lr_at(self.step, cfg) * self.faults.lr_factor(self.step + 1)
-        comm_before = self._comm_totals().seconds
+        groups = (self.topo.dp, self.topo.tp, self.topo.pp)
+        for group in groups:
+            group.tag = "update"  # the update's own collectives (the norm's all-reduce, ZeRO's gathers): comm time
         with timer.phase("optimizer"):
             # On the device where the optimizer can skip a non-finite step by itself (FlatAdamW's fused
             # kernel): the norm is then read with the step's statistics below, not here (no host sync).
             norm = (strategy.step_on_device(lr, loss_scale) if strategy.steps_on_device else
                     torch.tensor(strategy.step(lr, loss_scale), dtype=torch.float64))
-        update_comm = self._comm_totals().seconds - comm_before
-        timer.move(update_comm, "optimizer", "comm")
-        waited += update_comm
+        for group in groups:
+            group.tag = None
+        on_device = self.topo.dp.clock.on_device
+        if not on_device:  # on the host, known now; on a GPU, once the statistics exchange below has synchronised
+            update_comm = sum(group.take_tagged("update") for group in groups)
+            timer.move(update_comm, "optimizer", "comm")
+            waited += update_comm
+        # This rank's busy seconds: host time since the last exchange less its waits; on a GPU, the step before's
+        # device time in its phases but comm (events are read after this step's exchange, the one host sync).
+        busy = self._device_busy if on_device else time.perf_counter() - since - waited
         self.step += 1
         self.tokens_seen += self.tokens_per_step
 
@@ -221,7 +231,7 @@ class Trainer:
         peak["device"] = device_peak_bytes(self.topo.device)
         host = torch.tensor([self._holds_loss()] + self._pipeline_measured()
                             + [float(held[k]) for k in MEMORY_KINDS] + [float(peak[k]) for k in PEAK_KINDS]
-                            + self._boundary_flags() + [time.perf_counter() - since - waited], dtype=torch.float64)
+                            + self._boundary_flags() + [busy], dtype=torch.float64)
         host = host.to(self.topo.device)
         row = torch.cat([(loss_sum / cfg.grad_accum).reshape(1), host[:1], strategy.param_norm_tensor().reshape(1),
                          norm.to(host).reshape(1), host[1:]])
@@ -242,7 +252,12 @@ class Trainer:
         self.stop_ranks = [rank for rank, signum in enumerate(signals) if signum]
         self.pending_save_written = all(r[-2] == 1 for r in rows)
         elapsed = time.perf_counter() - start
+        if on_device:
+            timer.move(sum(group.take_tagged("update") for group in groups), "optimizer", "comm")
         phases = timer.finish(elapsed)
+        if on_device:
+            self._device_busy = sum(phases[k] or 0.0 for k in ("data", "forward", "backward", "forward_backward",
+                                                                "optimizer"))
         after = self._comm_totals()
         return StepRecord(
             step=self.step,

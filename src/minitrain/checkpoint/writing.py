@@ -56,6 +56,39 @@ def model_entries(strategy: FlatStrategy, topo: Topology) -> tuple[list[dict], d
     return entries, tensors
 
 
+def host_snapshot(pieces: dict[str, list[torch.Tensor]], copy: bool) -> tuple[dict[str, torch.Tensor], object]:
+    """Each key's pieces laid end to end, in host memory, and an event that fires once a device's copies have
+    arrived (None if nothing came from a device). From a GPU the pieces go straight into pinned host memory with
+    non-blocking copies queued on the stream (the step is not held up, and no second copy of the state is made on
+    the device; the stream's order keeps the next step from changing them first). Host pieces are copied only
+    with `copy` (a background write, while training goes on changing them); else a lone piece is used as it is,
+    unless another key's tensor shares its memory (the parameters are the master at ZeRO-3), which safetensors
+    refuses to write twice."""
+    out, device_copies, used = {}, False, set()
+    for key, parts in pieces.items():
+        first = parts[0]
+        storage = first.untyped_storage().data_ptr()
+        if (first.device.type == "cpu" and not copy and len(parts) == 1 and first.is_contiguous()
+                and storage not in used):
+            out[key] = first.detach()
+            used.add(storage)
+            continue
+        pinned = first.device.type == "cuda"
+        device_copies |= pinned
+        host = torch.empty(first.shape if len(parts) == 1 else (sum(p.numel() for p in parts),), dtype=first.dtype,
+                           pin_memory=pinned)
+        flat, at = host.view(-1), 0
+        for part in parts:
+            flat[at:at + part.numel()].copy_(part.detach().reshape(-1), non_blocking=pinned)
+            at += part.numel()
+        out[key] = host
+    if not device_copies:
+        return out, None
+    arrived = torch.cuda.Event()
+    arrived.record()
+    return out, arrived
+
+
 class ShardWrite:
     """One rank's part of one save: the snapshot to write and, once written, its outcome."""
 
@@ -67,8 +100,8 @@ class ShardWrite:
         self.path = self.tmp / shard_file_name(topo.rank)
         # A background write needs a copy: training goes on changing the live buffers.
         self.state_dict_map, extras = model_entries(strategy, topo)
-        shards = {k: v.detach().to("cpu", copy=copy).contiguous()
-                  for k, v in {**strategy.state_shards(), **extras}.items()}
+        shards, self._arrived = host_snapshot({**strategy.state_pieces(), **{k: [v] for k, v in extras.items()}},
+                                              copy)
         self.shards = {**shards, **rng_state()}
         self.keys = list(self.shards)
         # The flat vectors this rank's file holds and their dtypes: ranks may differ (a rank whose shard is all
@@ -81,6 +114,8 @@ class ShardWrite:
     def write(self) -> None:
         """Write, fsync, hash. Never raises: the outcome is exchanged at commit."""
         try:
+            if self._arrived is not None:  # the device's copies into host memory, queued by the snapshot
+                self._arrived.synchronize()
             # A NaN or Inf in the parameters or the optimizer's state would resume nothing: such a save fails
             # (on every rank, at commit) rather than become the checkpoint `latest` names. Buffers may hold
             # infinities on purpose (a -inf attention mask), so only the flat state is checked.

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 
-import time
 
 import torch
 import torch.nn as nn
@@ -27,7 +26,7 @@ import torch.nn as nn
 from ..comm import Comm, PendingCollective
 from .buckets import GradientToReduce, OverlappedAllReduce
 from .config import ParallelConfig
-from .flat import FlatStrategy, OptimizerFactory, sync_summary
+from .flat import FlatStrategy, OptimizerFactory
 
 
 class ReplicatedStrategy(FlatStrategy):
@@ -84,11 +83,11 @@ class NaiveDataParallel(ReplicatedStrategy):
 
     @torch.no_grad()
     def _sync(self) -> None:
-        backward_end = time.perf_counter()
+        backward_end = self.comm.clock.mark()
         intervals = [self.comm.all_reduce_sum_async(self.to_reduce.range(s.offset, s.offset + s.numel)).wait()
                      for s in self.flat.segments]
         self.to_reduce.tensor().div_(self.comm.world_size)
-        self.last_sync = {"buckets": len(self.flat.segments), **sync_summary(intervals, backward_end)}
+        self.sync_at(len(self.flat.segments), intervals, backward_end)
 
 
 class BucketedDataParallel(ReplicatedStrategy):
@@ -106,10 +105,10 @@ class BucketedDataParallel(ReplicatedStrategy):
 
     @torch.no_grad()
     def _sync(self) -> None:
-        backward_end = time.perf_counter()
+        backward_end = self.comm.clock.mark()
         intervals = self.overlapped.finish()
         self.to_reduce.tensor().div_(self.comm.world_size)
-        self.last_sync = {"buckets": len(self.buckets), **sync_summary(intervals, backward_end)}
+        self.sync_at(len(self.buckets), intervals, backward_end)
 
 
 class TorchDataParallel(ReplicatedStrategy):
@@ -147,4 +146,4 @@ class TorchDataParallel(ReplicatedStrategy):
         # DDP finished the all-reduces inside backward; collect their timings.
         intervals = [pending.wait() for pending in self._launched]
         self._launched = []
-        self.last_sync = {"buckets": len(intervals), **sync_summary(intervals, None)}
+        self.sync_at(len(intervals), intervals, None)

@@ -83,7 +83,8 @@ class FlatStrategy:
                  whole: WholeModel | None = None):
         self.model, self.comm, self.pcfg = model, comm, pcfg
         self.module: nn.Module = model
-        self.last_sync: dict = {}
+        self._last_sync: dict = {}
+        self._sync_marks: tuple | None = None  # the last sync's clock marks, until they can be read (sync_at)
         self.ledger = MemoryLedger()
         # What this rank holds of the whole model (all of it, a pipeline stage, tensor-parallel slices), and the
         # placement of every entry of the whole model's state_dict (placement.py).
@@ -118,6 +119,30 @@ class FlatStrategy:
             self._follow_user_state_dict(model)
             if self.flat.grad is not None:
                 self._keep_grads_in_place()
+
+    # --- the last step's gradient-sync figures ----------------------------------------------------------------
+    def sync_at(self, buckets: int, intervals: list[tuple], backward_end) -> None:
+        """Record the sync's collectives as (launched, completed) marks of the comm's clock, and backward's end
+        (None where it cannot be observed): last_sync reads them once they are done (on a GPU, after the step's
+        host synchronisation; on the CPU at once)."""
+        self._sync_marks = (buckets, intervals, backward_end)
+
+    @property
+    def last_sync(self) -> dict:
+        """The last step's gradient-sync figures (sync_summary), once its marks can be read."""
+        if self._sync_marks is not None:
+            buckets, intervals, backward_end = self._sync_marks
+            clock = self.comm.clock
+            marks = [m for pair in intervals for m in pair] + ([backward_end] if backward_end is not None else [])
+            if all(clock.ready(m) for m in marks):
+                seconds = [(clock.seconds(a), clock.seconds(b)) for a, b in intervals]
+                end = None if backward_end is None else clock.seconds(backward_end)
+                self._last_sync, self._sync_marks = {"buckets": buckets, **sync_summary(seconds, end)}, None
+        return self._last_sync
+
+    @last_sync.setter
+    def last_sync(self, value: dict) -> None:
+        self._last_sync, self._sync_marks = value, None
 
     def placements(self) -> list[Placement]:
         """How every entry of this rank's model's state_dict is held (placement.py), in the model's order."""
@@ -391,12 +416,18 @@ class FlatStrategy:
         """This rank's parameters over its shard ranges (local layout, like the optimizer's)."""
         return take(self.flat.data, self.shard_ranges)
 
-    def state_shards(self) -> dict[str, torch.Tensor]:
+    def state_pieces(self) -> dict[str, list[torch.Tensor]]:
+        """What this rank's checkpoint file holds, as views of the live tensors, in local layout: each key's pieces
+        laid end to end are its vector (the parameters over the shard ranges, the optimizer's state). Nothing is
+        copied here: a snapshot copies the pieces straight into host memory (checkpoint/writing.py)."""
         if not self.checkpoint_ranges(self.comm.rank):
             return {}
-        shards = {"params": self.local_params()}
-        shards.update({f"optim.{k}": t for k, t in self.optimizer.state_tensors().items()})
-        return shards
+        pieces = {"params": self._param_pieces()}
+        pieces.update({f"optim.{k}": [t] for k, t in self.optimizer.state_tensors().items()})
+        return pieces
+
+    def _param_pieces(self) -> list[torch.Tensor]:
+        return [self.flat.data[a:b] for a, b in self.shard_ranges]
 
     def _load_params(self, local: torch.Tensor) -> None:
         """This rank's parameters from `local` (over shard_ranges: everything, at data parallel)."""
@@ -405,7 +436,7 @@ class FlatStrategy:
 
     @torch.no_grad()
     def load_local(self, local: dict[str, torch.Tensor], scalars: dict) -> None:
-        """Restore from this rank's own local vectors (over shard_ranges) keyed like state_shards(), and the
+        """Restore from this rank's own local vectors (over shard_ranges) keyed like state_pieces(), and the
         optimizer's scalar state. Collective at ZeRO-1/2 (the parameters are gathered)."""
         self._load_params(local["params"])
         self.optimizer.load_state({k.removeprefix("optim."): v for k, v in local.items() if k.startswith("optim.")},

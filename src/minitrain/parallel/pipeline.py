@@ -20,14 +20,15 @@ Exactness: the loss of micro-batch m is the mean over its tokens; backward runs 
 1 / (M x accumulation), so the gradients summed over micro-batches are those of the whole batch's
 mean loss, as in the unpipelined step (all micro-batches have the same number of tokens).
 
-Measured per step (`measured`): each stage's busy time (its compute, wall clock) against the span of
-the whole schedule (barrier to barrier over the pipeline group), so bubble = 1 - busy / span,
-comparable with (P - 1) / (M + P - 1); and the most micro-batches whose activations it held at once.
+Measured per step (`measured`): each stage's busy time (its compute) against the span of the whole
+schedule (barrier to barrier over the pipeline group), so bubble = 1 - busy / span, comparable with
+(P - 1) / (M + P - 1); and the most micro-batches whose activations it held at once. The times are the
+comm's clock's (clock.py): the wall clock on the CPU, CUDA events on a GPU, read after the step's host
+synchronisation, so no action waits for the device.
 """
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable
 
 import torch
@@ -60,7 +61,8 @@ class Pipeline:
         self.final_backward = max(i for i, a in enumerate(self.actions) if a.kind == "B")
         self.d_model, self.dtype = d_model, dtype
         self.forward_context, self.no_sync = forward_context, no_sync
-        self.measured: dict = {}  # the last step's bubble, busy and span seconds, peak in-flight micro-batches
+        self._measured: dict = {}  # the last step's bubble, busy and span seconds, peak in-flight micro-batches
+        self._marks: tuple | None = None  # this step's clock marks, until they can be read (measured)
 
     def run(self, x: torch.Tensor, y: torch.Tensor, loss_multiplier: float, sync: bool,
             forward: Callable | None = None, shape: tuple[int, ...] | None = None) -> torch.Tensor:
@@ -69,8 +71,8 @@ class Pipeline:
         (loss scale / accumulation); each micro-batch's loss gets 1/M of it. Gradients are synced across
         data-parallel replicas in the final backward, if `sync`. forward(input, target or None): what runs a
         micro-batch through this stage (default: the module itself); shape: of the activations stages
-        exchange (default: micro-batch x sequence x d_model). Returns the batch's mean loss (float64) on
-        the last stage, 0 elsewhere."""
+        exchange (default: micro-batch x sequence x d_model). Returns the batch's mean loss, a float64 tensor on
+        the device (read when convenient), on the last stage; 0 elsewhere."""
         M = self.microbatches
         forward = forward or self.module
         xs, ys = x.to(self.device).chunk(M), y.to(self.device).chunk(M)
@@ -79,15 +81,15 @@ class Pipeline:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # on the device: no sync per micro-batch
         outgoing: list[tuple[torch.Tensor, int]] = []  # the previous action's send, started with the next receive
         in_flight: list[PendingCollective] = []
-        busy, peak = 0.0, 0
+        actions, peak, clock = [], 0, self.comm.clock
         self.comm.barrier()  # the span starts when every stage can start
-        start = time.perf_counter()
+        start = clock.mark()
         for i, action in enumerate(self.actions):
             m = action.microbatch
             incoming = self._incoming(action, shape)
             in_flight += self.comm.exchange(outgoing, incoming)
             outgoing = []
-            began = time.perf_counter()
+            began = clock.mark()  # after its input arrived: waiting for a neighbour is not busy
             if action.kind == "F":
                 inp = xs[m] if self.first else incoming[0][0].requires_grad_()
                 with self.forward_context():
@@ -108,17 +110,31 @@ class Pipeline:
                         out.backward(incoming[0][0])
                 if not self.first:
                     outgoing = [(inp.grad, self.stage - 1)]
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # kernels are asynchronous: charge them to this action
-            busy += time.perf_counter() - began
+            # On a GPU the marks are events in the stream, so the action's kernels are charged to it without
+            # the host waiting for them (no synchronisation per action).
+            actions.append((began, clock.mark()))
         in_flight += self.comm.exchange(outgoing, [])
         for send in in_flight:
             send.wait()
         self.comm.barrier()  # ...and ends when the last stage has finished
-        span = time.perf_counter() - start
-        self.measured = {"bubble": 1 - busy / span if span > 0 else 0.0, "busy_s": busy, "span_s": span,
-                     "peak_in_flight": peak}
-        return (loss_sum / M).cpu()
+        self._marks = (start, clock.mark(), actions, peak)
+        return loss_sum / M
+
+    @property
+    def measured(self) -> dict:
+        """The last schedule's bubble (1 - busy / span), busy and span seconds and peak in-flight micro-batches,
+        read from its clock marks once they are done: at once on the CPU; on a GPU after the step's host
+        synchronisation (before it, the step before's)."""
+        if self._marks is not None:
+            start, end, actions, peak = self._marks
+            clock = self.comm.clock
+            if clock.ready(end):
+                busy = sum(clock.seconds(b) - clock.seconds(a) for a, b in actions)
+                span = clock.seconds(end) - clock.seconds(start)
+                self._measured = {"bubble": 1 - busy / span if span > 0 else 0.0, "busy_s": busy, "span_s": span,
+                                  "peak_in_flight": peak}
+                self._marks = None
+        return self._measured
 
     @torch.no_grad()
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

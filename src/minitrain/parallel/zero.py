@@ -28,7 +28,6 @@ the sharding it exists for.
 """
 from __future__ import annotations
 
-import time
 from collections import deque
 
 import torch
@@ -37,7 +36,7 @@ import torch.nn as nn
 from ..comm import Comm, PendingCollective
 from .buckets import GradientToReduce, OverlappedAllReduce
 from .config import ParallelConfig
-from .flat import FlatStrategy, OptimizerFactory, sync_summary
+from .flat import FlatStrategy, OptimizerFactory
 from .layout import Segment, local_views
 from .units import module_units, unit_layout
 from .visible_grads import ShardedGradient
@@ -113,9 +112,9 @@ class Zero1(ShardedStrategy):
     def finish_grad_sync(self) -> None:
         if not self._synced:
             self.flat.check_grads_in_place()
-            backward_end = time.perf_counter()
+            backward_end = self.comm.clock.mark()
             intervals = self.overlapped.finish()
-            self.last_sync = {"buckets": len(self.buckets), **sync_summary(intervals, backward_end)}
+            self.sync_at(len(self.buckets), intervals, backward_end)
             self._synced = True
             if self._averaged_in_sync:
                 self._show_averaged(self.to_reduce.tensor().div_(self.comm.world_size))
@@ -253,7 +252,7 @@ class Zero2(ShardedStrategy):
 
     @torch.no_grad()
     def finish_grad_sync(self) -> None:
-        backward_end = time.perf_counter()
+        backward_end = self.comm.clock.mark()
         self._retire_all()
         unreduced = [u for i, u in enumerate(self.flat.units) if i not in self._reduced or self._arrived[i]]
         if unreduced:
@@ -263,7 +262,7 @@ class Zero2(ShardedStrategy):
             raise RuntimeError(f"no gradient reached {shown} this step; ZeRO-{self.stage} needs every parameter "
                                "to take part in the loss (remove unused ones from the model)")
         if self._intervals:
-            self.last_sync = {"buckets": len(self.flat.units), **sync_summary(self._intervals, backward_end)}
+            self.sync_at(len(self.flat.units), self._intervals, backward_end)
             self._intervals = []
 
     def _gradient_shard(self) -> torch.Tensor:

@@ -220,6 +220,9 @@ class Zero3(Zero2):
     def held_params(self) -> torch.Tensor:
         return self.param_shard
 
+    def _param_pieces(self) -> list[torch.Tensor]:
+        return [self.param_shard]
+
     def local_params(self) -> torch.Tensor:
         # A copy: the shard is also optim.master, and a checkpoint file stores each tensor's own bytes.
         return self.param_shard.clone()

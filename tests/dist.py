@@ -33,15 +33,15 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = DEFAULT_TIMEOUT_S) 
 
 def run_cli(*argv: str, cwd=None, timeout_s: float = DEFAULT_TIMEOUT_S, torchrun_nproc: int = 0,
             torchrun_args: tuple[str, ...] = (), env: dict | None = None,
-            script: bool = False) -> subprocess.CompletedProcess:
+            script: bool = False, python: str = sys.executable) -> subprocess.CompletedProcess:
     """`minitrain ARGV...` (or torchrun with N local ranks and `torchrun_args`), output captured as text.
-    script: ARGV[0] is a Python script to run instead of the minitrain command."""
+    script: ARGV[0] is a Python script to run instead of the minitrain command; python: the interpreter."""
     target = list(argv) if script else ["-m", "minitrain", *argv]
     if torchrun_nproc:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={torchrun_nproc}",
+        cmd = [python, "-m", "torch.distributed.run", f"--nproc-per-node={torchrun_nproc}",
                "--nnodes=1", f"--master-port={free_port()}", *torchrun_args, *target]
     else:
-        cmd = [sys.executable, *target]
+        cmd = [python, *target]
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, env={**os.environ, **(env or {})})
     try:

@@ -73,6 +73,22 @@ def make_corpus(seed: int, total_tokens: int, vocab_size: int = 64, walk: int = 
     return tokens
 
 
+# The DDP lab's dataset: windows of the synthetic corpus, each rank taking every world_size-th.
+LAB_EXAMPLES, LAB_SEQ_LEN, LAB_VOCAB = 512, 32, 64
+
+
+def make_shard(rank: int, world_size: int, num_examples: int = LAB_EXAMPLES, seq_len: int = LAB_SEQ_LEN,
+               vocab_size: int = LAB_VOCAB, seed: int = 0) -> torch.Tensor:
+    """This rank's examples (the DDP lab's sharding): example i, the window tokens[i*T : i*T + T + 1] of the
+    synthetic corpus, goes to rank i % world_size. The ranks' shards do not overlap and together hold every
+    example. Returns a (examples of this rank, T + 1) int64 tensor: inputs are [:, :-1], targets [:, 1:]."""
+    if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int) and 0 <= rank < world_size):
+        raise ValueError(f"make_shard needs 0 <= rank < world_size, got rank {rank!r} of {world_size!r}")
+    tokens = torch.from_numpy(make_corpus(seed, num_examples * seq_len + 1, vocab_size).astype(np.int64))
+    windows = tokens.unfold(0, seq_len + 1, seq_len)[:num_examples]
+    return windows[rank::world_size].clone()
+
+
 # The shipped text's last tenth is held out for validation (as nanoGPT's prepare scripts split).
 TEXT_VAL_FRACTION = 0.1
 

@@ -52,7 +52,10 @@ def demo_config(opts: DemoOptions) -> RunConfig:
     return cfg.validate()
 
 
-def demo_worker(topo: Topology, cfg: RunConfig) -> dict | None:
+def _train_worker(topo: Topology, cfg: RunConfig) -> dict | None:
+    """One rank of the demo (spawned by `launch`): train straight through (the strategy broadcasts rank 0's
+    initial parameters, each step is the ZeRO step), write the sharded checkpoint half way, then verify_resume.
+    Returns rank 0's report (None on the others)."""
     out, steps = Path(cfg.out), cfg.train.steps
     ckpt_step = cfg.ckpt.every_steps
     start = time.perf_counter()
@@ -74,14 +77,8 @@ def demo_worker(topo: Topology, cfg: RunConfig) -> dict | None:
     final_state = trainer.strategy.state_snapshot()
     run_seconds = time.perf_counter() - start
 
-    # Run B: a fresh trainer resumed from the checkpoint.
-    resumed = Trainer(cfg, topo)
-    resumed.load_checkpoint(ckpt_dir)
-    reload_equal = same_state(resumed.strategy.state_snapshot(), saved_state) and resumed.step == ckpt_step
-    resumed_records = [resumed.train_step() for _ in range(steps - resumed.step)]
-    resume_equal = (same_state(resumed.strategy.state_snapshot(), final_state)
-                    and [r.loss for r in resumed_records] == [r.loss for r in records[ckpt_step:]])
-
+    reload_equal, resume_equal, resumed_records = verify_resume(topo, cfg, ckpt_dir, saved_state, final_state,
+                                                                [r.loss for r in records[ckpt_step:]])
     verdicts = topo.dp.gather_rows(torch.tensor([reload_equal, resume_equal], dtype=torch.int64))
     if not topo.is_main:
         return None
@@ -100,6 +97,20 @@ def demo_worker(topo: Topology, cfg: RunConfig) -> dict | None:
         "resume_equal_per_rank": [bool(v) for v in verdicts[:, 1].tolist()],
         "train_seconds": run_seconds,
     }
+
+
+def verify_resume(topo: Topology, cfg: RunConfig, ckpt_dir: Path, saved_state: dict, final_state: dict,
+                  later_losses: list[float]) -> tuple[bool, bool, list]:
+    """Run B, in this process: a fresh trainer reloads the checkpoint; (its state equals, byte for byte, the
+    snapshot taken when saving (the master shards and Adam's moments included); training on to the last step
+    gives the same losses and the same final bytes; the resumed records)."""
+    resumed = Trainer(cfg, topo)
+    resumed.load_checkpoint(ckpt_dir)
+    reload_equal = same_state(resumed.strategy.state_snapshot(), saved_state) and resumed.step == cfg.ckpt.every_steps
+    resumed_records = [resumed.train_step() for _ in range(cfg.train.steps - resumed.step)]
+    resume_equal = (same_state(resumed.strategy.state_snapshot(), final_state)
+                    and [r.loss for r in resumed_records] == later_losses)
+    return reload_equal, resume_equal, resumed_records
 
 
 # --- the parent process: run, check, print ---------------------------------------------------
@@ -183,7 +194,7 @@ def run_demo(opts: DemoOptions) -> int:
             target.unlink()
     print(f"minitrain demo: {opts.world_size} ranks (gloo, CPU, 1 thread each), data parallel + ZeRO-1, "
           f"tiny GPT, {opts.steps} steps, checkpoint at step {cfg.ckpt.every_steps}, outputs in {out}/", flush=True)
-    report = launch(demo_worker, opts.world_size, cfg, backend=cfg.dist.backend,
+    report = launch(_train_worker, opts.world_size, cfg, backend=cfg.dist.backend,
                     pg_timeout_s=cfg.dist.timeout_s)[0]
     checks = check_invariants(report)
     print(render(report, checks, out))

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -55,10 +56,11 @@ def run_cli(*argv: str, cwd=None, timeout_s: float = DEFAULT_TIMEOUT_S, torchrun
 
 
 def run_cli_and_signal(*argv: str, signum: int, after_line: str, timeout_s: float = DEFAULT_TIMEOUT_S,
-                       to_group: bool = False) -> subprocess.CompletedProcess:
+                       to_group: bool = False, again_after_s: float | None = None) -> subprocess.CompletedProcess:
     """`minitrain ARGV...`; once a stdout line contains `after_line`, send `signum` to the
     minitrain process itself (as a scheduler would), or with `to_group` to its whole process group (as
-    `timeout`, `kill -- -PGID` and Slurm's job cancellation do), and wait until its output closes, i.e.
+    `timeout`, `kill -- -PGID`, Slurm's job cancellation and a terminal's Ctrl-C do), and again after
+    `again_after_s` seconds if given (a second Ctrl-C); then wait until its output closes, i.e.
     until it and every rank it started are gone. A hard timeout kills the process group."""
     cmd = [sys.executable, "-m", "minitrain", *argv]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -78,10 +80,13 @@ def run_cli_and_signal(*argv: str, signum: int, after_line: str, timeout_s: floa
         for line in proc.stdout:
             seen.append(line)
             if after_line in line:
-                if to_group:
-                    os.killpg(proc.pid, signum)
-                else:
-                    proc.send_signal(signum)
+                for attempt in range(1 if again_after_s is None else 2):
+                    if attempt:
+                        time.sleep(again_after_s)
+                    if to_group:
+                        os.killpg(proc.pid, signum)
+                    else:
+                        proc.send_signal(signum)
                 break
         out, err = proc.communicate()
     finally:

@@ -84,6 +84,29 @@ def test_sigterm_on_one_rank_saves_everywhere_exits_zero_and_resumes_bit_identic
     assert _shards(out) == reference[20]
 
 
+def test_a_ctrl_c_saves_and_the_run_resumes_bit_identically(tmp_path, reference):
+    """Ctrl-C in the terminal (SIGINT to the whole process group) used to lose every step since the last save."""
+    out = tmp_path / "run"
+    proc = run_cli_and_signal(*RUN[:-2], "--train.log_every", "1", "--nproc", "2", "--out", str(out),
+                              signum=signal.SIGINT, after_line=" 6/20 ", to_group=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "SIGINT received by rank [0, 1]" in proc.stdout and "Ctrl-C again" in proc.stderr
+    step = checkpoint.verify(out / "checkpoints")[1]["step"]
+    assert 6 <= step < 20
+    _ok(run_cli(*RUN, "--nproc", "2", "--out", str(out), "--resume", "auto"))
+    assert _shards(out) == reference[20]
+
+
+def test_a_second_ctrl_c_stops_at_once_saying_what_is_lost(tmp_path):
+    out = tmp_path / "run"
+    proc = run_cli_and_signal("train", "--nproc", "2", "--steps", "1000", "--ckpt-every-steps", "2", "--out",
+                              str(out), "--fault.kind", "slow", "--fault.step", "4", "--fault.slow_s", "3",
+                              signum=signal.SIGINT, after_line=" 4/1000 ", to_group=True, again_after_s=1.5)
+    assert proc.returncode == 130, proc.stdout + proc.stderr
+    assert "interrupted at once: what was trained after" in proc.stderr and "step-000004" in proc.stderr
+    assert _latest(out) == "step-000004"  # the interrupted save never happened; the earlier one is intact
+
+
 def test_sigusr1_to_the_launcher_reaches_every_rank(tmp_path):
     out = tmp_path / "run"
     proc = run_cli_and_signal("train", "--nproc", "2", "--steps", "100000", "--out", str(out),
@@ -94,7 +117,8 @@ def test_sigusr1_to_the_launcher_reaches_every_rank(tmp_path):
     assert 5 <= step < 100000 and _latest(out) == checkpoint.step_dir_name(step)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP],
+                         ids=["SIGTERM", "SIGUSR1", "SIGINT", "SIGHUP"])
 def test_a_stop_signal_to_the_whole_process_group_still_saves(tmp_path, signum):
     # The launcher, its fork server and every rank get the signal at once; the ranks agree on a step,
     # save it and exit 0, and nothing half-written is left.

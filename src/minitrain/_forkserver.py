@@ -14,8 +14,8 @@ from .resilience import STOP_SIGNALS
 
 
 def _restore_default_handling(_registered) -> None:
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_DFL)
+    for sig in STOP_SIGNALS:  # Python's own for Ctrl-C (a KeyboardInterrupt), the system's for the others
+        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
 
 
 class _Marker:

@@ -49,7 +49,7 @@ from .parallel.shard_optimizer import (
     check_elementwise,
 )
 from .parallel.tp_plan import check_plan, hugging_face_plan
-from .parallel.replica_state import check_buffers_agree, refuse_batch_statistics
+from .parallel.replica_state import check_buffers_agree, check_feeds, feed_checksum, refuse_batch_statistics
 from .parallel.whole_state import full_model_state, full_optimizer_state, load_optimizer_state
 from .grad_scaler import GradScaler
 from .precision import COMPUTE_DTYPES
@@ -157,6 +157,7 @@ class _Prepared:
     scaler_state: dict | None = None  # fp16: a loaded checkpoint's scaler state, for a scaler made after the load
     groups: list[list[str]] = field(default_factory=list)  # the param groups' parameters, by canonical name
     hooks: list = field(default_factory=list, repr=False)  # handles of the hooks prepare put on the model
+    feed: torch.Tensor | None = None  # tp/pp: the checksum of this step's inputs (replica_state.feed_checksum)
 
 
 _prepared: weakref.WeakKeyDictionary[nn.Module, _Prepared] = weakref.WeakKeyDictionary()
@@ -257,6 +258,9 @@ def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param
     stage = None if split is None else Stage(model, split, layout.pp.rank, pp)
     state = _Prepared(strategy, settings, layout, pipeline, stage, groups=[names for names, _ in groups],
                       hooks=refuse_batch_statistics(model, layout.dp.world_size))
+    if tp > 1 and split is None:  # a tensor-parallel group must be fed alike: checked at each step
+        state.hooks.append(model.register_forward_pre_hook(
+            lambda _m, args, kwargs: _note_feed(state, (args, kwargs)), with_kwargs=True))
     state.optimizer = PreparedOptimizer(strategy, state)
     _prepared[model] = state
     return model, state.optimizer
@@ -335,6 +339,7 @@ def pipeline_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
     M = state.pipeline.microbatches
     if inputs.size(0) % M:
         raise ValueError(f"a batch of {inputs.size(0)} does not cut into microbatches={M} equal micro-batches")
+    _note_feed(state, (inputs, targets))
     shape = _activation_shape(state, inputs[:inputs.size(0) // M])
     loss = state.pipeline.run(inputs, targets, _loss_scale(state), sync=True,
                               forward=lambda inp, tgt: state.stage.forward(inp, tgt, loss_fn), shape=shape)
@@ -342,6 +347,23 @@ def pipeline_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
     value = loss.reshape(1).to(device=state.topo.device, dtype=torch.float64)
     pp.broadcast(value, src=pp.world_size - 1)  # the last stage computed it
     return float(value)  # the one read of the device in a pipeline step
+
+
+def _note_feed(state: _Prepared, values) -> None:
+    state.feed = feed_checksum(state.feed, values)
+
+
+def _check_feeds(state: _Prepared) -> None:
+    """With tensor or pipeline parallelism: every rank of a replica was fed the same inputs since the last step
+    (one small all_gather of each rank's checksum, read with the step's)."""
+    topo = state.topo
+    if state.feed is None or topo.tp.world_size * topo.pp.world_size == 1:
+        return
+    rows = topo.everyone.gather_rows(state.feed.reshape(1)).view(-1).tolist()
+    state.feed = None
+    tp, dp = topo.tp.world_size, topo.dp.world_size
+    check_feeds(rows, [(rank // tp) % dp for rank in range(topo.world_size)],
+                "inputs" if state.pipeline is None else "inputs or targets")
 
 
 def _activation_shape(state: _Prepared, micro: torch.Tensor) -> tuple[int, ...]:
@@ -465,6 +487,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
     def _step(self, loss_scale: float) -> float:
         """The update from gradients of the loss times loss_scale; returns the (unscaled) global gradient norm,
         not finite if the step was skipped."""
+        _check_feeds(self._prepared)
         max_norm, self._prepared.max_norm = self._prepared.max_norm, None
         return self._strategy.step(None, loss_scale, max_norm if max_norm is not None else 0.0)
 
@@ -559,9 +582,12 @@ def save_checkpoint(directory: str | Path, model: nn.Module, optimizer: Prepared
     state = _state_of(model)
     if optimizer is not state.optimizer:
         raise ValueError("save_checkpoint takes the optimizer prepare returned with this model")
-    train_state = {"step": int(step), "optimizer_steps": state.strategy.optimizer.steps_taken,
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"step must be a non-negative integer (it names the checkpoint, step-NNNNNN), got {step!r}")
+    train_state = {"step": step, "optimizer_steps": state.strategy.optimizer.steps_taken,
                    "optimizer_scalars": state.strategy.optimizer.scalar_state(),
-                   "param_groups": state.strategy.optimizer.group_options(), "extra": extra}
+                   "optimizer": _optimizer_name(state), "param_groups": state.strategy.optimizer.group_options(),
+                   "extra": extra}
     if state.settings["precision"] == "fp16":
         train_state["loss_scaler"] = state.scaler.state_dict() if state.scaler is not None else state.scaler_state
     try:  # refuse what strict JSON cannot hold (a checkpoint's manifest is read back without NaN or Infinity)
@@ -574,6 +600,12 @@ def save_checkpoint(directory: str | Path, model: nn.Module, optimizer: Prepared
     return checkpoint.save(directory, int(step), state.topo, state.strategy, train_state, {"prepare": state.settings})
 
 
+def _optimizer_name(state: _Prepared) -> str:
+    """The user's optimizer's class, as `module.Class` (what a checkpoint records of it)."""
+    cls = type(state.strategy.optimizer.inner)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 def load_checkpoint(directory: str | Path, model: nn.Module, optimizer: PreparedOptimizer) -> tuple[int, dict | None]:
     """Restore a checkpoint saved by save_checkpoint (the directory, or one step-NNNNNN in it) at any world
     size or ZeRO stage; each rank reads only the parts it holds. Returns (step, extra). Collective."""
@@ -581,6 +613,11 @@ def load_checkpoint(directory: str | Path, model: nn.Module, optimizer: Prepared
     if optimizer is not state.optimizer:
         raise ValueError("load_checkpoint takes the optimizer prepare returned with this model")
     _all_ranks_arrive("load_checkpoint")
+    saved_optimizer = checkpoint.read_manifest(checkpoint.resolve(directory))["train_state"].get("optimizer")
+    if saved_optimizer is not None and saved_optimizer != _optimizer_name(state):
+        raise checkpoint.CheckpointError(f"checkpoint {directory} holds the state of a {saved_optimizer}, and this "
+                                         f"optimizer is a {_optimizer_name(state)}: its state would be dropped or "
+                                         "missing; load it with the optimizer it was saved with")
     train_state = checkpoint.load(directory, state.topo, state.strategy)
     if train_state.get("loss_scaler") is not None and state.settings["precision"] == "fp16":
         if state.scaler is not None:

@@ -77,8 +77,8 @@ Examples:
   torchrun --nproc-per-node=2 --max-restarts=3 -m minitrain train --ckpt-every-steps 5 --out runs/e
                                            # a dead rank: torchrun restarts all, they resume from the last checkpoint
 
-Fault tolerance: SIGTERM or SIGUSR1 to any rank (or to the launcher) makes every rank save a
-checkpoint at the next step boundary and exit 0. A step with NaN/Inf gradients is skipped on
+Fault tolerance: SIGTERM, SIGUSR1, SIGINT (Ctrl-C) or SIGHUP to any rank (or to the launcher) makes
+every rank save a checkpoint at the next step boundary and exit 0; a second Ctrl-C stops at once. A step with NaN/Inf gradients is skipped on
 every rank. A loss above --spike-factor x the running mean rolls back to the last checkpoint.
 
 Writes under --out: metrics.jsonl (one JSON line per step, rank 0), config.json (the resolved
@@ -294,19 +294,32 @@ def main(argv: list[str] | None = None) -> int:
         print(f"minitrain {args.command}: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"minitrain {args.command}: interrupted", file=sys.stderr)
+        print(f"minitrain {args.command}: interrupted{_what_is_lost(args)}", file=sys.stderr)
         return 130
 
 
-def prepare_out_dir(path: str) -> Path:
-    """Create the output directory and prove it writable, or raise ConfigError."""
+def _what_is_lost(args) -> str:
+    """For an interrupted training run: its newest checkpoint, after which the work is lost."""
+    out = getattr(args, "out", None)
+    if args.command != "train" or not out:
+        return ""
+    latest = Path(out) / "checkpoints" / checkpoint.LATEST
+    name = latest.read_text().strip() if latest.is_file() and not latest.is_symlink() else None
+    if name is None:
+        return f" at once: no checkpoint of the run in {out} yet, its steps are lost"
+    return (f" at once: what was trained after {Path(out) / 'checkpoints' / name} is lost; --resume auto continues "
+            "from there")
+
+
+def prepare_out_dir(path: str | Path, what: str = "output directory") -> Path:
+    """Create the directory and prove it writable, or raise ConfigError."""
     out = Path(path)
     try:
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):
             pass
     except OSError as e:
-        raise ConfigError(f"cannot write to output directory {out}: {e.strerror or e}") from None
+        raise ConfigError(f"cannot write to {what} {out}: {e.strerror or e}") from None
     return out
 
 
@@ -328,7 +341,12 @@ def lock_out_dir(out: Path):
     ends, however it ends): two runs writing one --out would interleave their metrics and checkpoints."""
     import fcntl
 
-    with open(out / ".lock", "a+") as handle:
+    try:  # never through a symbolic link: a planted one would have the run truncate whatever it points at
+        fd = os.open(out / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        raise ConfigError(f"--out {out}: cannot open its .lock ({e.strerror or e}"
+                          f"{'; it is a symbolic link: remove it' if os.path.islink(out / '.lock') else ''})") from None
+    with os.fdopen(fd, "a+") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -455,6 +473,7 @@ def resolve_config(args) -> RunConfig:
 
 
 def cmd_train(args) -> int:
+    from .data import eval_note
     from .run import RunFinished, check_resume, train_worker
 
     cfg = resolve_config(args)
@@ -462,7 +481,7 @@ def cmd_train(args) -> int:
         check_local_ranks(cfg.dist.nproc)
     speaks = not under_torchrun() or os.environ["RANK"] == "0"
     try:  # everything that may refuse the run reads only: a refused run writes nothing
-        notes = check_resume(cfg)
+        notes = check_resume(cfg) + [note for note in [eval_note(cfg)] if note]
     except RunFinished as done:
         if speaks:
             print(f"minitrain train: {done}")
@@ -470,6 +489,10 @@ def cmd_train(args) -> int:
     if not cfg.ckpt.resume:
         refuse_a_used_out_dir(Path(cfg.out))
     out = prepare_out_dir(cfg.out)
+    # Found now, not at the first save after a stretch of training: a checkpoint directory it cannot write (one
+    # that is not there yet is made by the first save, in OUT, which is writable).
+    if os.path.lexists(out / "checkpoints"):
+        prepare_out_dir(out / "checkpoints", "the checkpoint directory")
     # One process per run holds the lock, the launcher or torchrun's rank 0, until the run is over.
     with lock_out_dir(out) if speaks else contextlib.nullcontext():
         for note in notes:

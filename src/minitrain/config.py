@@ -270,6 +270,8 @@ class RunConfig:
         if t.straggler_factor and not t.straggler_factor > 1:
             raise ConfigError(f"train.straggler_factor must be > 1 (or 0 to turn it off), got {t.straggler_factor}")
         _check_fault(self.fault, d.nproc)
+        check_seed("--seed", t.seed)
+        check_seed("--data.corpus_seed", self.data.corpus_seed)
         if not self.out.strip():
             raise ConfigError("--out is empty; name the directory the run writes to (e.g. --out runs/mine)")
         check_corpus(self)
@@ -399,6 +401,15 @@ def profile_range(text: str, steps: int) -> tuple[int, int] | None:
 def _require_non_negative(name: str, value) -> None:
     if value < 0:
         raise ConfigError(f"{name} must be >= 0, got {value}")
+
+
+SEED_LIMIT = 2 ** 63  # numpy's and torch's generators take seeds in [0, 2^63) everywhere
+
+
+def check_seed(flag: str, value) -> None:
+    """A seed every generator of the run accepts: 0 <= seed < 2^63 (ConfigError, one line, before anything runs)."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < SEED_LIMIT:
+        raise ConfigError(f"{flag} must be an integer in [0, 2^63), got {value}")
 
 
 def _require_positive(name: str, value) -> None:

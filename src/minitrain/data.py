@@ -243,6 +243,19 @@ def check_eval_split(cfg: RunConfig) -> None:
                           f"{needed}; use more text, a larger val split or a smaller batch")
 
 
+def eval_note(cfg: RunConfig) -> str | None:
+    """A note when --eval-batches asks for more batches than the held-out split holds (the run evaluates on
+    what there is)."""
+    if not cfg.eval.every:
+        return None
+    val = load_val(cfg)
+    held = ((len(val) - 1) // cfg.model.seq_len) // eval_examples_per_batch(cfg)
+    if held >= cfg.eval.batches:
+        return None
+    return (f"--eval-batches {cfg.eval.batches} asks for more than the held-out split of corpus '{cfg.data.corpus}' "
+            f"holds ({held} batch(es) of {eval_examples_per_batch(cfg)} examples): evaluating on {held}")
+
+
 class EvalBatches:
     """This rank's share of the held-out batches, the same ones at every evaluation: batch b is examples
     b*G .. (b+1)*G - 1 of the split in order (G = batch_size x data-parallel ranks), rank r takes every

@@ -30,7 +30,7 @@ from multiprocessing.connection import wait
 
 from .comm import CollectiveError
 from .errors import ConfigError
-from .resilience import STOP_SIGNALS
+from .resilience import SECOND_INTERRUPT_S, STOP_SIGNALS, SecondInterrupt
 
 # After the first failure, collect reports this long: the root cause usually
 # reports first, but peers whose collectives broke report right after.
@@ -216,13 +216,23 @@ def launch(fn, nproc: int, *args, backend: str = "auto", pg_timeout_s: float = 3
 
 @contextmanager
 def _forwarding_stop_signals(procs):
-    """A scheduler's SIGTERM or SIGUSR1 to the launcher is passed on to every rank, which saves
-    a checkpoint and finishes; the launcher keeps supervising them meanwhile."""
+    """A scheduler's SIGTERM or SIGUSR1, a Ctrl-C or a hang-up to the launcher is passed on to every rank, which
+    saves a checkpoint and finishes; the launcher keeps supervising them meanwhile. A second Ctrl-C (at least
+    SECOND_INTERRUPT_S after the first) raises SecondInterrupt here: the ranks are then killed (launch's
+    finally), and what they trained since their last checkpoint is lost."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    first_interrupt: list[float] = []
 
     def forward(signum, _frame):
+        if signum == signal.SIGINT:
+            if first_interrupt and time.monotonic() - first_interrupt[0] >= SECOND_INTERRUPT_S:
+                raise SecondInterrupt("interrupted again: the ranks are stopped at once")
+            if not first_interrupt:
+                first_interrupt.append(time.monotonic())
+                print("interrupt: every rank saves a checkpoint after its current step, then stops (Ctrl-C again "
+                      "to stop at once, without it)", file=sys.stderr, flush=True)
         for p in procs:
             if p.pid is not None and p.is_alive():
                 os.kill(p.pid, signum)

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .metrics import format_table, human_bytes
+from .metrics import format_table, human_bytes, open_no_follow
 from .parallel.flat import FlatStrategy
 from .parallel.memory_math import MEMORY_KINDS
 
@@ -169,4 +169,5 @@ def render(report: dict) -> str:
 
 
 def write(report: dict, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(report, indent=1) + "\n")
+    with open_no_follow(Path(path), "w") as f:
+        f.write(json.dumps(report, indent=1) + "\n")

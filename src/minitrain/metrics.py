@@ -4,38 +4,67 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from pathlib import Path
+
+from .errors import ConfigError
+
+
+START_OVER = "start over"  # the event line that begins a new segment of a metrics.jsonl
+
+
+def open_no_follow(path: Path, mode: str = "a"):
+    """A run file opened for writing without following a symbolic link (one planted in --out could point at any
+    file, which the run would then append to or truncate): ConfigError if it is a link."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if mode == "a" else os.O_TRUNC)
+    try:
+        return os.fdopen(os.open(path, flags, 0o644), mode)
+    except OSError as e:
+        if os.path.islink(path):
+            raise ConfigError(f"{path} is a symbolic link; minitrain writes its run files itself: remove the link")
+        raise
 
 
 class MetricsWriter:
     """Appends one JSON object per step to OUT/metrics.jsonl, flushed at once so a
-    crash loses nothing already logged."""
+    crash loses nothing already logged.
+
+    A run that starts from step 0 where an earlier attempt logged lines but saved no checkpoint (--resume auto
+    found none) keeps them: it writes a "start over" event line and its own lines after it (readers take, for a
+    step logged twice, the later line). A resume keeps the lines up to its checkpoint's step."""
 
     def __init__(self, path: str | os.PathLike, resume_step: int | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if resume_step is not None and self.path.exists():
+        if os.path.islink(self.path):
+            raise ConfigError(f"{self.path} is a symbolic link; minitrain writes its run files itself: remove the link")
+        earlier = self.path.exists() and self.path.stat().st_size > 0
+        if resume_step is not None and earlier:
             self._truncate_after(resume_step)
-        elif resume_step is None:
-            self.path.write_text("")
-        self._file = open(self.path, "a")
+        self._file = open_no_follow(self.path)
+        if resume_step is None and earlier:
+            self.write({"event": START_OVER, "time": time.time(), "note": "no checkpoint to resume from: the lines "
+                        "above are an earlier attempt's, kept"})
 
     def _truncate_after(self, step: int) -> None:
-        """On resume, drop lines for steps after the checkpoint: they will be redone."""
-        kept = []
-        for line in self.path.read_text().splitlines():
+        """On resume, drop lines of the current segment for steps after the checkpoint: they will be redone."""
+        lines = self.path.read_text().splitlines()
+        start = max((i for i, line in enumerate(lines) if f'"{START_OVER}"' in line), default=-1) + 1
+        kept = lines[:start]
+        for line in lines[start:]:
             try:
                 if json.loads(line)["step"] <= step:
                     kept.append(line)
             except (json.JSONDecodeError, KeyError, TypeError):
                 continue  # a line cut short by a crash
-        self.path.write_text("".join(line + "\n" for line in kept))
+        with open_no_follow(self.path, "w") as f:
+            f.write("".join(line + "\n" for line in kept))
 
     def rewind(self, step: int) -> None:
         """After a rollback to `step`: drop the lines after it, which are about to be redone."""
         self._file.close()
         self._truncate_after(step)
-        self._file = open(self.path, "a")
+        self._file = open_no_follow(self.path)
 
     def write(self, record: dict) -> None:
         self._file.write(json.dumps(record) + "\n")
@@ -49,7 +78,9 @@ def best_val_loss(path: str | os.PathLike) -> tuple[float, int] | None:
     """(lowest val_loss, its step) among the step lines of a metrics.jsonl, or None: a resumed run's best
     so far is in the lines of the steps before it."""
     best = None
-    for line in Path(path).read_text().splitlines() if Path(path).exists() else []:
+    lines = Path(path).read_text().splitlines() if Path(path).exists() else []
+    start = max((i for i, line in enumerate(lines) if f'"{START_OVER}"' in line), default=-1) + 1
+    for line in lines[start:]:  # an earlier attempt's, before a start over, are not this run's
         try:
             record = json.loads(line)
             loss = record.get("val_loss")

@@ -61,6 +61,7 @@ class Run:
     steps: list[dict]
     events: list[dict] = field(default_factory=list)
     bad_lines: int = 0  # lines that are not JSON objects (cut short by a crash)
+    bad_fields: int = 0  # fields of a step line that are not what minitrain writes there, left out
 
     def values(self, key: str) -> list[float]:
         """`key` of every step, NaN where a step lacks it, so plots show a gap rather than shift."""
@@ -94,7 +95,7 @@ def read_run(path: Path, label: str) -> Run:
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
     by_step: dict[int, dict] = {}
-    events, bad = [], 0
+    events, bad, malformed = [], 0, 0
     for line in lines:
         if not line.strip():
             continue
@@ -107,14 +108,40 @@ def read_run(path: Path, label: str) -> Run:
             bad += 1
         elif "event" in record:
             events.append(record)
-        elif isinstance(record.get("step"), int):
+        elif isinstance(record.get("step"), int) and not isinstance(record["step"], bool):
+            malformed += _drop_malformed(record)
             by_step[record["step"]] = record  # a later line for the same step replaces the earlier one
         else:
             bad += 1
     if not by_step:
         raise ConfigError(f"{path} holds no step records ({len(lines)} line(s)); the run stopped before its "
                           "first step, or this is not a minitrain metrics file")
-    return Run(label, path, [by_step[s] for s in sorted(by_step)], events, bad)
+    return Run(label, path, [by_step[s] for s in sorted(by_step)], events, bad, malformed)
+
+
+def _is_number(v) -> bool:
+    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+
+
+# The structured fields of a step line, and what each must hold (a field written otherwise is left out).
+FIELD_SHAPES = {
+    "phases_s": lambda v: isinstance(v, dict) and all(_is_number(x) for x in v.values()),
+    "memory": lambda v: isinstance(v, dict) and all(isinstance(x, list) and all(map(_is_number, x))
+                                                     for x in v.values()),
+    "busy_s_per_rank": lambda v: isinstance(v, list) and all(map(_is_number, v)),
+    "param_norm_per_rank": lambda v: isinstance(v, list) and all(map(_is_number, v)),
+    "sync": lambda v: isinstance(v, dict),
+    "pipeline": lambda v: isinstance(v, dict),
+}
+FIELD_SHAPES["memory_peak"] = FIELD_SHAPES["memory"]
+
+
+def _drop_malformed(record: dict) -> int:
+    """Remove the step line's fields that do not hold what minitrain writes there; how many were removed."""
+    bad = [key for key, ok in FIELD_SHAPES.items() if record.get(key) is not None and not ok(record[key])]
+    for key in bad:
+        del record[key]
+    return len(bad)
 
 
 def unique_labels(paths: list[Path]) -> list[str]:
@@ -274,6 +301,8 @@ def run_text(run: Run, s: Summary) -> str:
         rows.insert(2, ("elapsed", f"{s.elapsed_s:.1f} s since the run started"))
     if run.bad_lines:
         rows.append(("unreadable lines", f"{run.bad_lines} (cut short by a crash?), left out"))
+    if run.bad_fields:
+        rows.append(("malformed fields", f"{run.bad_fields} (not what minitrain writes there), left out"))
     width = max(len(name) for name, _ in rows)
     return "\n".join([f"run {run.label} ({run.path})"] + [f"  {name:<{width}}  {text}" for name, text in rows])
 

@@ -8,22 +8,33 @@ from __future__ import annotations
 import math
 import signal
 import threading
+import time
 from collections import deque
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# SIGTERM: what schedulers send before they kill a job; SIGUSR1: what Slurm's `--signal` sends ahead of a time
+# limit; SIGINT: Ctrl-C; SIGHUP: the terminal (or the ssh session) went away.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
+# A Ctrl-C reaches a rank twice at once (from the terminal, and passed on by the launcher); a person's second
+# Ctrl-C comes later than this.
+SECOND_INTERRUPT_S = 1.0
+
+
+class SecondInterrupt(KeyboardInterrupt):
+    """Ctrl-C again while the first one's save was on its way: stop at once."""
 
 
 class StopRequest:
-    """Remembers the first SIGTERM or SIGUSR1 this process receives.
+    """Remembers the first stop signal this process receives (STOP_SIGNALS).
 
     The handler only sets a number. The trainer exchanges it with every rank at the next step
     boundary (a checkpoint is collective: all ranks must decide to save at the same step), and
-    the run then saves and exits 0. Schedulers send SIGTERM before they kill a job; SIGUSR1 is
-    what Slurm's `--signal` sends ahead of a time limit.
+    the run then saves and exits 0. A second Ctrl-C (SIGINT at least SECOND_INTERRUPT_S after the
+    first) raises SecondInterrupt at once: the person wants out now, and gives up the save.
     """
 
     def __init__(self):
         self.signum = 0
+        self._first_at = 0.0
         self._previous: dict[int, object] = {}
 
     def install(self) -> StopRequest:
@@ -42,7 +53,11 @@ class StopRequest:
         self._previous.clear()
 
     def _handle(self, signum, _frame) -> None:
-        self.signum = self.signum or signum
+        if not self.signum:
+            self.signum, self._first_at = signum, time.monotonic()
+        elif signum == signal.SIGINT and time.monotonic() - self._first_at >= SECOND_INTERRUPT_S:
+            raise SecondInterrupt("interrupted again: stopping at once, without the checkpoint the first stop "
+                                  "signal asked for")
 
     @staticmethod
     def name(signum: int) -> str:

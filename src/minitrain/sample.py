@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .config import ModelConfig, check_model
+from .config import ModelConfig, check_model, check_seed
 from .errors import ConfigError
 from .export import CONFIG, FORMAT, WEIGHTS
 from .model import MiniGPT
@@ -84,6 +84,7 @@ def sample(directory: str, prompt: str, max_new_tokens: int, temperature: float,
         raise ConfigError("--prompt is not valid UTF-8 text") from None
     if top_k < 0:
         raise ConfigError(f"--top-k must be >= 0 (0 = every token), got {top_k}")
+    check_seed("--seed", seed)
     model, config = load_exported(directory)
     tokenizer = _tokenizer(Path(directory), config)
     ids = _prompt_ids(prompt, tokenizer, model.cfg.vocab_size)

@@ -12,6 +12,8 @@ encode_ordinary does), so a document cannot forge a boundary.
 """
 from __future__ import annotations
 
+import re
+
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -63,6 +65,27 @@ def check_vocab_size(vocab_size: int) -> None:
                           f"token) and {MAX_VOCAB}, got {vocab_size}")
 
 
+# BPE's work on one word grows faster than its length (a 300 kB line of letters took 33 s, 1 MB past 5 minutes):
+# a run of more than MAX_WORD characters without white space is cut into pieces of MAX_WORD for the tokenizer.
+# Ordinary text has no such run, so its tokens are what they would be uncut; decode(encode(text)) == text always.
+MAX_WORD = 256
+_LONG_RUN = re.compile(r"\S{%d,}" % (MAX_WORD + 1))
+
+
+def bounded_pieces(text: str) -> list[str]:
+    """`text` cut into pieces that hold no run of more than MAX_WORD non-space characters (only inside such runs;
+    the pieces joined are the text)."""
+    pieces, at = [], 0
+    for run in _LONG_RUN.finditer(text):
+        if run.start() > at:
+            pieces.append(text[at:run.start()])
+        pieces += [text[i:min(i + MAX_WORD, run.end())] for i in range(run.start(), run.end(), MAX_WORD)]
+        at = run.end()
+    if at < len(text) or not pieces:
+        pieces.append(text[at:])
+    return pieces
+
+
 def train_bpe(texts: Iterable[str], vocab_size: int, text_bytes: int | None = None) -> Tokenizer:
     """A byte-level BPE of at most `vocab_size` ids learnt from `texts`: all 256 bytes (so any text encodes),
     EOT, and merges until the size is reached or no pair repeats (then it comes out smaller).
@@ -80,7 +103,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, text_bytes: int | None = No
     tok.pre_tokenizer, tok.decoder = _byte_level_parts()
     trainer = trainers.BpeTrainer(vocab_size=reserve, special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(texts, trainer=trainer)
+    tok.train_from_iterator((piece for text in texts for piece in bounded_pieces(text)), trainer=trainer)
     return tok
 
 
@@ -116,12 +139,15 @@ def _plain_text(tok: Tokenizer) -> Tokenizer:
 
 def encode(tok: Tokenizer, text: str) -> list[int]:
     """The ids of one document's text, nothing added (no EOT, no post-processor tokens such as BERT's [CLS])."""
-    return _plain_text(tok).encode(text, add_special_tokens=False).ids
+    return encode_batch(tok, [text])[0]
 
 
 def encode_batch(tok: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
-    """encode() of each text, on all cores."""
-    return [e.ids for e in _plain_text(tok).encode_batch(list(texts), add_special_tokens=False)]
+    """encode() of each text, on all cores (each in bounded_pieces, whose ids are laid end to end)."""
+    cut = [bounded_pieces(text) for text in texts]
+    encoded = iter(_plain_text(tok).encode_batch([piece for pieces in cut for piece in pieces],
+                                                 add_special_tokens=False))
+    return [[i for _ in pieces for i in next(encoded).ids] for pieces in cut]
 
 
 def decode(tok: Tokenizer, ids: Iterable[int]) -> str:

@@ -83,7 +83,8 @@ MANIFEST_SCHEMA = {
                                 # a torch optimizer's scalar states (minitrain.prepare): the dtype of each, or
                                 # null for a plain number
                                 "scalars": {"type": "object", "additionalProperties": {"enum": [None, *DTYPES]}}}},
-                            # the user's optimizer's param groups' options (minitrain.save_checkpoint)
+                            # the user's optimizer's class and its param groups' options (minitrain.save_checkpoint)
+                            "optimizer": {"type": "string", "maxLength": 512},
                             "param_groups": {"type": "array", "items": {"type": "object"}},
                             "tokens_seen": _count,
                             "corpus_sha256": {"type": "string", "pattern": "^[0-9a-f]{64}$"},

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..comm import Comm, PendingCollective
-from .layout import FlatParameters, Segment
+from .layout import FlatParameters, Segment, missing_gradients
 from .memory_math import MemoryLedger
 
 
@@ -95,7 +95,8 @@ class OverlappedAllReduce:
             return
         if i < len(self._pending):
             raise RuntimeError(f"gradient of '{name}' arrived after its bucket's all-reduce started: run all but "
-                               "the last micro-batch of a step under strategy.no_sync()")
+                               "the last micro-batch of a step under no_sync (minitrain.no_sync(model) in a loop of "
+                               "your own)")
         self._arrived[i].add(name)
         # Launch every bucket that is complete, strictly in order (same collective order on every rank).
         while len(self._pending) < len(self.buckets) and \
@@ -120,9 +121,7 @@ class OverlappedAllReduce:
             for pending in self._pending:  # finish what was launched: every rank launched the same
                 pending.wait()
             self._reset()
-            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-            raise RuntimeError(f"no gradient reached {shown} this step; an overlapped gradient sync needs every "
-                               "parameter to take part in the loss (remove unused ones from the model)")
+            raise RuntimeError(missing_gradients(missing, len(self.flat.segments), "an overlapped gradient sync"))
         intervals = [pending.wait() for pending in self._pending]
         self._reset()
         return intervals

@@ -67,3 +67,38 @@ def check_buffers_agree(model: nn.Module, dp: Comm, what: str) -> None:
         raise ValueError(f"{what}: buffer '{key}' differs across data-parallel ranks (the model updates it from each "
                          "rank's own data), so no one value is the model's: keep it equal on every rank (compute "
                          "it from reduced values), or make it a non-persistent buffer")
+
+
+# --- every rank of one model replica must be fed alike --------------------------------------------------------
+def feed_checksum(previous: torch.Tensor | None, values) -> torch.Tensor:
+    """A checksum (int64, on the tensors' device) of every tensor in `values` (any nesting), folded into
+    `previous`: their bits, weighted by position, so equal inputs give equal checksums on every rank and a
+    different batch almost surely does not. No host synchronisation."""
+    from .param_use import tensors_in
+
+    total = previous
+    for t in tensors_in(values):
+        flat = t.detach().reshape(-1)
+        if flat.is_floating_point():
+            flat = flat.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[flat.element_size()])
+        flat = flat.to(torch.int64)
+        weights = torch.arange(1, flat.numel() + 1, dtype=torch.int64, device=flat.device)
+        value = (flat * weights).sum() + flat.numel()
+        total = value if total is None else total * 1000003 + value  # int64 arithmetic wraps alike everywhere
+    return total
+
+
+def check_feeds(rows: list[int], replica_of: list[int], what: str) -> None:
+    """rows: each rank's feed checksum; replica_of: each rank's data-parallel index. Ranks of one replica (its
+    tensor-parallel and pipeline ranks) must have been fed alike; else ValueError naming them (the same on
+    every rank, which all hold the same rows)."""
+    by_replica: dict[int, dict[int, list[int]]] = {}
+    for rank, (value, replica) in enumerate(zip(rows, replica_of)):
+        by_replica.setdefault(replica, {}).setdefault(value, []).append(rank)
+    for replica, groups in sorted(by_replica.items()):
+        if len(groups) > 1:
+            ranks = " vs ".join(str(sorted(g)) for g in sorted(groups.values()))
+            raise ValueError(f"ranks {ranks} hold one model replica (dp_rank {replica}) but were fed different "
+                             f"{what}: every tensor- and pipeline-parallel rank of a replica must see the same batch; "
+                             "give each rank x.chunk(minitrain.dp_world_size())[minitrain.dp_rank()], not "
+                             "x[rank::world_size]")

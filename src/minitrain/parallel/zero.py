@@ -37,7 +37,7 @@ from ..comm import Comm, PendingCollective
 from .buckets import GradientToReduce, OverlappedAllReduce
 from .config import ParallelConfig
 from .flat import FlatStrategy, OptimizerFactory
-from .layout import Segment, local_views
+from .layout import Segment, local_views, missing_gradients
 from .units import module_units, unit_layout
 from .visible_grads import ShardedGradient
 
@@ -68,7 +68,11 @@ class ShardedStrategy(FlatStrategy):
 
     _grad: torch.Tensor | None = None  # this step's averaged gradient shard, once synced
 
-    _averaged_in_sync = False  # the sync divides by N itself (ZeRO-1 whose p.grad a loop reads)
+    # The sync divides by N itself (a user's loop, user_loop): ZeRO-1 its whole buffer, which p.grad shows;
+    # ZeRO-2/3 each backward's reduced sum as it lands, so the shard always holds averaged gradients, and a loop
+    # that skips zero_grad accumulates into them as torch's p.grad would (dividing at the step instead would
+    # divide what an earlier step left there again).
+    _averaged_in_sync = False
 
     def _averaged_grad(self) -> torch.Tensor:
         if self._grad is None:
@@ -155,6 +159,7 @@ class Zero2(ShardedStrategy):
         # ShardedGradient that says so (visible_grads.py).
         self._sharded_grads = {seg.name: ShardedGradient(self.flat.param(seg), seg.name, self.stage)
                                for seg in self.flat.segments} if pcfg.user_loop else {}
+        self._averaged_in_sync = pcfg.user_loop
         # A new forward means the last backward is over: finish its reductions now, so with
         # gradient accumulation the last unit's full gradient does not sit through a forward.
         model.register_forward_pre_hook(lambda _m, _args: self._retire_all())
@@ -240,6 +245,8 @@ class Zero2(ShardedStrategy):
     def _retire_oldest(self) -> None:
         i, pending, chunk, buffer = self._inflight.popleft()
         self._intervals.append(pending.wait())
+        if self._averaged_in_sync:  # the shard holds averages: each backward's sum is divided as it lands
+            (self._shard_views[i] if chunk is None else chunk).div_(self.comm.world_size)
         if chunk is not None:
             self._shard_views[i].add_(chunk)
             self.ledger.drop("grads", chunk)
@@ -258,9 +265,7 @@ class Zero2(ShardedStrategy):
         if unreduced:
             missing = [s.name for u in unreduced for s in u.segments
                        if s.name not in self._arrived[self.flat.units.index(u)]]
-            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-            raise RuntimeError(f"no gradient reached {shown} this step; ZeRO-{self.stage} needs every parameter "
-                               "to take part in the loss (remove unused ones from the model)")
+            raise RuntimeError(missing_gradients(missing, len(self.flat.segments), f"ZeRO-{self.stage}"))
         if self._intervals:
             self.sync_at(len(self.flat.units), self._intervals, backward_end)
             self._intervals = []

@@ -1,0 +1,221 @@
+"""A user's habits and slips: none loses work or misleads. (Ctrl-C and SIGHUP: tests/test_fault_tolerance.py.)
+
+Each test fails on the code before the fix it names."""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import minitrain
+from minitrain.checkpoint import CheckpointError
+
+from .dist import run_main, run_ranks
+
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2)
+V, D, T = 16, 8, 6
+TOL = 1e-12
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, h):
+        return h + torch.tanh(self.lin(h))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(V, D)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(D, V)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def net() -> nn.Module:
+    return Net().double()
+
+
+def loss_of(model, x):
+    logits = model(x)
+    return F.cross_entropy(logits[:, :-1].reshape(-1, V), x[:, 1:].reshape(-1))
+
+
+def batches(steps: int = 3) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    return [torch.randint(0, V, (4, T), generator=g) for _ in range(steps)]
+
+
+def _one_line(result, match: str) -> None:
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and match in result.stderr, result.stderr
+
+
+# --- the command line ---------------------------------------------------------------------------------------
+def test_a_checkpoint_directory_that_cannot_be_written_is_refused_at_startup(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "checkpoints").write_text("a file where the checkpoints go")
+    _one_line(run_main("train", "--steps", "2", "--out", str(out), "--resume", "auto"),
+              "cannot write to the checkpoint directory")
+    assert not (out / "metrics.jsonl").exists()  # nothing half-written
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2 ** 67)])
+def test_a_seed_out_of_range_is_refused_at_startup(tmp_path, seed):
+    _one_line(run_main("train", "--seed", seed, "--out", str(tmp_path / "run")), "--seed must be an integer in [0, 2^63)")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("name", [".lock", "metrics.jsonl"])
+def test_run_files_are_never_written_through_a_symbolic_link(tmp_path, name):
+    """A .lock link truncated its target; a dangling metrics.jsonl link was written through."""
+    out, target = tmp_path / "run", tmp_path / "precious.txt"
+    out.mkdir()
+    target.write_text("keep me\n")
+    (out / name).symlink_to(target if name == ".lock" else tmp_path / "elsewhere.jsonl")
+    result = run_main("train", "--steps", "2", "--train.log_every", "0", "--out", str(out), "--resume", "auto")
+    assert result.returncode in (1, 2) and "symbolic link" in result.stdout + result.stderr
+    assert target.read_text() == "keep me\n" and not (tmp_path / "elsewhere.jsonl").exists()
+
+
+def test_a_fresh_start_keeps_an_earlier_attempts_metrics_and_eval_batches_are_noted(tmp_path):
+    """--resume auto with no checkpoint started at step 0 and replaced the old metrics.jsonl."""
+    out = tmp_path / "run"
+    out.mkdir()
+    earlier = json.dumps({"step": 1, "loss": 9.0}) + "\n"
+    (out / "metrics.jsonl").write_text(earlier)
+    result = run_main("train", "--steps", "2", "--train.log_every", "0", "--out", str(out), "--resume", "auto",
+                      "--eval-every", "2", "--eval-batches", "500")
+    assert result.returncode == 0, result.stderr
+    assert "--eval-batches 500 asks for more than the held-out split" in result.stderr
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert lines[0] + "\n" == earlier and json.loads(lines[1])["event"] == "start over"
+    assert [json.loads(line)["step"] for line in lines[2:]] == [1, 2]
+
+
+def test_report_reads_a_line_with_a_malformed_field(tmp_path):
+    lines = [{"step": 1, "loss": 3.0, "phases_s": {"forward": "x"}}, {"step": 2, "loss": 2.0, "memory_peak": "?"}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    result = run_main("report", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "malformed fields" in result.stdout
+
+
+def test_data_prepare_on_a_megabyte_without_spaces_is_quick_and_exact(tmp_path):
+    from minitrain.tokenizer import decode, load_tokenizer
+
+    text = "a" * 1_000_000 + " and then ordinary words.\n"
+    (tmp_path / "long.txt").write_text(text)
+    start = time.perf_counter()
+    result = run_main("data", "prepare", str(tmp_path / "long.txt"), "--vocab-size", "300", "--out",
+                      str(tmp_path / "prep"), "--val-fraction", "0.5")
+    assert result.returncode == 0, result.stderr
+    assert time.perf_counter() - start < 30  # it ran past 5 minutes
+    tok = load_tokenizer(tmp_path / "prep" / "tokenizer.json")
+    ids = [int(i) for f in ("train.bin", "val.bin") for i in
+           __import__("numpy").fromfile(tmp_path / "prep" / f, dtype=__import__("numpy").uint16)]
+    assert decode(tok, ids).replace("<|endoftext|>", "") == text
+
+
+# --- the API, one process -----------------------------------------------------------------------------------
+def test_a_checkpoint_step_must_name_a_step(tmp_path):
+    model, opt = minitrain.prepare(net(), ADAMW)
+    for step in (-1, 2.0, True):
+        with pytest.raises(ValueError, match="step must be a non-negative integer"):
+            minitrain.save_checkpoint(tmp_path, model, opt, step)
+    assert not (tmp_path / "latest").exists()
+
+
+def test_a_checkpoint_of_another_optimizer_is_refused(tmp_path):
+    model, opt = minitrain.prepare(net(), ADAMW, zero=1)
+    loss_of(model, batches(1)[0]).backward()
+    opt.step()
+    minitrain.save_checkpoint(tmp_path, model, opt, 1)
+    other, sgd = minitrain.prepare(net(), functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9), zero=1)
+    with pytest.raises(CheckpointError, match="holds the state of a torch.optim.adamw.AdamW, and this optimizer is "
+                                              "a torch.optim.sgd.SGD"):
+        minitrain.load_checkpoint(tmp_path, other, sgd)
+
+
+def test_messages_name_the_likely_cause():
+    model, opt = minitrain.prepare(net(), ADAMW, zero=1)
+    with pytest.raises(RuntimeError, match="no parameter got a gradient this step: optimizer.step\\(\\) came "
+                                           "without a backward"):
+        opt.step()
+    # A trainer's micro-batch run outside no_sync after the sync began (a loop of minitrain's own API syncs each
+    # backward when it ends, as DDP does, so there it is a second sync, not this error).
+    from minitrain.comm import Comm
+    from minitrain.parallel import ParallelConfig, make_strategy
+    from minitrain.parallel.shard_optimizer import TorchShardOptimizer
+
+    model = net()
+    names = [n for n, _ in model.named_parameters()]
+    strategy = make_strategy(model, Comm(), ParallelConfig(bucket_mb=1e-6, master_dtype=torch.float64,
+                                                           reduce_dtype=torch.float64),
+                             lambda master, flat, ranges: TorchShardOptimizer(master, flat, ranges, False, ADAMW,
+                                                                              [(names, {})]))
+    x = batches(1)[0]
+    with pytest.raises(RuntimeError, match="minitrain.no_sync\\(model\\) in a loop of your own"):
+        loss_of(model, x).backward()
+        loss_of(model, x).backward()  # a second backward while the first's buckets are in flight
+
+
+# --- the API, 2 ranks ---------------------------------------------------------------------------------------
+def _two_ranks(topo):
+    minitrain.init_distributed()
+    out = {}
+    for zero in range(4):  # no zero_grad between steps: torch accumulates, so must every stage
+        model, opt = minitrain.prepare(net(), ADAMW, zero=zero)
+        for x in batches():
+            loss_of(model, x.chunk(topo.world_size)[topo.rank]).backward()
+            opt.step()
+        out[zero] = minitrain.full_state_dict(model)
+    for kind in ("tp", "pp"):  # the batch[rank::world] habit: each rank of one replica fed its own rows
+        layout = {"tp": 2, "tp_plan": {"blocks.*.lin": "colwise_gather_output"}} if kind == "tp" else \
+            {"pp": 2, "pp_split": ["emb", "blocks", "head"]}
+        model, opt = minitrain.prepare(net(), ADAMW, **layout)
+        x = batches(1)[0][topo.rank::topo.world_size]
+        try:
+            if kind == "tp":
+                loss_of(model, x).backward()
+            else:
+                minitrain.pipeline_step(model, x, x, lambda logits, y: F.cross_entropy(
+                    logits[:, :-1].reshape(-1, V), y[:, 1:].reshape(-1)))
+            opt.step()
+            out[kind] = "trained on"
+        except ValueError as e:
+            out[kind] = str(e)
+    dist.barrier()
+    return out
+
+
+def test_habits_over_ranks():
+    results = run_ranks(_two_ranks, 2, timeout_s=120)
+    ref = net()
+    opt = ADAMW(ref.parameters())
+    for x in batches():
+        loss_of(ref, x).backward()  # never zeroed: each step's gradient adds to the last
+        opt.step()
+    for out in results:
+        for zero in range(4):
+            for key, value in ref.state_dict().items():
+                assert (out[zero][key] - value).abs().max().item() <= 1e-10, (zero, key)
+        for kind in ("tp", "pp"):
+            assert "ranks [0] vs [1] hold one model replica (dp_rank 0) but were fed different" in out[kind], out[kind]

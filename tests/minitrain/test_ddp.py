@@ -11,7 +11,7 @@ import minitrain
 from minitrain import ddp
 from minitrain.data import make_shard
 
-from ..dist import run_cli
+from tests.dist import run_cli  # this directory is no package: a `minitrain` package here would shadow the library
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -4,7 +4,7 @@ For each mode (`none`, `block`, `selective`) a fresh process trains the `small` 
 (4 blocks, d_model 256, 8 heads, seq 128, vocab 256) with batch 8, float32, one thread, and
 reports:
 - stored activations: bytes autograd keeps for backward during one step, each storage once,
-  parameters left out (`minitrain.memory.saved_activation_bytes`; exact);
+  parameters left out (`minitrain.train.memory.saved_activation_bytes`; exact);
 - peak memory: the process's resident high-water mark during a step above its level before the
   step (glibc told to return freed blocks at once, so it follows live tensors);
 - step time: median after warmup.
@@ -27,12 +27,13 @@ import time
 from ranges import fmt_range, median_range  # benchmarks/ranges.py
 from record import RESULTS, write_result  # benchmarks/record.py
 
-from minitrain.config import build_config
-from minitrain.launch import launch
-from minitrain.memory import device_peak_bytes, reset_device_peak, saved_activation_bytes
-from minitrain.metrics import format_table, human_bytes
+
+from minitrain.train.run_config import run_config
+from minitrain.runtime.launch import launch
+from minitrain.train.memory import device_peak_bytes, reset_device_peak, saved_activation_bytes
+from minitrain.train.metrics import format_table, human_bytes
 from minitrain.parallel.recompute import MODES
-from minitrain.trainer import Trainer
+from minitrain.train.trainer import Trainer
 
 MODEL = {"model.preset": "small", "train.batch_size": 8, "data.synthetic_tokens": 1 << 18, "train.log_every": 0,
          "dist.backend": "gloo"}
@@ -40,7 +41,7 @@ WARMUP = 2
 
 
 def worker(topo, mode: str, steps: int) -> dict:
-    cfg = build_config(cli_values={**MODEL, "train.activation_checkpointing": mode, "train.steps": steps + 1}).validate()
+    cfg = run_config(cli_values={**MODEL, "train.activation_checkpointing": mode, "train.steps": steps + 1})
     trainer = Trainer(cfg, topo)
     with saved_activation_bytes(trainer.model) as stored:
         trainer.train_step()  # the counting step (hooks slow it: not timed)

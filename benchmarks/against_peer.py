@@ -11,7 +11,7 @@ from collections.abc import Callable
 from ranges import fmt_range, median_range  # benchmarks/ranges.py
 from record import write_result  # benchmarks/record.py
 
-from minitrain.metrics import format_table
+from minitrain.train.metrics import format_table
 
 
 def time_steps(step: Callable, zero_grad: Callable, loader, comm, steps: int, warmup: int) -> dict:

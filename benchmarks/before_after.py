@@ -25,7 +25,7 @@ from pathlib import Path
 from ranges import fmt_range, median_range  # benchmarks/ranges.py
 from record import RESULTS, write_result  # benchmarks/record.py
 
-from minitrain.metrics import format_table
+from minitrain.train.metrics import format_table
 
 AFTER = Path(__file__).resolve().parent.parent / "src"
 PRESETS = {"tiny": 60, "small": 8}  # preset -> measured steps
@@ -34,9 +34,10 @@ WORKER = """
 import json, statistics, sys, time
 import torch
 from minitrain.config import build_config
-from minitrain.optim import FlatAdamW
-from minitrain.topology import Topology
-from minitrain.trainer import Trainer
+from minitrain.train.run_config import run_config
+from minitrain.train.optim import FlatAdamW
+from minitrain.runtime.topology import Topology
+from minitrain.train.trainer import Trainer
 
 def median_ms(fn, runs, warmup):
     for _ in range(warmup):
@@ -53,8 +54,8 @@ opt = FlatAdamW(torch.randn(n), [(0, n // 2)], (0.9, 0.95), 1e-8, 0.1)
 grad = torch.randn(n)
 out = {"optimizer_ms": median_ms(lambda: opt.step(grad, 1e-3, 0.5), 5, 2)}
 for preset, steps in json.loads(sys.argv[1]).items():
-    cfg = build_config(cli_values={"model.preset": preset, "train.batch_size": 8, "train.steps": steps + 3,
-                                   "train.log_every": 0}).validate()
+    cfg = run_config(cli_values={"model.preset": preset, "train.batch_size": 8, "train.steps": steps + 3,
+                                   "train.log_every": 0})
     trainer = Trainer(cfg, Topology.single())
     out[f"step_ms/{preset}"] = median_ms(trainer.train_step, steps, 3)
 print(json.dumps(out))

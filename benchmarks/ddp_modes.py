@@ -26,10 +26,11 @@ import threading
 from ranges import fmt_range, median_range  # benchmarks/ranges.py
 from record import RESULTS, write_result  # benchmarks/record.py
 
-from minitrain.config import build_config
-from minitrain.launch import launch
-from minitrain.metrics import format_table
-from minitrain.trainer import Trainer
+
+from minitrain.train.run_config import run_config
+from minitrain.runtime.launch import launch
+from minitrain.train.metrics import format_table
+from minitrain.train.trainer import Trainer
 
 MODELS = {"tiny": {"model.preset": "tiny", "train.batch_size": 4},
           "compute-bound": {"model.preset": "small", "train.batch_size": 4}}
@@ -40,7 +41,7 @@ WARMUP = 2
 
 def timing_worker(topo, values: dict) -> float:
     """Median step time (s) of rank 0 after warmup."""
-    cfg = build_config(cli_values=values).validate()
+    cfg = run_config(cli_values=values)
     trainer = Trainer(cfg, topo)
     times = [trainer.train_step().step_time_s for _ in range(cfg.train.steps)]
     return statistics.median(times[WARMUP:])

@@ -28,8 +28,8 @@ from pathlib import Path
 from record import RESULTS, write_result  # benchmarks/record.py
 from safetensors.torch import load_file
 
-from minitrain.launch import launch
-from minitrain.metrics import format_table
+from minitrain.runtime.launch import launch
+from minitrain.train.metrics import format_table
 from tests.multinode import ELASTIC_RDZV, THIS, elastic_run, shards, train_each
 from tests.netns import Cluster, unavailable
 

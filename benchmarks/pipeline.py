@@ -24,11 +24,12 @@ import torch.nn.functional as F
 from against_peer import compare, time_steps, write_and_print  # benchmarks/against_peer.py
 from record import RESULTS  # benchmarks/record.py
 
-from minitrain.config import build_config
+
+from minitrain.train.run_config import run_config
 from minitrain.data import ShardedLoader, load_corpus
-from minitrain.launch import launch
-from minitrain.model import MiniGPT
-from minitrain.minigpt_plan import pipeline_split
+from minitrain.runtime.launch import launch
+from minitrain.models.minigpt.model import MiniGPT
+from minitrain.models.minigpt.plan import pipeline_split
 from minitrain.parallel.pipeline import Pipeline
 
 MODEL = {"model.preset": "small", "train.batch_size": 8, "data.synthetic_tokens": 1 << 18, "train.log_every": 0}
@@ -61,8 +62,8 @@ def _torch_schedule(stage_model, topo, cfg, microbatches):
 
 def worker(topo, pp_size: int, microbatches: int, impl: str, steps: int) -> dict:
     topo = topo.with_layout(1, pp_size)
-    cfg = build_config(cli_values={**MODEL, "dist.nproc": topo.world_size, "dist.pp": pp_size,
-                                   "dist.microbatches": microbatches}).validate()
+    cfg = run_config(cli_values={**MODEL, "dist.nproc": topo.world_size, "dist.pp": pp_size,
+                                   "dist.microbatches": microbatches})
     torch.manual_seed(cfg.train.seed)
     model = MiniGPT(cfg.model)
     pipeline_split(model, topo.pp.rank, pp_size)  # MiniGPT's plan: this rank's stage, in place

@@ -16,9 +16,10 @@ import json
 
 from record import RESULTS, write_result  # benchmarks/record.py
 
-from minitrain.config import build_config
-from minitrain.launch import launch
-from minitrain.trainer import Trainer
+
+from minitrain.train.run_config import run_config
+from minitrain.runtime.launch import launch
+from minitrain.train.trainer import Trainer
 
 PRECISIONS = ("fp32", "bf16")
 
@@ -27,9 +28,9 @@ def worker(topo) -> dict:
     out = {}
     for precision in PRECISIONS:
         for zero in range(4):
-            cfg = build_config(cli_values={"model.preset": "small", "train.zero": zero, "train.precision": precision,
+            cfg = run_config(cli_values={"model.preset": "small", "train.zero": zero, "train.precision": precision,
                                            "dist.nproc": topo.world_size, "train.log_every": 0,
-                                           "data.synthetic_tokens": 1 << 16}).validate()
+                                           "data.synthetic_tokens": 1 << 16})
             trainer = Trainer(cfg, topo)
             trainer.train_step()
             s = trainer.strategy

@@ -28,9 +28,9 @@ import time
 from ranges import fmt_range, median_range  # benchmarks/ranges.py
 from record import RESULTS, write_result  # benchmarks/record.py
 
-from minitrain.launch import launch
-from minitrain.memory import device_peak_bytes, reset_device_peak
-from minitrain.metrics import format_table, human_bytes
+from minitrain.runtime.launch import launch
+from minitrain.train.memory import device_peak_bytes, reset_device_peak
+from minitrain.train.metrics import format_table, human_bytes
 
 GPT2 = dict(vocab_size=8192, n_positions=128, n_embd=320, n_layer=6, n_head=5, resid_pdrop=0.0, embd_pdrop=0.0,
             attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)

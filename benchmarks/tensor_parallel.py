@@ -29,11 +29,12 @@ import torch
 from against_peer import compare, time_steps, write_and_print  # benchmarks/against_peer.py
 from record import RESULTS  # benchmarks/record.py
 
-from minitrain.config import build_config
+
+from minitrain.train.run_config import run_config
 from minitrain.data import ShardedLoader, load_corpus
-from minitrain.launch import launch
-from minitrain.minigpt_plan import TENSOR_PARALLEL
-from minitrain.model import MiniGPT
+from minitrain.runtime.launch import launch
+from minitrain.models.minigpt.plan import TENSOR_PARALLEL
+from minitrain.models.minigpt.model import MiniGPT
 from minitrain.parallel.tp_plan import apply_tensor_parallel, hugging_face_plan
 
 MODEL = {"model.preset": "small", "train.batch_size": 8, "data.synthetic_tokens": 1 << 18, "train.log_every": 0}
@@ -83,7 +84,7 @@ def llama_worker(topo, tp_size: int, impl: str, steps: int) -> dict:
 
     transformers.logging.set_verbosity_error()
     topo = topo.with_layout(tp_size, 1)
-    cfg = build_config(cli_values={**MODEL, "dist.nproc": topo.world_size, "dist.tp": tp_size}).validate()
+    cfg = run_config(cli_values={**MODEL, "dist.nproc": topo.world_size, "dist.tp": tp_size})
     torch.manual_seed(cfg.train.seed)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA, tie_word_embeddings=False))
     if impl == "minitrain":
@@ -103,7 +104,7 @@ def llama_worker(topo, tp_size: int, impl: str, steps: int) -> dict:
 
 def worker(topo, tp_size: int, impl: str, steps: int) -> dict:
     topo = topo.with_layout(tp_size, 1)
-    cfg = build_config(cli_values={**MODEL, "dist.nproc": topo.world_size, "dist.tp": tp_size}).validate()
+    cfg = run_config(cli_values={**MODEL, "dist.nproc": topo.world_size, "dist.tp": tp_size})
     torch.manual_seed(cfg.train.seed)
     model = MiniGPT(cfg.model)
     if impl == "minitrain":

@@ -17,7 +17,7 @@ import torch
 from record import RESULTS, write_result  # benchmarks/record.py
 
 from minitrain.bench.throughput import ThroughputOptions, device_name, measure
-from minitrain.metrics import format_table
+from minitrain.train.metrics import format_table
 
 CONFIGS = ["small/fp32", "small/bf16", "tiny/fp32"]
 # Per configuration: steps per side and round (enough for a measurable span: tiny's step is a few ms), batch,

@@ -27,8 +27,8 @@ from pathlib import Path
 from record import RESULTS, write_result  # benchmarks/record.py
 
 import minitrain
-from minitrain.launch import free_port
-from minitrain.metrics import format_table
+from minitrain.runtime.launch import free_port
+from minitrain.train.metrics import format_table
 
 TRAIN = ["train", "--steps", "20", "--ckpt-every-steps", "5", "--train.log_every", "0"]
 FAULT = ["--resume", "auto", "--fault.kind", "sigkill", "--fault.step", "7", "--fault.rank", "1"]

@@ -1,7 +1,7 @@
 """Step time and peak memory per rank of ZeRO stages 0-3 against PyTorch's DDP, ZeroRedundancyOptimizer and FSDP2.
 
 Every configuration trains the same model on the same data with the same
-schedule (the peers are minitrain.peers), at 2 and 4 ranks, gloo on
+schedule (the peers are minitrain.bench.peers), at 2 and 4 ranks, gloo on
 CPU, one thread per rank. Each repeat runs every configuration back to back
 (rotated order), each in freshly launched ranks, and takes the median step
 time after warmup; ratios are formed within the repeat and reported as median
@@ -32,18 +32,19 @@ import time
 from ranges import fmt_range, median_range  # benchmarks/ranges.py
 from record import RESULTS, write_result  # benchmarks/record.py
 
-from minitrain.config import build_config
-from minitrain.launch import launch
-from minitrain.memory import device_peak_bytes, reset_device_peak
-from minitrain.metrics import format_table, human_bytes
-from minitrain.peers import PeerTrainer
-from minitrain.trainer import Trainer
+
+from minitrain.train.run_config import run_config
+from minitrain.runtime.launch import launch
+from minitrain.train.memory import device_peak_bytes, reset_device_peak
+from minitrain.train.metrics import format_table, human_bytes
+from minitrain.bench.peers import PeerTrainer
+from minitrain.train.trainer import Trainer
 
 # ~10.8M parameters (43 MB in float32): model state, not activations, dominates memory.
 MODEL = {"model.n_layer": 6, "model.d_model": 384, "model.n_head": 6, "model.vocab_size": 256,
          "model.seq_len": 128, "train.batch_size": 2, "data.synthetic_tokens": 1 << 18}
 CONFIGS = ["zero0", "zero1", "zero2", "zero3", "ddp", "zero-redundancy", "fsdp2-zero2", "fsdp2"]
-# Each stage against PyTorch's way of sharding the same things (minitrain.peers).
+# Each stage against PyTorch's way of sharding the same things (minitrain.bench.peers).
 PEER_OF = {"zero0": "ddp", "zero1": "zero-redundancy", "zero2": "fsdp2-zero2", "zero3": "fsdp2"}
 WARMUP = 2
 
@@ -56,7 +57,7 @@ def worker(topo, name: str, steps: int) -> dict:
     stage = int(name[-1]) if name in PEER_OF else 0
     values = {**MODEL, "train.zero": stage, "train.steps": steps, "dist.nproc": topo.world_size,
               "train.log_every": 0}
-    cfg = build_config(cli_values=values).validate()
+    cfg = run_config(cli_values=values)
     device = topo.device
     gc.collect()
     reset_device_peak(device)

@@ -26,8 +26,8 @@ except ModuleNotFoundError:
              "root first, or activate .venv")
 
 from minitrain.data import make_corpus  # noqa: E402,F401 - make_corpus(seed, total_tokens): the synthetic tokens
-from minitrain.demo import DemoOptions, _train_worker, run_demo, verify_resume  # noqa: E402,F401 - see run_demo
-from minitrain.model import MiniGPT  # noqa: E402,F401 - 2 layers, masked self-attention, separate LM head
+from minitrain.apps.demo import DemoOptions, _train_worker, run_demo, verify_resume  # noqa: E402,F401 - see run_demo
+from minitrain.models.minigpt.model import MiniGPT  # noqa: E402,F401 - 2 layers, masked self-attention, separate LM head
 
 
 def main() -> int:

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from minitrain.launch import LaunchTimeoutError, RankFailedError, free_port, launch
+from minitrain.runtime.launch import LaunchTimeoutError, RankFailedError, free_port, launch
 
 DEFAULT_TIMEOUT_S = 90.0
 
@@ -105,7 +105,7 @@ def run_main(*argv: str, cwd=None) -> subprocess.CompletedProcess:
     import contextlib
     import io
 
-    from minitrain.cli import main
+    from minitrain.apps.cli import main
 
     out, err = io.StringIO(), io.StringIO()
     previous = os.getcwd()

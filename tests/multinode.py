@@ -17,8 +17,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script by torchrun: make `tests` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from minitrain.cli import build_parser, resolve_config
-from minitrain.run import train_worker
+from minitrain.apps.cli import build_parser, resolve_config
+from minitrain.train.loop import train_worker
 from tests.netns import Cluster, Finished
 
 THIS = str(Path(__file__).resolve())
@@ -121,6 +121,6 @@ def elastic_run(cluster: Cluster, argv: list[str], out: Path, log_dir: Path, *, 
 
 
 if __name__ == "__main__":
-    from minitrain.launch import run_under_torchrun
+    from minitrain.runtime.launch import run_under_torchrun
 
     run_under_torchrun(train_each, json.loads(Path(sys.argv[1]).read_text()), backend="gloo", pg_timeout_s=60)

@@ -2,7 +2,7 @@
 import torch
 
 from minitrain.config import build_config
-from minitrain.model import MiniGPT
+from minitrain.models.minigpt.model import MiniGPT
 from minitrain.parallel.layout import FlatParameters
 
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from minitrain.config import RunConfig
 from minitrain.data import load_corpus
-from minitrain.model import MiniGPT
+from minitrain.models.minigpt.model import MiniGPT
 
 
 def learning_rate(step: int, lr: float, warmup: int, total: int, min_ratio: float) -> float:

@@ -205,7 +205,7 @@ def test_consolidated_checkpoint_loads_with_from_pretrained_and_gives_the_same_l
     import transformers
     from safetensors.torch import load_file
 
-    from minitrain.ckpt_tool import consolidate
+    from minitrain.apps.ckpt import consolidate
 
     root = tmp_path / "ckpt"
     states = run_ranks(_save_then_continue, 2, str(root), "gpt2", 3)[0]

@@ -8,19 +8,19 @@ import torch
 
 from minitrain import checkpoint
 from minitrain.checkpoint import CheckpointError
-from minitrain.config import build_config
+from minitrain.train.run_config import run_config
 from minitrain.parallel.flat import same_state
-from minitrain.topology import Topology
-from minitrain.trainer import Trainer
+from minitrain.runtime.topology import Topology
+from minitrain.train.trainer import Trainer
 
 from .dist import run_ranks
 from .tamper import resign_file
 
 
 def _config(world, zero=1, steps=6, dtype="float32", batch_size=4):
-    return build_config(cli_values={"train.zero": zero, "train.steps": steps, "dist.nproc": world,
+    return run_config(cli_values={"train.zero": zero, "train.steps": steps, "dist.nproc": world,
                                     "train.dtype": dtype, "train.batch_size": batch_size,
-                                    "train.log_every": 0}).validate()
+                                    "train.log_every": 0})
 
 
 def _save_reload_resume(topo, root):

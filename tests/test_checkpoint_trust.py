@@ -14,8 +14,9 @@ from safetensors.torch import load_file
 
 from minitrain import checkpoint
 from minitrain.checkpoint import CheckpointError
-from minitrain.config import ConfigError, build_config
-from minitrain.trainer import Trainer
+from minitrain.config import ConfigError
+from minitrain.train.run_config import run_config
+from minitrain.train.trainer import Trainer
 
 from .dist import run_main, run_ranks
 from .tamper import read_manifest_json, replace_shard, resign, resign_file, resign_text
@@ -25,7 +26,7 @@ SETTINGS = {"dist.nproc": 2, "train.zero": 1, "train.steps": 4, "train.log_every
 
 
 def _save(topo, root):
-    trainer = Trainer(build_config(cli_values=SETTINGS).validate(), topo)
+    trainer = Trainer(run_config(cli_values=SETTINGS), topo)
     trainer.train_step()
     trainer.train_step()
     trainer.save_checkpoint(Path(root) / "checkpoints")
@@ -209,15 +210,15 @@ def _edit(manifest: dict, path: tuple, action: str, value) -> None:
 
 def _use_every_way(run: Path, step_dir: Path) -> None:
     """What a user can do with a checkpoint: verify, inspect, consolidate, check a resume, load it."""
-    from minitrain import ckpt_tool
-    from minitrain.run import check_resume
-    from minitrain.topology import Topology
+    from minitrain.apps import ckpt as ckpt_tool
+    from minitrain.train.loop import check_resume
+    from minitrain.runtime.topology import Topology
 
     checkpoint.verify(step_dir)
     ckpt_tool.inspect(str(step_dir))
     ckpt_tool.consolidated_state_dict(str(step_dir))
-    check_resume(build_config(cli_values={**SETTINGS, "ckpt.resume": str(step_dir), "out": str(run)}).validate())
-    one = build_config(cli_values={**SETTINGS, "dist.nproc": 1, "train.batch_size": 8}).validate()
+    check_resume(run_config(cli_values={**SETTINGS, "ckpt.resume": str(step_dir), "out": str(run)}))
+    one = run_config(cli_values={**SETTINGS, "dist.nproc": 1, "train.batch_size": 8})
     Trainer(one, Topology.single()).load_checkpoint(step_dir)  # resharded to one process
 
 
@@ -241,9 +242,9 @@ def test_any_manifest_edit_ends_in_a_clean_refusal_or_a_working_checkpoint(origi
 
 
 def test_non_finite_parameters_or_optimizer_state_are_never_committed(tmp_path):
-    from minitrain.topology import Topology
+    from minitrain.runtime.topology import Topology
 
-    one = build_config(cli_values={**SETTINGS, "dist.nproc": 1}).validate()
+    one = run_config(cli_values={**SETTINGS, "dist.nproc": 1})
     for key in ("params", "optim.exp_avg_sq"):
         trainer = Trainer(one, Topology.single())
         trainer.train_step()

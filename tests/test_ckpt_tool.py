@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 
 from minitrain import checkpoint
 from minitrain.config import build_config
-from minitrain.model import MiniGPT
+from minitrain.models.minigpt.model import MiniGPT
 
 from .dist import run_cli
 

@@ -1,6 +1,6 @@
 import torch
 
-from minitrain.comm import Comm
+from minitrain.runtime.comm import Comm
 
 from .dist import run_ranks
 

@@ -2,8 +2,9 @@
 checkpointing and ZeRO's hooks, trains as eager does within float32 rounding."""
 import torch
 
-from minitrain.config import build_config
-from minitrain.trainer import Trainer
+
+from minitrain.train.run_config import run_config
+from minitrain.train.trainer import Trainer
 
 from .dist import run_ranks
 
@@ -17,8 +18,8 @@ def _compiled_and_eager(topo):
     for zero, ac in CASES:
         runs = []
         for compiled in (False, True):
-            cfg = build_config(cli_values={"dist.nproc": topo.world_size, "train.zero": zero, "train.compile": compiled,
-                                           "train.activation_checkpointing": ac, "train.log_every": 0}).validate()
+            cfg = run_config(cli_values={"dist.nproc": topo.world_size, "train.zero": zero, "train.compile": compiled,
+                                           "train.activation_checkpointing": ac, "train.log_every": 0})
             trainer = Trainer(cfg, topo)
             runs.append(([trainer.train_step().loss for _ in range(3)], trainer.strategy.full_params()))
         out[(zero, ac)] = runs

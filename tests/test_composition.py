@@ -8,11 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minitrain.config import build_config
+
+from minitrain.train.run_config import run_config
 from minitrain.data import load_val
-from minitrain.model import MiniGPT
-from minitrain.topology import Topology
-from minitrain.trainer import Trainer
+from minitrain.models.minigpt.model import MiniGPT
+from minitrain.runtime.topology import Topology
+from minitrain.train.trainer import Trainer
 
 from .dist import run_ranks
 from .reference import assert_exercises_the_loop, plain_run
@@ -26,13 +27,13 @@ EVAL_BATCHES = 3
 
 
 def _config(dp, tp, pp, zero, precision="fp32"):
-    return build_config(cli_values={
+    return run_config(cli_values={
         "train.dtype": "float64" if precision == "fp32" else "float32", "train.precision": precision, "train.zero": zero, "train.steps": STEPS, "train.log_every": 0,
         "dist.nproc": dp * tp * pp, "dist.tp": tp, "dist.pp": pp, "train.batch_size": GLOBAL_BATCH // dp,
         # Pipelines get 4 micro-batches per batch (GPipe for 2 stages, 1F1B for 4; both are tested alone too).
         "dist.microbatches": 4 if pp > 1 else 1, "dist.schedule": "gpipe" if pp == 2 else "1f1b",
         "train.grad_clip": 1.65,  # between the steps' gradient norms: some steps clipped, others not
-        "eval.every": STEPS, "eval.batches": EVAL_BATCHES, **MODEL}).validate()
+        "eval.every": STEPS, "eval.batches": EVAL_BATCHES, **MODEL})
 
 
 def _matrix(topo):

@@ -2,9 +2,11 @@ import pytest
 
 from minitrain.config import ConfigError, build_config, from_dict, load_toml
 
+from minitrain.train.run_config import run_config
+
 
 def test_defaults_are_the_tiny_model():
-    cfg = build_config().validate()
+    cfg = run_config()
     m = cfg.model
     assert (m.n_layer, m.d_model, m.n_head, m.vocab_size, m.seq_len, cfg.train.batch_size) == (2, 32, 4, 64, 16, 4)
 
@@ -32,7 +34,7 @@ def test_precedence_defaults_preset_file_cli(tmp_path):
 ])
 def test_bad_values_raise_config_error(values, message):
     with pytest.raises(ConfigError, match=message):
-        build_config(cli_values=values).validate()
+        run_config(cli_values=values)
 
 
 def test_bad_toml_is_a_config_error(tmp_path):

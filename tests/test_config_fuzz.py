@@ -7,9 +7,9 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minitrain.cli import build_parser, resolve_config
+from minitrain.apps.cli import build_parser, resolve_config
 from minitrain.config import ConfigError, field_specs
-from minitrain.launch import check_local_ranks
+from minitrain.runtime.launch import check_local_ranks
 
 # Settings that name files, or whose values start faults on purpose, are left to their own tests.
 KEYS = sorted(key for key, *_ in field_specs() if not key.startswith(("fault.", "data.corpus", "ckpt.resume", "out")))

@@ -1,3 +1,4 @@
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -5,7 +6,9 @@ import pytest
 import torch
 
 import minitrain
-from minitrain.config import ConfigError, build_config
+from minitrain import config
+from minitrain.config import ConfigError
+from minitrain.train.run_config import run_config
 from minitrain.data import (
     ByteTokenizer,
     EvalBatches,
@@ -17,6 +20,10 @@ from minitrain.data import (
     make_corpus,
     text_corpus,
 )
+from minitrain.data import corpus_vocab_size
+
+# The settings as a run reads them: the model's vocabulary from the tokenized corpus unless one is given.
+build_config = functools.partial(config.build_config, vocab_of=corpus_vocab_size)
 
 
 def test_synthetic_corpus_is_deterministic_and_structured():
@@ -143,10 +150,10 @@ def test_evaluation_is_refused_without_a_held_out_split_or_with_too_small_a_one(
     tokens = tmp_path / "tokens.bin"
     np.arange(1000, dtype=np.uint16).tofile(tokens)
     with pytest.raises(ConfigError, match="--eval-every needs a held-out split and corpus .* has none"):
-        build_config(cli_values={"data.corpus": str(tokens), "model.vocab_size": 1000, "eval.every": 5}).validate()
+        run_config(cli_values={"data.corpus": str(tokens), "model.vocab_size": 1000, "eval.every": 5})
     with pytest.raises(ConfigError, match="one evaluation batch needs batch_size x data-parallel ranks = 64"):
-        build_config(cli_values={"data.synthetic_tokens": 4000, "eval.every": 5, "train.batch_size": 16,
-                                 "dist.nproc": 4}).validate()
+        run_config(cli_values={"data.synthetic_tokens": 4000, "eval.every": 5, "train.batch_size": 16,
+                                 "dist.nproc": 4})
 
 
 def test_evaluation_batches_split_the_same_examples_over_ranks_every_time():

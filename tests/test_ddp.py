@@ -3,14 +3,16 @@ import pytest
 import torch
 import torch.nn as nn
 
-from minitrain.config import TrainConfig, build_config
-from minitrain.optim import flat_adamw_factory
+from minitrain.config import TrainConfig
+
+from minitrain.train.run_config import run_config
+from minitrain.train.optim import flat_adamw_factory
 from minitrain.parallel.buckets import plan_buckets
 from minitrain.parallel.config import ParallelConfig
 from minitrain.parallel.ddp import BucketedDataParallel
 from minitrain.parallel.layout import Segment
-from minitrain.topology import Topology
-from minitrain.trainer import Trainer
+from minitrain.runtime.topology import Topology
+from minitrain.train.trainer import Trainer
 
 from .dist import run_ranks
 from .numerics import key_bias_mask
@@ -20,10 +22,10 @@ STEPS = 5
 
 
 def _config(world, mode, dtype="float64", batch_size=4, grad_accum=1, bucket_mb=25.0):
-    return build_config(cli_values={
+    return run_config(cli_values={
         "ddp.mode": mode, "train.dtype": dtype, "train.steps": STEPS, "train.batch_size": batch_size,
         "train.grad_accum": grad_accum, "ddp.bucket_mb": bucket_mb, "dist.nproc": world,
-        "train.lr": 1e-2, "train.log_every": 0}).validate()
+        "train.lr": 1e-2, "train.log_every": 0})
 
 
 def _all_modes(topo, dtype):

@@ -4,7 +4,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from minitrain.demo import check_invariants
+from minitrain.apps.demo import check_invariants
 
 from .dist import run_cli
 

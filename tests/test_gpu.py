@@ -7,9 +7,10 @@ import warnings
 import pytest
 import torch
 
-from minitrain.config import build_config
-from minitrain.topology import Topology
-from minitrain.trainer import Trainer
+
+from minitrain.train.run_config import run_config
+from minitrain.runtime.topology import Topology
+from minitrain.train.trainer import Trainer
 
 from .dist import run_cli
 
@@ -18,7 +19,7 @@ pytestmark = [pytest.mark.gpu,
 
 
 def _trainer(**values):
-    cfg = build_config(cli_values={"model.preset": "small", "train.log_every": 0, **values}).validate()
+    cfg = run_config(cli_values={"model.preset": "small", "train.log_every": 0, **values})
     return Trainer(cfg, Topology.single("cuda"))
 
 

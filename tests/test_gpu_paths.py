@@ -14,10 +14,10 @@ from torch import nn
 
 import minitrain
 from minitrain.checkpoint import files
-from minitrain.comm import CollectiveError, Comm
+from minitrain.runtime.comm import CollectiveError, Comm
 from minitrain.config import ConfigError
-from minitrain import topology
-from minitrain.topology import Topology
+from minitrain.runtime import topology
+from minitrain.runtime.topology import Topology
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2)
 CAPTURABLE = functools.partial(torch.optim.AdamW, lr=1e-2, capturable=True)
@@ -138,7 +138,7 @@ def test_joining_binds_each_rank_to_its_gpu(monkeypatch):
         raise _Joined
 
     monkeypatch.setattr(torch.distributed, "init_process_group", init_process_group)
-    monkeypatch.setattr("minitrain.topology._rendezvous_store", lambda *a: None)
+    monkeypatch.setattr("minitrain.runtime.topology._rendezvous_store", lambda *a: None)
     for key, value in dict(RANK="3", WORLD_SIZE="4", LOCAL_RANK="3", LOCAL_WORLD_SIZE="4", MASTER_ADDR="127.0.0.1",
                            MASTER_PORT="1").items():
         monkeypatch.setenv(key, value)
@@ -264,7 +264,7 @@ def test_the_gradient_sync_overlap_is_read_from_device_marks():
 def test_the_watch_sees_a_collective_the_device_has_not_finished():
     """On NCCL the host leaves a collective at once: the watch counted the rank as out of it, and a hang in it
     went unseen. It now watches the Work until the device finishes it."""
-    from minitrain.collective_watch import CollectiveWatch
+    from minitrain.runtime.watch import CollectiveWatch
 
     watch = CollectiveWatch(0, 1, torch.distributed.HashStore(), 0.05, object(), report=lambda *a: None)
     try:
@@ -307,10 +307,10 @@ class TickingClock(FakeClock):
 def test_busy_time_on_a_device_comes_from_its_events():
     """Per-rank busy time (the straggler report) was host time less host waits: on a GPU, the time to enqueue.
     With a device clock the row carries the step before's device time in its phases but comm."""
-    from minitrain.config import build_config
-    from minitrain.trainer import Trainer
+    from minitrain.train.run_config import run_config
+    from minitrain.train.trainer import Trainer
 
-    cfg = build_config(cli_values={"model.preset": "tiny", "train.log_every": 0}).validate()
+    cfg = run_config(cli_values={"model.preset": "tiny", "train.log_every": 0})
     trainer = Trainer(cfg, Topology.single())
     trainer.topo.dp.clock = FakeClock()  # the device path, with host-timed phases
     first = trainer.train_step()

@@ -2,16 +2,17 @@
 import pytest
 import torch
 
-from minitrain.config import build_config
+
+from minitrain.train.run_config import run_config
 from minitrain.parallel.flat import same_state
-from minitrain.trainer import NonFiniteError, Trainer
+from minitrain.train.trainer import NonFiniteError, Trainer
 
 from .dist import run_ranks
 
 
 def _poison_rank_one(topo, zero):
-    cfg = build_config(cli_values={"train.zero": zero, "dist.nproc": topo.world_size, "train.log_every": 0,
-                                   "train.max_skipped_steps": 2}).validate()
+    cfg = run_config(cli_values={"train.zero": zero, "dist.nproc": topo.world_size, "train.log_every": 0,
+                                   "train.max_skipped_steps": 2})
     trainer = Trainer(cfg, topo)
     for _ in range(2):
         trainer.train_step()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import time
 
 import pytest
@@ -119,7 +118,7 @@ def test_report_reads_a_line_with_a_malformed_field(tmp_path):
 
 
 def test_data_prepare_on_a_megabyte_without_spaces_is_quick_and_exact(tmp_path):
-    from minitrain.tokenizer import decode, load_tokenizer
+    from minitrain.corpus.tokenizer import decode, load_tokenizer
 
     text = "a" * 1_000_000 + " and then ordinary words.\n"
     (tmp_path / "long.txt").write_text(text)
@@ -161,13 +160,13 @@ def test_messages_name_the_likely_cause():
         opt.step()
     # A trainer's micro-batch run outside no_sync after the sync began (a loop of minitrain's own API syncs each
     # backward when it ends, as DDP does, so there it is a second sync, not this error).
-    from minitrain.comm import Comm
+    from minitrain.runtime.comm import Comm
     from minitrain.parallel import ParallelConfig, make_strategy
     from minitrain.parallel.shard_optimizer import TorchShardOptimizer
 
     model = net()
     names = [n for n, _ in model.named_parameters()]
-    strategy = make_strategy(model, Comm(), ParallelConfig(bucket_mb=1e-6, master_dtype=torch.float64,
+    strategy = make_strategy(model, Comm(), ParallelConfig(bucket_mb=1e-6, master_dtype=torch.float64,  # noqa: F841 - its hooks act
                                                            reduce_dtype=torch.float64),
                              lambda master, flat, ranges: TorchShardOptimizer(master, flat, ranges, False, ADAMW,
                                                                               [(names, {})]))

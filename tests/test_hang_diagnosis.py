@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minitrain.launch import RankFailedError, launch
+from minitrain.runtime.launch import RankFailedError, launch
 
 from .dist import run_ranks
 
@@ -126,11 +126,11 @@ def test_the_periodic_check_names_a_rank_that_called_from_another_line():
 
 
 def _train_with_checks(topo):
-    from minitrain.config import build_config
-    from minitrain.trainer import Trainer
+    from minitrain.train.run_config import run_config
+    from minitrain.train.trainer import Trainer
 
-    cfg = build_config(cli_values={"dist.nproc": topo.world_size, "train.zero": 3, "train.log_every": 0,
-                                   "dist.fingerprint_every": 1}).validate()
+    cfg = run_config(cli_values={"dist.nproc": topo.world_size, "train.zero": 3, "train.log_every": 0,
+                                   "dist.fingerprint_every": 1})
     trainer = Trainer(cfg, topo)
     for _ in range(3):
         trainer.train_step()  # steps 2 and 3 start with a check

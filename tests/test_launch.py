@@ -4,7 +4,7 @@ import time
 import pytest
 import torch
 
-from minitrain.launch import LaunchTimeoutError, RankFailedError, launch
+from minitrain.runtime.launch import LaunchTimeoutError, RankFailedError, launch
 
 from .dist import run_ranks
 
@@ -73,10 +73,11 @@ def test_hang_hits_the_hard_timeout_and_kills_the_group():
 def _hang_rank_one_at_step_three(topo, stamp):
     import time as _time
 
-    from minitrain.config import build_config
-    from minitrain.trainer import Trainer
 
-    cfg = build_config(cli_values={"train.zero": 3, "dist.nproc": topo.world_size, "train.log_every": 0}).validate()
+    from minitrain.train.run_config import run_config
+    from minitrain.train.trainer import Trainer
+
+    cfg = run_config(cli_values={"train.zero": 3, "dist.nproc": topo.world_size, "train.log_every": 0})
     trainer = Trainer(cfg, topo)
     for _ in range(2):
         trainer.train_step()
@@ -120,8 +121,8 @@ def test_no_rank_outlives_a_killed_launcher(tmp_path):
 def _threads_after_training_and_close(topo, out):
     from pathlib import Path
 
-    from minitrain.cli import build_parser, resolve_config
-    from minitrain.run import train_worker
+    from minitrain.apps.cli import build_parser, resolve_config
+    from minitrain.train.loop import train_worker
 
     cfg = resolve_config(build_parser().parse_args(["train", "--tp", "2", "--zero", "3", "--steps", "2", "--out", out,
                                                     "--train.log_every", "0"]))

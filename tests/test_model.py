@@ -4,9 +4,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import minitrain.model as model_module
+import minitrain.models.minigpt.model as model_module
 from minitrain.config import PRESETS, ModelConfig
-from minitrain.model import MiniGPT
+from minitrain.models.minigpt.model import MiniGPT
 
 
 def tiny(**overrides) -> ModelConfig:

@@ -9,9 +9,10 @@ torch.optim.AdamW, clip_grad_norm_ and the schedule written out, no minitrain co
 import pytest
 import torch
 
-from minitrain.config import build_config
-from minitrain.topology import Topology
-from minitrain.trainer import Trainer
+
+from minitrain.train.run_config import run_config
+from minitrain.runtime.topology import Topology
+from minitrain.train.trainer import Trainer
 
 from .dist import run_ranks
 from .numerics import key_bias_mask
@@ -21,13 +22,13 @@ STEPS = 5
 
 
 def _config(world, zero, dtype, batch_size=4, grad_accum=1):
-    return build_config(cli_values={
+    return run_config(cli_values={
         "train.zero": zero, "train.dtype": dtype, "train.steps": STEPS, "train.batch_size": batch_size,
         "train.grad_accum": grad_accum, "dist.nproc": world, "train.lr": 1e-2, "train.log_every": 0,
         # float64 runs are held to the plain PyTorch reference: 1.5 lies between the steps' gradient norms,
         # so clipping acts on some steps and not on others.
         "train.grad_clip": 1.5 if dtype == "float64" else 1.0,
-    }).validate()
+    })
 
 
 def _run(topo, zero, dtype, batch_size=4, grad_accum=1):

@@ -6,7 +6,8 @@ import time
 import pytest
 import torch
 
-from minitrain.config import build_config
+
+from minitrain.train.run_config import run_config
 from minitrain.parallel.pipeline import stage_blocks
 from minitrain.parallel.schedules import (
     SCHEDULES,
@@ -19,8 +20,8 @@ from minitrain.parallel.schedules import (
     simulate,
     simulated_bubble,
 )
-from minitrain.topology import Topology
-from minitrain.trainer import Trainer
+from minitrain.runtime.topology import Topology
+from minitrain.train.trainer import Trainer
 
 from .dist import run_main, run_ranks
 from .reference import assert_exercises_the_loop, plain_run
@@ -67,11 +68,11 @@ MODEL = {"model.n_layer": 4, "model.d_model": 32, "model.n_head": 4, "model.voca
 
 
 def _config(world, pp, microbatches=1, schedule="1f1b", zero=0, **values):
-    return build_config(cli_values={"train.dtype": "float64", "train.zero": zero, "dist.nproc": world,
+    return run_config(cli_values={"train.dtype": "float64", "train.zero": zero, "dist.nproc": world,
                                     "dist.pp": pp, "dist.microbatches": microbatches, "dist.schedule": schedule,
                                     "train.batch_size": 12, "train.log_every": 0,
                                     # between the steps' gradient norms: steps 1-2 unclipped, 3-4 clipped
-                                    "train.grad_clip": 2.0, **MODEL, **values}).validate()
+                                    "train.grad_clip": 2.0, **MODEL, **values})
 
 
 def _run(trainer):

@@ -4,15 +4,15 @@ import json
 import pytest
 import torch
 
-from minitrain import plan
-from minitrain.config import build_config
-from minitrain.memory import allocated_peak_bytes, saved_activation_bytes
-from minitrain.precision import autocast
-from minitrain.model import MiniGPT
-from minitrain.minigpt_plan import MINIGPT_PLAN
+from minitrain.train import estimate as plan
+from minitrain.train.run_config import run_config
+from minitrain.train.memory import allocated_peak_bytes, saved_activation_bytes
+from minitrain.train.precision import autocast
+from minitrain.models.minigpt.model import MiniGPT
+from minitrain.models.minigpt.plan import MINIGPT_PLAN
 from minitrain.parallel.recompute import apply_activation_checkpointing
-from minitrain.topology import Topology
-from minitrain.trainer import Trainer
+from minitrain.runtime.topology import Topology
+from minitrain.train.trainer import Trainer
 
 from .dist import run_cli, run_main, run_ranks
 
@@ -48,9 +48,9 @@ def _at_rest(topo):
     measured = {}
     for name, precision, reduce in AT_REST_CASES:
         for zero in range(4):
-            cfg = build_config(cli_values={**MODELS[name], "train.zero": zero, "dist.nproc": topo.world_size,
+            cfg = run_config(cli_values={**MODELS[name], "train.zero": zero, "dist.nproc": topo.world_size,
                                            "train.precision": precision, "train.reduce_dtype": reduce,
-                                           "train.log_every": 0}).validate()
+                                           "train.log_every": 0})
             trainer = Trainer(cfg, topo)
             trainer.train_step()
             measured[(name, precision, reduce, zero)] = trainer.strategy.memory_bytes()
@@ -61,7 +61,7 @@ def _at_rest(topo):
 def test_predicted_bytes_at_rest_equal_the_measured_ones(world):
     measured = _at_rest(Topology.single()) if world == 1 else run_ranks(_at_rest, world)[0]
     for (name, precision, reduce, zero), held in measured.items():
-        model = build_config(cli_values=MODELS[name]).validate().model
+        model = run_config(cli_values=MODELS[name]).model
         predicted = plan.model_state_bytes(plan.PlanInput(model=model, params=0, dp=world, zero=zero,
                                                           precision=precision, reduce_dtype=reduce))
         assert predicted == {k: held[k] for k in predicted}, (name, precision, reduce, zero)
@@ -71,8 +71,8 @@ def test_predicted_bytes_at_rest_equal_the_measured_ones(world):
 @pytest.mark.parametrize("mode,precision", [("none", "fp32"), ("selective", "fp32"), ("none", "bf16")])
 @pytest.mark.parametrize("attention", ["sdpa", "explicit"])
 def test_activation_formula_matches_what_autograd_stores(name, mode, precision, attention):
-    cfg = build_config(cli_values={**MODELS[name], "train.precision": precision,
-                                   "model.attention": attention}).validate()
+    cfg = run_config(cli_values={**MODELS[name], "train.precision": precision,
+                                   "model.attention": attention})
     m, b = cfg.model, 3
     torch.manual_seed(0)
     model = apply_activation_checkpointing(MiniGPT(m), mode, MINIGPT_PLAN)
@@ -90,7 +90,7 @@ def test_activation_formula_matches_what_autograd_stores(name, mode, precision, 
 
 
 def test_block_recomputation_keeps_one_input_per_layer_and_replays_one_layer():
-    m = build_config(cli_values=MODELS["mid"]).validate().model
+    m = run_config(cli_values=MODELS["mid"]).model
     inp = {"model": m, "params": 0, "micro_batch": 2}
     none, block = (plan.activation_bytes(plan.PlanInput(**inp, activation_checkpointing=mode))
                    for mode in ("none", "block"))
@@ -114,9 +114,9 @@ def _peaks(topo):
     for name in MODELS:
         for precision in ("fp32", "bf16"):
             for zero in range(4):
-                cfg = build_config(cli_values={**MODELS[name], "train.zero": zero, "dist.nproc": topo.world_size,
+                cfg = run_config(cli_values={**MODELS[name], "train.zero": zero, "dist.nproc": topo.world_size,
                                                "train.batch_size": 8, "train.precision": precision,
-                                               "train.log_every": 0}).validate()
+                                               "train.log_every": 0})
                 trainer = Trainer(cfg, topo)
                 trainer.train_step()
                 at_rest = sum(trainer.strategy.memory_bytes().values())
@@ -133,7 +133,7 @@ def test_predicted_peak_is_within_15_percent_of_the_measured_tensor_peak(world):
     measured = _peaks(Topology.single()) if world == 1 else run_ranks(_peaks, world)
     for rank, peaks in enumerate([measured] if world == 1 else measured):
         for (name, precision, zero), peak in peaks.items():
-            model = build_config(cli_values=MODELS[name]).validate().model
+            model = run_config(cli_values=MODELS[name]).model
             predicted = plan.plan(plan.PlanInput(model=model, params=plan.model_params(model), zero=zero,
                                                  micro_batch=8, precision=precision, dp=world))["bytes_per_rank"]
             assert abs(predicted["total"] - peak) <= 0.15 * peak, (rank, name, precision, zero, predicted, peak)

@@ -3,12 +3,14 @@ fp16 loss scaling (overflow skipped, scale halves, grows back, survives a checkp
 import pytest
 import torch
 
-from minitrain.config import ConfigError, build_config
+from minitrain.config import ConfigError
+
+from minitrain.train.run_config import run_config
 from minitrain.parallel.flat import same_state
-from minitrain.peers import PeerTrainer
-from minitrain.precision import LossScaler
-from minitrain.topology import Topology
-from minitrain.trainer import Trainer
+from minitrain.bench.peers import PeerTrainer
+from minitrain.train.precision import LossScaler
+from minitrain.runtime.topology import Topology
+from minitrain.train.trainer import Trainer
 
 from .dist import run_main, run_ranks
 from .reference import plain_run
@@ -19,7 +21,7 @@ TRACKING_TOLERANCE = {"bf16": 5e-3, "fp16": 1e-3}
 
 
 def _config(world=1, **values):
-    return build_config(cli_values={"train.log_every": 0, "dist.nproc": world, **values}).validate()
+    return run_config(cli_values={"train.log_every": 0, "dist.nproc": world, **values})
 
 
 def _trainer(topo=None, **values) -> Trainer:
@@ -101,8 +103,8 @@ def test_loss_scaler_growth_and_backoff_give_these_scales():
 
 
 def _ours_and_fsdp2(topo, precision):
-    cfg = build_config(cli_values={"train.zero": 3, "train.precision": precision, "dist.nproc": topo.world_size,
-                                   "train.log_every": 0}).validate()
+    cfg = run_config(cli_values={"train.zero": 3, "train.precision": precision, "dist.nproc": topo.world_size,
+                                   "train.log_every": 0})
     ours, theirs = Trainer(cfg, topo), PeerTrainer(cfg, topo, "fsdp2")
     return [ours.train_step().loss for _ in range(20)], [theirs.train_step() for _ in range(20)]
 
@@ -225,4 +227,4 @@ def test_resuming_in_another_precision_is_refused(tmp_path):
     proc = run_main("train", "--resume", str(path), "--steps", "4", "--out", str(tmp_path / "x"))
     assert proc.returncode == 2 and "--precision bf16" in proc.stderr, proc.stderr
     with pytest.raises(ConfigError):
-        build_config(cli_values={"train.precision": "bf16", "train.dtype": "float64"}).validate()
+        run_config(cli_values={"train.precision": "bf16", "train.dtype": "float64"})

@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, pre_tokenizers
 
 import minitrain
-from minitrain import token_files
-from minitrain.cli import main
+from minitrain.corpus import token_files
+from minitrain.apps.cli import main
 from minitrain.errors import ConfigError
-from minitrain.tokenizer import (
+from minitrain.corpus.tokenizer import (
     EOT,
     MIN_BPE_VOCAB,
     byte_level_tokenizer,

@@ -2,12 +2,13 @@
 import pytest
 import torch
 
-from minitrain.config import build_config
-from minitrain.memory import saved_activation_bytes
-from minitrain.model import CausalSelfAttention, MiniGPT
-from minitrain.minigpt_plan import MINIGPT_PLAN
+
+from minitrain.train.run_config import run_config
+from minitrain.train.memory import saved_activation_bytes
+from minitrain.models.minigpt.model import CausalSelfAttention, MiniGPT
+from minitrain.models.minigpt.plan import MINIGPT_PLAN
 from minitrain.parallel.recompute import apply_activation_checkpointing
-from minitrain.trainer import Trainer
+from minitrain.train.trainer import Trainer
 
 from .dist import run_ranks
 
@@ -15,7 +16,7 @@ MODES = ("none", "block", "selective")
 
 
 def _model(mode, attention):
-    cfg = build_config(cli_values={"model.n_layer": 3, "model.attention": attention}).validate()
+    cfg = run_config(cli_values={"model.n_layer": 3, "model.attention": attention})
     torch.manual_seed(0)
     return apply_activation_checkpointing(MiniGPT(cfg.model).double(), mode, MINIGPT_PLAN), cfg
 
@@ -56,8 +57,8 @@ def test_recomputation_gives_identical_gradients_and_stores_less(attention):
 def _train_every_mode(topo, zero):
     out = {}
     for mode in MODES:
-        cfg = build_config(cli_values={"train.zero": zero, "train.dtype": "float64", "dist.nproc": topo.world_size,
-                                       "train.activation_checkpointing": mode, "train.log_every": 0}).validate()
+        cfg = run_config(cli_values={"train.zero": zero, "train.dtype": "float64", "dist.nproc": topo.world_size,
+                                       "train.activation_checkpointing": mode, "train.log_every": 0})
         trainer = Trainer(cfg, topo)
         out[mode] = ([trainer.train_step().loss for _ in range(3)], trainer.strategy.full_params())
     return out

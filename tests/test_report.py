@@ -14,9 +14,9 @@ import statistics
 import pytest
 from matplotlib.image import imread
 
-from minitrain.cli import main
-from minitrain.metrics import human_bytes, phase_line, phase_report
-from minitrain.report import PANELS, metrics_path, unique_labels
+from minitrain.apps.cli import main
+from minitrain.train.metrics import human_bytes, phase_line, phase_report
+from minitrain.apps.report import PANELS, metrics_path, unique_labels
 
 from .dist import run_cli
 

@@ -7,18 +7,18 @@ import pytest
 import torch
 
 from minitrain import checkpoint
-from minitrain.config import build_config
+from minitrain.train.run_config import run_config
 from minitrain.data import ShardedLoader, make_corpus
 from minitrain.parallel.flat import same_state
-from minitrain.resilience import SpikeError, SpikeGuard
-from minitrain.run import TrainingRun
-from minitrain.topology import Topology
-from minitrain.trainer import Trainer
+from minitrain.runtime.signals import SpikeError, SpikeGuard
+from minitrain.train.loop import TrainingRun
+from minitrain.runtime.topology import Topology
+from minitrain.train.trainer import Trainer
 
 
 def _config(out, **values):
     base = {"train.steps": 20, "ckpt.every_steps": 5, "train.log_every": 0, "out": str(out)}
-    return build_config(cli_values={**base, **values}).validate()
+    return run_config(cli_values={**base, **values})
 
 
 def _run(out, **values):

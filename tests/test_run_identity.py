@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from minitrain.config import ConfigError, build_config
-from minitrain.run import check_resume
+from minitrain.config import ConfigError
+
+from minitrain.train.run_config import run_config
+from minitrain.train.loop import check_resume
 
 from .dist import run_cli, run_main
 
@@ -51,7 +53,7 @@ def test_resuming_on_another_corpus_is_refused(run):
 def test_changed_optimizer_settings_resume_as_a_warm_restart_said_in_a_note(run):
     values = {"ckpt.resume": "auto", "out": str(run), "train.steps": 6, "train.grad_accum": 2,
               "train.weight_decay": 0.0, "train.beta2": 0.99, "train.grad_clip": 0.5}
-    notes = check_resume(build_config(cli_values=values).validate())
+    notes = check_resume(run_config(cli_values=values))
     assert len(notes) == 1 and "warm restart" in notes[0]
     for change in ("steps 4 -> 6", "grad_accum 1 -> 2", "weight_decay 0.1 -> 0.0", "beta2 0.95 -> 0.99",
                    "grad_clip 1.0 -> 0.5"):
@@ -94,7 +96,7 @@ def test_two_runs_on_one_out_dir_are_prevented(tmp_path):
 
 def test_settings_that_do_not_fit_fail_before_the_lock_or_any_file(tmp_path):
     with pytest.raises(ConfigError):
-        build_config(cli_values={"train.lr": "nan"}).validate()
+        run_config(cli_values={"train.lr": "nan"})
     _refused(run_main("train", "--lr", "nan", "--out", str(tmp_path / "x")), "train.lr must be a finite number")
     assert not (tmp_path / "x").exists()
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from minitrain import checkpoint
-from minitrain.launch import free_port
+from minitrain.runtime.launch import free_port
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "slurm" / "train.sbatch"
 DAEMONS = ("slurmctld", "slurmd")

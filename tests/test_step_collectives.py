@@ -9,8 +9,9 @@ units (one per block, plus the embeddings, final norm and head), T = parameter t
 import pytest
 from torch.overrides import TorchFunctionMode
 
-from minitrain.config import build_config
-from minitrain.trainer import Trainer
+
+from minitrain.train.run_config import run_config
+from minitrain.train.trainer import Trainer
 
 from .dist import run_ranks
 
@@ -36,8 +37,8 @@ class HostReads(TorchFunctionMode):
 def _one_step(topo):
     out = {}
     for mode, zero in STRATEGIES:
-        cfg = build_config(cli_values={"dist.nproc": topo.world_size, "train.zero": zero, "ddp.mode": mode,
-                                       "train.log_every": 0}).validate()
+        cfg = run_config(cli_values={"dist.nproc": topo.world_size, "train.zero": zero, "ddp.mode": mode,
+                                       "train.log_every": 0})
         trainer = Trainer(cfg, topo)
         trainer.train_step()  # the first step allocates and warms up; the second is what every step costs
         before = {op: (s.calls, s.bytes) for op, s in topo.dp.stats.items()}

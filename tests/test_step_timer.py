@@ -3,16 +3,17 @@ import json
 
 import pytest
 
-from minitrain.config import build_config
-from minitrain.step_timer import PHASES
-from minitrain.topology import Topology
-from minitrain.trainer import Trainer
+
+from minitrain.train.run_config import run_config
+from minitrain.train.step_timer import PHASES
+from minitrain.runtime.topology import Topology
+from minitrain.train.trainer import Trainer
 
 from .dist import run_cli, run_main, run_ranks
 
 
 def _phases(topo, extra):
-    cfg = build_config(cli_values={"dist.nproc": topo.world_size, "train.log_every": 0, **extra}).validate()
+    cfg = run_config(cli_values={"dist.nproc": topo.world_size, "train.log_every": 0, **extra})
     trainer = Trainer(cfg, topo)
     return [trainer.train_step() for _ in range(3)]
 

@@ -6,11 +6,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minitrain.config import build_config
+
+from minitrain.train.run_config import run_config
 from minitrain.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                        vocab_parallel_cross_entropy)
-from minitrain.topology import Topology, layout_groups
-from minitrain.trainer import Trainer
+from minitrain.runtime.topology import Topology, layout_groups
+from minitrain.train.trainer import Trainer
 
 from .dist import run_main, run_ranks
 from .reference import assert_close_to, assert_exercises_the_loop, plain_run
@@ -89,10 +90,10 @@ MID = {"model.n_layer": 2, "model.d_model": 32, "model.n_head": 4, "model.vocab_
 
 
 def _config(world, tp, zero=0, batch_size=4, **values):
-    return build_config(cli_values={"train.dtype": "float64", "train.zero": zero, "dist.nproc": world, "dist.tp": tp,
+    return run_config(cli_values={"train.dtype": "float64", "train.zero": zero, "dist.nproc": world, "dist.tp": tp,
                                     "train.batch_size": batch_size, "train.log_every": 0,
                                     # between the steps' gradient norms: some steps clipped, others not
-                                    "train.grad_clip": 1.5, **values}).validate()
+                                    "train.grad_clip": 1.5, **values})
 
 
 STEPS = 5

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 import minitrain
-from minitrain.ckpt_tool import consolidated_state_dict
-from minitrain.comm import Comm
+from minitrain.apps.ckpt import consolidated_state_dict
+from minitrain.runtime.comm import Comm
 from minitrain.parallel.recompute import apply_activation_checkpointing, targets
 from minitrain.parallel.tensor import tensor_parallel_slices
 from minitrain.parallel.tp_plan import (

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from minitrain.errors import ConfigError
-from minitrain.tracking import Tracker, check_available, flatten, open_sinks, scalars_of
+from minitrain.train.tracking import Tracker, check_available, flatten, open_sinks, scalars_of
 
 RUN_CONFIG = {"model": {"n_layer": 2, "d_model": 64}, "train": {"lr": 3e-4, "steps": 3}, "note": "x" * 7000}
 
@@ -200,7 +200,7 @@ def test_open_sinks_closes_the_started_ones_when_one_fails(tmp_path, fake_wandb,
 
     fake_wandb.init = refuse
     closed = []
-    monkeypatch.setattr("minitrain.tracking.TensorBoardSink.close", lambda self: closed.append(True))
+    monkeypatch.setattr("minitrain.train.tracking.TensorBoardSink.close", lambda self: closed.append(True))
     with pytest.raises(RuntimeError, match="not logged in"):
         open_sinks(log_cfg(tensorboard=True, wandb=True), tmp_path, {})
     assert closed == [True]

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 import minitrain
 from minitrain.checkpoint import CheckpointError
-from minitrain.ckpt_tool import consolidate, consolidated_state_dict
+from minitrain.apps.ckpt import consolidate, consolidated_state_dict
 
 from .dist import run_ranks
 from .hf_models import SEQ, VOCAB, batches, lm_loss

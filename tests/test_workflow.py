@@ -11,12 +11,12 @@ import torch
 import torch.nn.functional as F
 
 import minitrain
-from minitrain.cli import main
-from minitrain.config import build_config
+from minitrain.apps.cli import main
+from minitrain.train.run_config import run_config
 from minitrain.data import load_val
-from minitrain.model import MiniGPT
-from minitrain.topology import Topology
-from minitrain.trainer import Trainer, seed_everything
+from minitrain.models.minigpt.model import MiniGPT
+from minitrain.runtime.topology import Topology
+from minitrain.train.trainer import Trainer, seed_everything
 
 from .dist import run_cli, run_ranks
 
@@ -99,7 +99,7 @@ def test_the_export_is_all_sample_needs_and_a_seed_gives_the_same_text(trained, 
     # The exported weights are the final checkpoint's parameters under MiniGPT's own keys.
     from safetensors.torch import load_file
 
-    from minitrain.ckpt_tool import consolidated_state_dict
+    from minitrain.apps.ckpt import consolidated_state_dict
 
     exported = load_file(str(alone / "model.safetensors"))
     saved = consolidated_state_dict(str(root / "run"))
@@ -107,7 +107,7 @@ def test_the_export_is_all_sample_needs_and_a_seed_gives_the_same_text(trained, 
 
 
 def test_greedy_sampling_is_the_models_argmax(trained):
-    from minitrain.sample import generate, load_exported
+    from minitrain.apps.sample import generate, load_exported
 
     root, _ = trained
     model, _ = load_exported(str(root / "model"))
@@ -178,12 +178,12 @@ EVAL = {"train.dtype": "float64", "train.steps": 2, "train.log_every": 0, "eval.
 
 def _evaluate_at_init(topo):
     """Each ZeRO stage's held-out loss before any step (the weights every rank starts from)."""
-    return {zero: Trainer(build_config(cli_values={**EVAL, "train.zero": zero, "dist.nproc": 2}).validate(),
+    return {zero: Trainer(run_config(cli_values={**EVAL, "train.zero": zero, "dist.nproc": 2}),
                           topo).evaluate() for zero in (0, 2, 3)}
 
 
 def test_zero_2_and_3_evaluate_like_one_plain_process():
-    cfg = build_config(cli_values={**EVAL, "dist.nproc": 2}).validate()
+    cfg = run_config(cli_values={**EVAL, "dist.nproc": 2})
     seed_everything(cfg.train.seed, 0)
     model = MiniGPT(cfg.model).to(torch.float64)  # what Trainer initialises, in one plain process
     val = torch.from_numpy(np.asarray(load_val(cfg), dtype=np.int64))
@@ -196,7 +196,7 @@ def test_zero_2_and_3_evaluate_like_one_plain_process():
     for rank, got in enumerate(run_ranks(_evaluate_at_init, 2)):
         for zero, loss in got.items():
             assert abs(loss - expected) <= 1e-12, (rank, zero, loss, expected)
-    single = Trainer(build_config(cli_values={**EVAL, "train.batch_size": 4}).validate(), Topology.single())
+    single = Trainer(run_config(cli_values={**EVAL, "train.batch_size": 4}), Topology.single())
     assert abs(single.evaluate() - expected) <= 1e-12
 
 
@@ -205,7 +205,7 @@ def test_hashing_a_large_file_shows_a_progress_bar_on_a_terminal_only(tmp_path, 
     import io
     import sys
 
-    from minitrain import progress
+    from minitrain.utils import progress
     from minitrain.checkpoint.files import sha256_of
 
     class Terminal(io.StringIO):
@@ -289,7 +289,7 @@ def test_a_slow_rank_is_named_in_the_summary_and_its_busy_time_is_in_the_metrics
 
 
 def test_the_straggler_report_compares_each_rank_with_the_others():
-    from minitrain.metrics import straggler_report
+    from minitrain.train.metrics import straggler_report
 
     steps = [[0.010, 0.011, 0.010, 0.030]] * 6
     report = straggler_report(steps, warmup=1, factor=1.5)

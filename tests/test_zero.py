@@ -8,10 +8,11 @@ import gc
 import pytest
 import torch
 
-from minitrain.config import build_config
-from minitrain.peers import STAGE_OF, PeerTrainer
-from minitrain.topology import Topology
-from minitrain.trainer import Trainer
+
+from minitrain.train.run_config import run_config
+from minitrain.bench.peers import STAGE_OF, PeerTrainer
+from minitrain.runtime.topology import Topology
+from minitrain.train.trainer import Trainer
 
 from .dist import run_ranks
 from .numerics import key_bias_mask
@@ -28,7 +29,7 @@ def _config(world, zero, dtype="float64", batch_size=4, grad_accum=1, steps=STEP
               # In float64, between the steps' gradient norms: clipping acts on some steps, not on others.
               "train.grad_clip": 1.5 if dtype == "float64" else 1.0}
     values.update(extra)
-    return build_config(cli_values=values).validate()
+    return run_config(cli_values=values)
 
 
 def _train(topo, zero, dtype="float64", batch_size=4, grad_accum=1, **extra):

@@ -46,7 +46,7 @@ RUNNING: set[subprocess.Popen] = set()
 PROBE = '''
 import subprocess, sys
 import minitrain
-from minitrain.launch import launch
+from minitrain.runtime.launch import launch
 
 def where(_topo):
     import minitrain

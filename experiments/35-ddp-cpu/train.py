@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from minitrain.config import ModelConfig
 from minitrain.data import LAB_SEQ_LEN, LAB_VOCAB, make_shard
 from minitrain.ddp import barrier, cleanup, init_distributed, is_main_process, wrap_for_ddp
-from minitrain.model import MiniGPT
+from minitrain.models.minigpt.model import MiniGPT
 
 STEPS, LR, BATCH, SEED = 100, 3e-4, 8, 35000
 

@@ -1,4 +1,4 @@
-from .cli import main
+from .apps.cli import main
 
 # Guarded: spawned ranks re-import the main module, and must not re-run the CLI.
 if __name__ == "__main__":

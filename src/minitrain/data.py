@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from . import token_files
+from .corpus import token_files
 from .errors import ConfigError
 
 if TYPE_CHECKING:  # the type only: config imports this module to validate a run's corpus

@@ -30,9 +30,9 @@ import torch
 
 from . import pyplot, save_figure
 from ..config import ConfigError
-from ..launch import launch
-from ..metrics import format_table, human_bytes
-from ..topology import Topology
+from ..runtime.launch import launch
+from ..train.metrics import format_table, human_bytes
+from ..runtime.topology import Topology
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 MIN_BYTES = 1024

@@ -25,12 +25,13 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 
 from . import pyplot, save_figure
-from ..config import RunConfig, build_config
-from ..launch import launch
-from ..metrics import format_table, percentile, sync_report
+from ..config import RunConfig
+from ..train.run_config import run_config
+from ..runtime.launch import launch
+from ..train.metrics import format_table, percentile, sync_report
 from ..parallel.flat import same_state
-from ..topology import Topology
-from ..trainer import Trainer
+from ..runtime.topology import Topology
+from ..train.trainer import Trainer
 
 SEED = 35000
 SYNC_KEYS = ("allreduce_inflight_s", "overlap", "sync_exposed_s", "compute_and_sync_s")
@@ -46,11 +47,11 @@ class ScalingOptions:
 
 
 def scaling_config(opts: ScalingOptions, world: int) -> RunConfig:
-    return build_config(cli_values={
+    return run_config(cli_values={
         "model.preset": opts.preset, "train.steps": opts.steps, "train.batch_size": opts.batch_size,
         "train.seed": SEED, "train.zero": 0, "train.log_every": 0, "ddp.mode": "bucketed",
         "dist.nproc": world, "dist.backend": "gloo", "out": opts.out,
-    }).validate()
+    })
 
 
 def scaling_worker(topo: Topology, cfg: RunConfig) -> dict:

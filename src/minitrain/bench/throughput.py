@@ -23,18 +23,19 @@ from pathlib import Path
 
 import torch
 
-from ..config import PRESETS, ConfigError, RunConfig, build_config
+from ..config import PRESETS, ConfigError, RunConfig
+from ..train.run_config import run_config
 from ..data import ShardedLoader, load_corpus
-from ..metrics import format_table
-from ..minigpt_plan import MINIGPT_PLAN
-from ..model import MiniGPT
-from ..optim import FUSED_DEVICES, lr_at
+from ..train.metrics import format_table
+from ..models.minigpt.plan import MINIGPT_PLAN
+from ..models.minigpt.model import MiniGPT
+from ..train.optim import FUSED_DEVICES, lr_at
 from ..parallel.compiled import compile_blocks
-from ..peers import decay_groups
-from ..plan import PlanInput, flops_per_token
-from ..precision import autocast, compute_dtype
-from ..topology import Topology
-from ..trainer import Trainer
+from .peers import decay_groups
+from ..train.estimate import PlanInput, flops_per_token
+from ..train.precision import autocast, compute_dtype
+from ..runtime.topology import Topology
+from ..train.trainer import Trainer
 
 # Dense (no sparsity) bf16 tensor-core peaks, SXM parts, from NVIDIA's data sheets.
 PEAK_BF16_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}
@@ -68,11 +69,11 @@ def check_throughput_options(opts: ThroughputOptions) -> None:
 
 def bench_config(opts: ThroughputOptions, precision: str) -> RunConfig:
     steps = opts.warmup + opts.steps * opts.rounds
-    return build_config(cli_values={
+    return run_config(cli_values={
         "model.preset": opts.preset, "train.precision": precision, "train.compile": opts.compile,
         "train.batch_size": opts.batch_size, "train.steps": steps, "train.warmup_steps": 1, "train.log_every": 0,
         "data.synthetic_tokens": max(65536, 4 * opts.batch_size * (PRESETS[opts.preset]["seq_len"] + 1)),
-    }).validate()
+    })
 
 
 class PlainLoop:

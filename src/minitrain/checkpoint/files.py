@@ -14,38 +14,11 @@ import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..progress import byte_bar
+from ..utils.progress import byte_bar
 
-FORMAT = "minitrain-checkpoint/5"
-MANIFEST = "manifest.json"
-MANIFEST_SHA = "manifest.sha256"  # written after the manifest, before the directory is renamed into place
-LATEST = "latest"
-
-
-class CheckpointError(Exception):
-    """A checkpoint is missing, incomplete, corrupt or does not fit this run."""
-
-
-def step_dir_name(step: int) -> str:
-    return f"step-{step:06d}"
-
-
-def step_of(step_dir: Path) -> int:
-    """The step a step directory's name says (step-000010 -> 10; step-1000000 -> 1000000; a copy moved
-    aside during a re-save, .old-step-000010 -> 10)."""
-    return int(step_dir.name.rpartition("step-")[2])
-
-
-def shard_file_name(rank: int) -> str:
-    return f"rank-{rank:05d}.safetensors"
-
-
-WRITTEN_BY = "minitrain.written_by"  # the one metadata key of a shard's safetensors header
-
-
-def written_by(rank: int, step: int) -> str:
-    """The shard header's record of who wrote it: "rank 1, step 10"."""
-    return f"rank {rank}, step {step}"
+from .format import (FORMAT, LATEST, MANIFEST, MANIFEST_SHA, WRITTEN_BY, CheckpointError, shard_file_name,  # noqa: F401
+                     step_dir_name, step_of, written_by)
+from .schema import check_manifest, check_shard_header
 
 
 def sha256_of(path: Path) -> str:
@@ -199,8 +172,6 @@ def _refuse_constant(name: str):
 def read_manifest(step_dir: Path) -> dict:
     """The step directory's manifest, once its own sha256 (manifest.sha256) matches and every field checks
     out (schema.check_manifest); CheckpointError otherwise."""
-    from .schema import check_manifest  # schema.py imports this module's names
-
     path = step_dir / MANIFEST
     for link in (step_dir, path, step_dir / MANIFEST_SHA):
         if link.is_symlink():
@@ -245,8 +216,6 @@ def read_tensor(path: Path, key: str) -> torch.Tensor:
 
 def verify_files(step_dir: Path, manifest: dict, names) -> None:
     """Check the named files' sizes, sha256 and safetensors headers against the manifest, in its order."""
-    from .schema import check_shard_header  # schema.py imports this module's names
-
     names = set(names)
     unknown = names - {e["name"] for e in manifest["files"]}
     if unknown:

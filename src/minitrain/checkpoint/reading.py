@@ -12,7 +12,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..parallel.flat import FlatStrategy
 from ..parallel.placement import Placement, dtype_name
-from ..topology import Topology
+from ..runtime.topology import Topology
 from .files import (CUDA_RNG, RNG_KEYS, CheckpointError, read_manifest, read_tensor, resolve, set_rng_state, shard_file_name,
                     verify_files)
 

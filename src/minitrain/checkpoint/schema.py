@@ -19,7 +19,7 @@ import jsonschema
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .files import MANIFEST, WRITTEN_BY, CheckpointError, shard_file_name, written_by
+from .format import MANIFEST, WRITTEN_BY, CheckpointError, shard_file_name, written_by
 
 SHARD_NAME = r"^rank-[0-9]{5}\.safetensors$"
 STEP_DIR = re.compile(r"^(?:\.old-)?step-([0-9]+)$")  # a step directory, or one moved aside during a re-save

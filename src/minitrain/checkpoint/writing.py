@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from ..parallel.flat import FlatStrategy
 from ..parallel.placement import dtype_name
 from ..parallel.tensor import gather_slices
-from ..topology import Topology
+from ..runtime.topology import Topology
 from .files import (FORMAT, LATEST, MANIFEST, MANIFEST_SHA, WRITTEN_BY, CheckpointError, _fsync_dir, _fsync_file,
                     _write_durably, rng_state, sha256_of, shard_file_name, step_dir_name, written_by)
 

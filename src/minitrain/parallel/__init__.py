@@ -6,10 +6,10 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from ..comm import Comm
+from ..runtime.comm import Comm
 from .recompute import apply_activation_checkpointing
 from .compiled import compile_blocks
-from ..topology import Topology
+from ..runtime.topology import Topology
 from .config import ParallelConfig
 from .ddp import BucketedDataParallel, NaiveDataParallel, TorchDataParallel
 from .flat import FlatStrategy, OptimizerFactory

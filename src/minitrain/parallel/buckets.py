@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..comm import Comm, PendingCollective
+from ..runtime.comm import Comm, PendingCollective
 from .layout import FlatParameters, Segment, missing_gradients
 from .memory_math import MemoryLedger
 

@@ -23,7 +23,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from ..comm import Comm, PendingCollective
+from ..runtime.comm import Comm, PendingCollective
 from .buckets import GradientToReduce, OverlappedAllReduce
 from .config import ParallelConfig
 from .flat import FlatStrategy, OptimizerFactory

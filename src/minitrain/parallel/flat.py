@@ -16,11 +16,11 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from ..comm import Comm
-from ..optim import clip_coefficient, clip_coefficient_tensor, sum_of_squares
+from ..runtime.comm import Comm
 from .config import ParallelConfig
 from .layout import FlatParameters, Ranges, WholeModel, local_views, take
 from .memory_math import MEMORY_KINDS, MemoryLedger, memory_terms
+from .norms import SquareSums, clip_coefficient, clip_coefficient_tensor
 from .placement import Placement, placements
 from .visible_grads import BackwardEndSync, VisibleGradGuard
 
@@ -159,14 +159,15 @@ class FlatStrategy:
     def _sum_sq_parts(self, local: torch.Tensor, ranges: Ranges) -> torch.Tensor:
         """[squares of this rank's tensor-parallel slices, squares of everything else] of a local vector
         taken from `ranges`, in float64 (no tensor parallelism: [0, everything])."""
+        square_sums = SquareSums()  # its float64 buffer lives as long as this norm's computation
         if self.tp.world_size == 1:
-            return torch.cat([local.new_zeros(1, dtype=torch.float64), sum_of_squares(local).reshape(1)])
+            return torch.cat([local.new_zeros(1, dtype=torch.float64), square_sums(local).reshape(1)])
         sharded = self.flat.local_ranges(self._tp_sharded, ranges)
-        in_slices = sum((sum_of_squares(local[a:b]) for a, b in sharded),
+        in_slices = sum((square_sums(local[a:b]) for a, b in sharded),
                         torch.zeros((), dtype=torch.float64, device=local.device))
         rest, at = torch.zeros((), dtype=torch.float64, device=local.device), 0
         for a, b in [*sharded, (local.numel(), local.numel())]:
-            rest = rest + sum_of_squares(local[at:a])
+            rest = rest + square_sums(local[at:a])
             at = b
         return torch.stack([in_slices, rest])
 

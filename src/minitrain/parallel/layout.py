@@ -147,8 +147,8 @@ def missing_gradients(missing: list[str], total: int, what: str) -> str:
     """The error for a step some parameters got no gradient in, naming the likely cause: none at all means the
     step came without a backward (or every backward ran under no_sync); some, parameters the loss never used."""
     if len(missing) == total:
-        return (f"no parameter got a gradient this step: optimizer.step() came without a backward since the last "
-                f"step, or every backward ran under no_sync (the last micro-batch of a step runs outside it)")
+        return ("no parameter got a gradient this step: optimizer.step() came without a backward since the last "
+                "step, or every backward ran under no_sync (the last micro-batch of a step runs outside it)")
     shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
     return (f"no gradient reached {shown} this step; {what} needs every parameter to take part in the loss "
             "(remove unused ones from the model, or freeze them with requires_grad_(False))")

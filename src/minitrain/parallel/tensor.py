@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm import Comm
+from ..runtime.comm import Comm
 from .layout import TensorSlice
 
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..comm import Comm
+from ..runtime.comm import Comm
 from .tensor import (
     ColumnParallelLinear,
     RowParallelLinear,

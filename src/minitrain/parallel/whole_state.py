@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import Comm
+from ..runtime.comm import Comm
 from .flat import FlatStrategy
 from .placement import check_state, dtype_name
 from .tensor import gather_slices

@@ -33,7 +33,7 @@ from collections import deque
 import torch
 import torch.nn as nn
 
-from ..comm import Comm, PendingCollective
+from ..runtime.comm import Comm, PendingCollective
 from .buckets import GradientToReduce, OverlappedAllReduce
 from .config import ParallelConfig
 from .flat import FlatStrategy, OptimizerFactory

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..comm import Comm, PendingCollective
+from ..runtime.comm import Comm, PendingCollective
 from .config import ParallelConfig
 from .flat import OptimizerFactory
 from .layout import local_views, take

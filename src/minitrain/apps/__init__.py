@@ -1,0 +1,1 @@
+"""The commands: one module per command (cli.py parses and dispatches)."""

@@ -1,0 +1,1 @@
+"""Models minitrain ships, each with its parallelism plan beside it: MiniGPT."""

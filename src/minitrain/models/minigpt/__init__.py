@@ -1,0 +1,1 @@
+"""MiniGPT: model.py imports nothing distributed; plan.py says how to split it."""

@@ -1,0 +1,60 @@
+"""MiniGPT's plan (parallel/model_plan.py): its tensor-parallel layers, pipeline split and
+recomputation targets. The model file knows none of this.
+
+Tensor parallel (Megatron-LM's split, parallel/tensor.py has the layers):
+- attention by heads: qkv column-parallel (each rank keeps the q, k and v rows of its heads), the
+  output projection row-parallel (the columns of those heads);
+- the MLP: up column-parallel, down row-parallel (GELU is elementwise, so it needs no exchange);
+- the vocabulary: the token embedding keeps rows [lo, hi), the head is column-parallel over the same
+  rows (tied weights stay tied: the head uses the embedding's slice), and the loss is the
+  vocabulary-parallel cross-entropy, so the full logits never exist on one rank.
+LayerNorms, the position embedding and row-parallel biases are replicated. Degrees must divide
+the heads, the MLP width and the vocabulary (config validation says so first).
+
+Pipeline: stage s keeps blocks `stage_blocks(n_layer, P)[s]`, the embeddings on the first stage,
+the final LayerNorm, head and loss on the last; MiniGPT's forward runs the parts it has.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from .model import MiniGPT
+from ...parallel.model_plan import ModelPlan
+from ...parallel.pipeline import stage_blocks
+from ...parallel.tp_plan import Colwise
+
+# In the plan format any model's plan uses (parallel/tp_plan.py): module-name patterns to styles.
+TENSOR_PARALLEL = {
+    "blocks.*.attn.qkv": Colwise(parts=3),  # q, k and v rows of this rank's heads
+    "blocks.*.attn.proj": "rowwise",         # the columns of those heads
+    "blocks.*.mlp.up": "colwise",
+    "blocks.*.mlp.down": "rowwise",
+    "tok_emb": "vocab_embedding",
+    "head": "vocab_head",                    # the same vocabulary rows: a tied head stays tied
+    "criterion": "vocab_loss",
+}
+
+
+def pipeline_split(model: MiniGPT, stage: int, stages: int) -> None:
+    if stages == 1:
+        return
+    keep = stage_blocks(len(model.blocks), stages)[stage]
+    for name in list(model.blocks):
+        if int(name) not in keep:
+            del model.blocks[name]
+    if stage > 0:
+        model.tok_emb = model.pos_emb = None
+    if stage < stages - 1:
+        model.ln_f = model.head = None
+
+
+def blocks(model: MiniGPT) -> list[nn.Module]:
+    return list(model.blocks.values())
+
+
+def selective(model: MiniGPT) -> list[tuple[nn.Module, str]]:
+    return [(block.attn, "attend") for block in model.blocks.values()]
+
+
+MINIGPT_PLAN = ModelPlan(tensor_parallel=TENSOR_PARALLEL, pipeline_split=pipeline_split, blocks=blocks,
+                         selective=selective)

@@ -1,0 +1,416 @@
+"""What each rank runs for `minitrain train`: the trainer's steps, and around them the
+things a long run needs. Checkpoints on a cadence (written in line or in the background),
+an agreed stop on SIGTERM/SIGUSR1 (save, then exit 0), and a rollback to the last
+checkpoint when the loss spikes.
+
+Every decision here is taken alike on every rank: the inputs are either the same on all
+of them (step, loss, config) or were exchanged at the step boundary (stop signal,
+background-save progress), because each decision leads to collectives.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+from .. import checkpoint
+from . import memory
+from ..config import ConfigError, RunConfig, build_config, field_specs, profile_range
+from ..data import corpus_fingerprint, load_corpus, num_examples
+from .metrics import (
+    MetricsWriter,
+    best_val_loss,
+    clock,
+    perplexity,
+    phase_report,
+    straggler_report,
+    sync_report,
+)
+from ..runtime.signals import SpikeError, StopRequest
+from .run_files import write_run_start
+from .step_timer import StepProfiler
+from ..runtime.topology import Topology
+from .tracking import Tracker
+from .trainer import StepRecord, Trainer
+
+
+def train_worker(topo: Topology, cfg: RunConfig) -> dict:
+    """Rank 0 logs and returns the summary."""
+    return TrainingRun(topo.with_layout(cfg.dist.tp, cfg.dist.pp), cfg).run()
+
+
+class TrainingRun:
+    def __init__(self, topo: Topology, cfg: RunConfig):
+        self.topo, self.cfg = topo, cfg
+        # First thing: a signal that arrives while the model builds or a checkpoint loads is kept too.
+        self.stop_request = StopRequest().install()
+        self.out = Path(cfg.out)
+        self.ckpt_root = self.out / "checkpoints"
+        self.trainer = Trainer(cfg, topo)
+        self.start_path = resume_path(cfg)
+        if self.start_path is not None:
+            self.trainer.load_checkpoint(self.start_path)
+        self.writer = (MetricsWriter(self.out / "metrics.jsonl",
+                                     resume_step=self.trainer.step if self.start_path else None)
+                       if topo.is_main else None)
+        self.tracker = None
+        if topo.is_main:  # what the run is, on what, with which tokenizer: before its first step
+            write_run_start(self.out, cfg, topo, self.start_path)
+            self.tracker = Tracker.open(cfg.log, self.out, cfg.to_dict())
+        self.cadence = SaveCadence(cfg, topo)
+        self.saved: list[str] = []
+        self.records: list[StepRecord] = []
+        self.rollbacks: list[dict] = []
+        self.stopped_by: str | None = None
+        self.profiler = StepProfiler(profile_range(cfg.train.profile_steps, cfg.train.steps), self.out / "profile",
+                                     topo.rank, topo.device)
+        # (loss, step): a resumed run's best so far is in the metrics lines before it (rank 0 reads them).
+        self.best_val = best_val_loss(self.out / "metrics.jsonl") if self.start_path and topo.is_main else None
+        self.started = time.perf_counter()
+
+    def say(self, line: str, err: bool = False) -> None:
+        if self.topo.is_main:
+            print(line, file=sys.stderr if err else sys.stdout, flush=True)
+
+    def run(self) -> dict:
+        t, total = self.trainer, self.cfg.train.steps
+        if self.start_path is not None:
+            self.say(f"resumed from {self.start_path} at step {t.step}")
+        if t.pipeline is not None:
+            self.say(pipeline_line(t.pipeline.summary()))
+        t.stop_request = self.stop_request
+        try:
+            while t.step < total:
+                self.profiler.before_step(t.step + 1)
+                record = t.train_step()
+                self.profiler.after_step(t.step)
+                record = self._evaluated(record)
+                self.records.append(record)
+                self._log(record)
+                if t.pending_save is not None and t.pending_save_written:
+                    self._commit_pending()
+                if self._rolled_back(record):
+                    continue
+                stop_at = t.step == self.cfg.train.stop_at
+                stopping = bool(t.agreed_stop) or stop_at
+                if self.cadence.due(t.step) or stopping:
+                    self._save(background=self.cfg.ckpt.async_save and not stopping)
+                if stopping:
+                    self.stopped_by = "--stop-at" if stop_at else t.stop_request.name(t.agreed_stop)
+                    cause = "" if stop_at else f" received by rank {t.stop_ranks}"
+                    self.say(f"{self.stopped_by}{cause}: stopped after step {t.step}, "
+                             f"checkpoint {self.saved[-1]}; continue with --resume auto")
+                    break
+            self._commit_pending()  # the run is done only when its last checkpoint is durable
+        finally:
+            self.profiler.stop()
+            t.stop_request.uninstall()
+            if self.writer:
+                self.writer.close()
+            if self.tracker:
+                self.tracker.close()
+        return self._summary()
+
+    def _evaluated(self, r: StepRecord) -> StepRecord:
+        """The step's record with the time so far and, on an evaluation step (every eval.every steps and the
+        last), the held-out loss (collective: every rank evaluates alike)."""
+        every, total = self.cfg.eval.every, self.cfg.train.steps
+        val = {}
+        if every and (r.step % every == 0 or r.step == total):
+            loss = self.trainer.evaluate()
+            val = {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}  # exp overflows past ~709
+            if self.best_val is None or loss < self.best_val[0]:
+                self.best_val = (loss, r.step)
+        return replace(r, elapsed_s=time.perf_counter() - self.started, time=time.time(), **val)
+
+    def _log(self, r: StepRecord) -> None:
+        if self.writer:
+            line = asdict(r)
+            self.writer.write(line)
+            self.tracker.log_record(line)
+        every, total = self.cfg.train.log_every, self.cfg.train.steps
+        if every and (r.step % every == 0 or r.step == total):
+            self.say(progress_line(r, total, self._eta(r)))
+
+    def _eta(self, r: StepRecord) -> float | None:
+        """Seconds still to go at this run's mean pace so far (after its first step, which pays for warm-up)."""
+        done = len(self.records) - 1
+        if done < 1:
+            return None
+        return (r.elapsed_s - self.records[0].elapsed_s) / done * (self.cfg.train.steps - r.step)
+
+    # --- checkpoints ----------------------------------------------------------------------
+    def _save(self, background: bool) -> None:
+        self._commit_pending()
+        if background:
+            self.trainer.pending_save = self.trainer.start_async_save(self.ckpt_root)
+            return
+        self.saved.append(str(self.trainer.save_checkpoint(self.ckpt_root)))
+        self._saved()
+
+    def _commit_pending(self) -> None:
+        """Collective: wait for this rank's background write, then make the checkpoint complete."""
+        pending, self.trainer.pending_save = self.trainer.pending_save, None
+        if pending is not None:
+            self.saved.append(str(pending.commit()))
+            self._saved()
+
+    def _saved(self) -> None:
+        self.cadence.saved()
+        if self.cfg.ckpt.keep_last and self.topo.is_main:
+            checkpoint.prune(self.ckpt_root, self.cfg.ckpt.keep_last)
+
+    # --- loss spikes -----------------------------------------------------------------------
+    def _rolled_back(self, r: StepRecord) -> bool:
+        """On a loss spike, go back to the newest checkpoint saved before the update that
+        produced the spiking parameters, and replay from there (same data, same random streams).
+        A spike that comes back after rolling back to the same checkpoint is reproducible:
+        SpikeError. Without such a checkpoint the spike is reported and training goes on."""
+        mean = self.trainer.spikes.check(r.loss)
+        if mean is None:
+            return False
+        self._commit_pending()
+        what = f"loss spike at step {r.step}: loss {r.loss:.4f} > {self.cfg.train.spike_factor:g} x running mean {mean:.4f}"
+        # The loss of step s comes from the parameters after update s-1: a checkpoint of step s-1
+        # already holds them, so the newest usable one is at step s-2 or earlier.
+        target = self._rollback_target(before=r.step - 1)
+        if target is None:
+            self.say(f"minitrain train: warning: {what}; no checkpoint before step {r.step - 1} to roll back to "
+                     "(set --ckpt-every-steps), continuing", err=True)
+            return False
+        if any(rb["to_step"] == target for rb in self.rollbacks):
+            raise SpikeError(f"{what}, again after rolling back to step {target}: the spike is reproducible "
+                             "(the replay sees the same data); lower --lr, raise --train.spike_factor, or check the data")
+        path = self.ckpt_root / checkpoint.step_dir_name(target)
+        self.trainer.load_checkpoint(path)
+        event = {"step": target, "event": "rollback", "spike_step": r.step, "loss": r.loss, "running_mean": mean,
+                 "to_step": target}
+        self.rollbacks.append(event)
+        if self.writer:
+            self.writer.rewind(target)  # the steps after the checkpoint will be logged again as they are redone
+            self.writer.write(event)
+        self.say(f"{what}; rolled back to {path} and continuing")
+        return True
+
+    def _rollback_target(self, before: int) -> int | None:
+        """Rank 0 picks the newest checkpoint at a step < `before` that verifies; every rank gets its step."""
+        choice = torch.tensor([-1.0], device=self.topo.everyone.device)
+        if self.topo.is_main and self.ckpt_root.is_dir():
+            for step_dir in checkpoint.complete_steps(self.ckpt_root):
+                step = checkpoint.step_of(step_dir)
+                if step < before:
+                    try:
+                        checkpoint.verify(step_dir)
+                    except checkpoint.CheckpointError as e:
+                        self.say(f"minitrain train: warning: not rolling back to {step_dir.name}: {e}", err=True)
+                        continue
+                    choice.fill_(step)
+                    break
+        self.topo.everyone.broadcast(choice, src=0)  # every rank, in every group, rolls back alike
+        step = int(choice.item())
+        return None if step < 0 else step
+
+    def _summary(self) -> dict:
+        t, records, summary = self.trainer, self.records, {}
+        if self.cfg.train.memory_profile and records:
+            # Collective: each rank's own P and formula (tensor and pipeline parallel ranks hold different slices).
+            expectations = self.topo.everyone.gather_rows(torch.tensor(memory.per_rank_expectation(t.strategy),
+                                                                       dtype=torch.float64))
+        if self.cfg.train.memory_profile and records and self.topo.is_main:
+            report = memory.profile(t.strategy, records, self.topo.device, expectations)
+            memory.write(report, self.out / "memory.json")
+            print(memory.render(report), flush=True)
+            summary["memory"] = str(self.out / "memory.json")
+        last = records[-1] if records else None
+        return {**summary, "steps": t.step, "final_loss": None if last is None else last.loss,
+                "best_val": None if self.best_val is None else {"loss": self.best_val[0], "step": self.best_val[1]},
+                "elapsed_s": time.perf_counter() - self.started,
+                "sync": sync_report([r.sync for r in records], warmup=min(5, len(records) // 5)),
+                "profile": None if self.profiler.steps is None else str(self.out / "profile"),
+                "phases": phase_report([r.phases_s for r in records], warmup=min(5, len(records) // 5)),
+                "stragglers": straggler_report([r.busy_s_per_rank for r in records], min(5, len(records) // 5),
+                                               self.cfg.train.straggler_factor),
+                "resumed_from": None if self.start_path is None else str(self.start_path),
+                "checkpoints": self.saved, "metrics": str(self.out / "metrics.jsonl"),
+                "params": t.strategy.flat.numel, "world_size": self.topo.world_size,
+                "skipped_steps": t.skipped_steps, "overflow_steps": t.overflow_steps,
+                "loss_scale": t.loss_scaler.scale if t.loss_scaler else None,
+                "rollbacks": self.rollbacks, "stopped_by": self.stopped_by,
+                "pipeline": pipeline_report([r.pipeline for r in records])}
+
+
+class SaveCadence:
+    """When to checkpoint: every K steps, every M minutes, and after the last step (unless ckpt.final_save
+    is off and neither cadence is set). The clock is rank 0's, broadcast each step, so every rank agrees
+    (a save is collective)."""
+
+    def __init__(self, cfg: RunConfig, topo: Topology):
+        self.every, self.minutes, self.total = cfg.ckpt.every_steps, cfg.ckpt.every_minutes, cfg.train.steps
+        self.final = cfg.ckpt.final_save or bool(self.every or self.minutes)
+        self.comm = topo.everyone  # one clock for every rank: a save is collective
+        self.last = time.monotonic()
+
+    def due(self, step: int) -> bool:
+        if step == self.total:
+            return self.final
+        if self.every and step % self.every == 0:
+            return True
+        if not self.minutes:
+            return False
+        flag = torch.tensor([float(time.monotonic() - self.last >= 60 * self.minutes)], device=self.comm.device)
+        self.comm.broadcast(flag, src=0)
+        return bool(flag.item())
+
+    def saved(self) -> None:
+        self.last = time.monotonic()
+
+
+def pipeline_line(p: dict) -> str:
+    """What a pipelined run is about to do, and the bubble it cannot avoid."""
+    line = (f"pipeline: {p['stages']} stage(s), {p['microbatches']} micro-batches per batch, {p['schedule']}; "
+            f"bubble (P-1)/(M+P-1) = {p['expected_bubble']:.0%} at best")
+    if p["microbatches"] < p["stages"]:
+        line += f" (fewer micro-batches than stages: --microbatches {p['stages']} or more idles less)"
+    return line
+
+
+def progress_line(r: StepRecord, total: int, eta_s: float | None = None) -> str:
+    width = len(str(total))
+    scale = "" if r.loss_scale is None else f"  scale {r.loss_scale:g}"
+    if r.overflow:
+        skipped = "  SKIPPED (fp16 overflow: loss scale halved, parameters unchanged)"
+    else:
+        skipped = "  SKIPPED (NaN/Inf gradients, parameters unchanged)" if r.skipped else ""
+    bubble = "" if r.pipeline is None else f"  bubble {max(r.pipeline['bubble']):.0%}"
+    val = "" if r.val_loss is None else f"  val {r.val_loss:.4f} (ppl {perplexity(r.val_loss)})"
+    elapsed = "" if r.elapsed_s is None else f"  {clock(r.elapsed_s)}"
+    eta = "" if eta_s is None else f" eta {clock(eta_s)}"
+    return (f"step {r.step:>{width}}/{total}  loss {r.loss:.4f}{val}  grad_norm {r.grad_norm:.3f}  "
+            f"lr {r.lr:.2e}  {r.tokens_per_s:,.0f} tok/s  comm {1000 * r.comm_time_s:.1f} ms{bubble}{scale}{skipped}"
+            f"{elapsed}{eta}")
+
+
+# --- resuming ------------------------------------------------------------------------------
+def resume_path(cfg: RunConfig, warnings: list[str] | None = None) -> Path | None:
+    """Where to resume from: None (fresh), the newest checkpoint under OUT that verifies (auto),
+    or PATH."""
+    if not cfg.ckpt.resume:
+        return None
+    if cfg.ckpt.resume == "auto":
+        return checkpoint.find_latest(cfg.out, warnings)
+    return checkpoint.resolve(cfg.ckpt.resume)
+
+
+# Settings that change the arithmetic of the steps still to come but not what the checkpoint holds: a
+# resume with other values continues as a warm restart (said in a note), not a bit-identical continuation.
+# The model, the dtypes and the data (corpus, seed, examples per micro-batch) must match: refused otherwise.
+WARM_RESTART_FIELDS = ("steps", "warmup_steps", "lr", "min_lr_ratio", "grad_accum", "weight_decay", "beta1",
+                       "beta2", "eps", "grad_clip", "loss_scale_window")
+
+
+# Settings newer than some checkpoints' manifests (whose runs had the default).
+FIELDS_ADDED_LATER = ("train.global_batch", "train.stop_at")
+
+
+class RunFinished(Exception):
+    """--resume auto found the run already at its last step: nothing to do (exit 0)."""
+
+
+def saved_run_config(step_dir: Path, saved: dict) -> dict:
+    """The run config a `minitrain train` checkpoint recorded, every section and field present and of its
+    type (as a config file's would be), as to_dict() gives it; CheckpointError naming what is wrong."""
+    if "prepare" in saved:
+        raise checkpoint.CheckpointError(f"checkpoint {step_dir} was saved by minitrain.save_checkpoint, not by "
+                                         "`minitrain train`: load it with minitrain.load_checkpoint")
+    flat: dict[str, object] = {}
+    for section, values in saved.items():
+        if isinstance(values, dict) and section != "out":
+            flat.update({f"{section}.{key}": value for key, value in values.items()})
+        else:
+            flat[section] = values
+    # A checkpoint from before a field existed ran with that field's default.
+    missing = sorted({key for key, _, _, _ in field_specs() if key.startswith(("model.", "train."))}
+                     - set(flat) - set(FIELDS_ADDED_LATER))
+    try:
+        if missing:
+            raise ConfigError(f"'{missing[0]}' is missing")
+        return build_config(file_values=flat).to_dict()
+    except ConfigError as e:
+        raise checkpoint.CheckpointError(f"checkpoint {step_dir}: the run config in its manifest is unusable: {e}") \
+            from None
+
+
+def check_resume(cfg: RunConfig) -> list[str]:
+    """Before any rank starts: refuse a resume checkpoint that is corrupt or does not fit
+    this run (ConfigError / CheckpointError, one line each); return notes worth printing.
+    With --resume auto the checkpoint chosen here is pinned in cfg, so every rank loads it."""
+    notes: list[str] = []
+    auto = cfg.ckpt.resume == "auto"
+    path = resume_path(cfg, notes)
+    if path is None:
+        return notes
+    cfg.ckpt.resume = str(path)
+    step_dir, manifest = checkpoint.verify(path)
+    saved = saved_run_config(step_dir, manifest["config"])
+    mine = cfg.to_dict()
+    diff = [k for k in mine["model"] if k != "preset" and saved["model"].get(k) != mine["model"][k]]
+    if diff:
+        raise checkpoint.CheckpointError(f"checkpoint {step_dir} has a different model: " + ", ".join(
+            f"{k}={saved['model'].get(k)!r} (this run {mine['model'][k]!r})" for k in diff))
+    for key in ("dtype", "precision"):
+        theirs = saved["train"].get(key, "fp32")  # checkpoints from before --precision trained in fp32
+        if theirs != mine["train"][key]:
+            raise checkpoint.CheckpointError(f"checkpoint {step_dir} was trained with --{key} {theirs}, "
+                                             f"this run uses --{key} {mine['train'][key]}")
+    if manifest["step"] == cfg.train.steps and auto:
+        raise RunFinished(f"the run in {cfg.out} already finished: its checkpoint {step_dir.name} is at step "
+                          f"{cfg.train.steps} of --steps {cfg.train.steps}; nothing to do (ask for more --steps to "
+                          "continue it)")
+    if cfg.train.stop_at and manifest["step"] >= cfg.train.stop_at:
+        raise ConfigError(f"checkpoint {step_dir} is at step {manifest['step']}, not before --stop-at "
+                          f"{cfg.train.stop_at}; ask for a later --stop-at (or 0 to run to --steps)")
+    if manifest["step"] >= cfg.train.steps:
+        raise ConfigError(f"checkpoint {step_dir} is at step {manifest['step']}; ask for more --steps to continue")
+    ours = corpus_fingerprint(load_corpus(cfg))
+    if manifest["train_state"]["corpus_sha256"] != ours:
+        raise ConfigError(f"checkpoint {step_dir} was trained on another corpus (sha256 "
+                          f"{manifest['train_state']['corpus_sha256'][:12]}..., this run's {ours[:12]}...); resume "
+                          "with the same --corpus and --data.corpus_seed")
+    loader = manifest["train_state"]["loader"]
+    dp = cfg.dist.nproc // (cfg.dist.tp * cfg.dist.pp)  # data-parallel replicas: each reads its own batch
+    global_batch = cfg.train.batch_size * dp
+    if loader["global_batch"] != global_batch:
+        fits = loader["global_batch"] % dp == 0
+        hint = f" (e.g. --batch-size {loader['global_batch'] // dp} with {dp} data-parallel ranks)" if fits else ""
+        raise ConfigError(f"checkpoint {step_dir} was saved with batch_size x data-parallel ranks = "
+                          f"{loader['global_batch']} examples per micro-batch, this run has {global_batch}; keep the "
+                          f"product equal{hint} so the data order continues exactly")
+    if loader["seed"] != cfg.train.seed:
+        raise ConfigError(f"checkpoint {step_dir} was saved with --seed {loader['seed']}, this run has "
+                          f"{cfg.train.seed}; use the same seed to continue the same data order")
+    if loader["num_examples"] != num_examples(cfg):
+        raise ConfigError(f"checkpoint {step_dir} was trained on a corpus of {loader['num_examples']} examples, "
+                          f"this run's corpus has {num_examples(cfg)}; resume with the same --corpus")
+    changed = [f"{k} {saved['train'][k]} -> {mine['train'][k]}" for k in WARM_RESTART_FIELDS
+               if saved["train"][k] != mine["train"][k]]
+    if changed:
+        notes.append(f"settings differ from the checkpoint's run ({', '.join(changed)}): "
+                     "training continues as a warm restart, not a bit-identical continuation")
+    return notes
+
+
+def pipeline_report(records: list[dict | None]) -> dict | None:
+    """Per stage, the median measured bubble over the steps (the first, which pays for warm-up, left out)
+    beside the formula's."""
+    records = [r for r in records if r is not None]
+    if not records:
+        return None
+    steady = records[1:] or records
+    bubbles = [statistics.median(r["bubble"][s] for r in steady) for s in range(records[0]["stages"])]
+    return {**{k: records[0][k] for k in ("schedule", "stages", "microbatches", "expected_bubble")},
+            "bubble": bubbles, "peak_in_flight": records[-1]["peak_in_flight"]}

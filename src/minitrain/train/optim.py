@@ -1,0 +1,135 @@
+"""AdamW on one flat vector of parameters, and the LR schedule (global-norm clipping: parallel/norms.py).
+
+The same `FlatAdamW` serves data parallel (the vector is every parameter) and
+ZeRO (the vector is this rank's shard), so the strategies differ only in how
+gradients arrive and parameters leave, which is what the parity tests check.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+# The functional form of AdamW: the kernels torch.optim.AdamW runs, on tensors we hold.
+from torch.optim.adamw import adamw
+
+from ..config import TrainConfig
+
+# Devices with PyTorch's fused (single-kernel) AdamW; elsewhere its multi-tensor (foreach) form.
+FUSED_DEVICES = ("cpu", "cuda")
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate for 0-based optimizer step `step`: linear warmup to cfg.lr,
+    then cosine decay to cfg.lr * cfg.min_lr_ratio at the last step."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    decay_steps = max(1, cfg.steps - cfg.warmup_steps - 1)
+    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
+    min_lr = cfg.lr * cfg.min_lr_ratio
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - min_lr)
+
+
+class FlatAdamW:
+    """Decoupled-weight-decay Adam (Loshchilov & Hutter) over one flat vector.
+
+    State: `master`, the parameters it updates (it takes ownership of the tensor
+    passed in), plus exp_avg (m) and exp_avg_sq (v) of the same length and dtype: 12
+    bytes per parameter in float32 (the ZeRO paper's K), also when the model computes in
+    bf16/fp16. `decay_ranges` are the
+    [start, stop) ranges of `master` that get weight decay (matrices and
+    embeddings; biases and LayerNorm gains do not, as in GPT-2).
+
+    The update is PyTorch's own fused AdamW kernel (one pass over w, g, m and v per chunk, where
+    the unfused form makes seven), with weight decay applied just before it, chunk by chunk, as
+    torch.optim.AdamW applies it: the two agree to the last bit in float64 (tests/test_optim.py).
+    """
+
+    STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
+    CHUNK = 1 << 20  # elements per kernel call: 4 MiB in float32, the most a mixed-precision step upcasts at once
+
+    def __init__(self, master: torch.Tensor, decay_ranges: list[tuple[int, int]],
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1):
+        self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
+        self.master = master
+        self.exp_avg = torch.zeros_like(self.master)
+        self.exp_avg_sq = torch.zeros_like(self.master)
+        self.steps_taken = 0
+        self.decay_ranges = list(decay_ranges)
+        # The kernel counts steps in a tensor it increments itself (float32: exact to 2**24 steps).
+        self._step = torch.zeros((), dtype=torch.float32, device=master.device)
+        self._kernel = {"fused": True} if master.device.type in FUSED_DEVICES else {"foreach": True}
+
+    @property
+    def skips_on_device(self) -> bool:
+        """Whether step() can take the skip decision as a tensor (the fused kernel's found_inf)."""
+        return "fused" in self._kernel
+
+    def unstep(self) -> None:
+        """Take back the count of a step the device skipped (found_inf): its bias correction must not count."""
+        self.steps_taken -= 1
+
+    @torch.no_grad()
+    def step(self, grad: torch.Tensor, lr: float | None, grad_scale: float | torch.Tensor = 1.0,
+             found_inf: torch.Tensor | None = None) -> None:
+        """One update of `master` from `grad` (same length), multiplied by grad_scale (clipping,
+        and unscaling an fp16 loss scale). In full precision `grad` is scaled in place: callers
+        pass a gradient buffer they are done with. It may be in a narrower dtype than the master
+        (mixed precision): then each chunk is upcast before it is scaled, so small fp16
+        gradients are not flushed to zero by the unscaling.
+        found_inf (a float32 0/1 tensor on the device, with skips_on_device): 1 leaves master, m and v
+        untouched, decided on the device, so the host need not read the gradient norm to skip; the
+        caller then calls unstep() once it knows."""
+        if lr is None:
+            raise ValueError("FlatAdamW takes its learning rate from each step (the caller's schedule)")
+        beta1, beta2 = self.betas
+        self.steps_taken += 1
+        decay = 1.0 - lr * self.weight_decay
+        if found_inf is not None:  # the same double arithmetic, as a tensor: 1 when skipping
+            decay = (1.0 - (lr * self.weight_decay) * (1.0 - found_inf.double())).to(self.master.dtype)
+        # Chunk by chunk, so what the weight decay and the scaling touch is still in cache when the
+        # kernel reads it, and a mixed-precision step upcasts one chunk, not the whole gradient.
+        for a in range(0, self.master.numel(), self.CHUNK):
+            b = min(a + self.CHUNK, self.master.numel())
+            if self.weight_decay:
+                for lo, hi in self.decay_ranges:
+                    if lo < b and hi > a:
+                        self.master[max(lo, a):min(hi, b)].mul_(decay)
+            w = self.master[a:b]
+            g = grad[a:b].to(w.dtype)  # a chunk-sized copy in mixed precision; the gradient itself in full precision
+            if isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0:
+                g.mul_(grad_scale)
+            self._step.fill_(self.steps_taken - 1)  # the kernel adds the 1
+            adamw([w], [g], [self.exp_avg[a:b]], [self.exp_avg_sq[a:b]], [], [self._step], amsgrad=False,
+                  beta1=beta1, beta2=beta2, lr=lr, weight_decay=0.0, eps=self.eps, maximize=False,
+                  found_inf=found_inf, **self._kernel)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in self.STATE_NAMES}
+
+    def elementwise_states(self) -> int:
+        """State tensors of the master's length besides the master: m and v."""
+        return 2
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The tensors this optimizer keeps between steps (their storages are its memory)."""
+        return list(self.state_tensors().values())
+
+    def scalar_state(self) -> dict:
+        return {"steps_taken": self.steps_taken}
+
+    @torch.no_grad()
+    def load_state(self, tensors: dict[str, torch.Tensor], scalars: dict) -> None:
+        for name, t in self.state_tensors().items():
+            t.copy_(tensors[name])
+        self.steps_taken = int(scalars["steps_taken"])
+
+
+def flat_adamw_factory(cfg: TrainConfig):
+    """The CLI's optimizer: FlatAdamW over the shard, decaying matrices and embeddings only (as GPT-2)."""
+
+    def make(master: torch.Tensor, flat, shard_ranges) -> FlatAdamW:
+        decay = flat.local_ranges(flat.decay_ranges(), shard_ranges)
+        return FlatAdamW(master, decay, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay)
+
+    return make

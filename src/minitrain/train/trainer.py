@@ -1,0 +1,395 @@
+"""One training step: forward, backward, sync, update, and the step's record; and the
+trainer's state in a checkpoint. (The loop around it, with cadence, signals and
+rollback, is run.py.)
+
+It calls no collective itself: gradient sync and parameter updates belong to
+the strategy, and the one per-step statistics exchange goes through the comm
+layer's `gather_rows`. That exchange also carries each rank's stop signal and
+background-save progress, so the ranks agree on both without another collective.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .. import checkpoint
+from ..runtime.comm import CollectiveError, OpStats
+from ..config import RunConfig
+from ..data import EvalBatches, ShardedLoader, corpus_fingerprint, load_corpus, load_val
+from .faults import Faults
+from .memory import device_peak_bytes, reset_device_peak
+from ..models.minigpt.plan import MINIGPT_PLAN
+from ..models.minigpt.model import MiniGPT
+from .optim import flat_adamw_factory, lr_at
+from ..parallel import Pipeline, cast_parameters, parallelize
+from ..parallel.config import ParallelConfig
+from ..parallel.memory_math import MEMORY_KINDS
+from .precision import autocast, compute_dtype, make_loss_scaler, master_dtype, reduce_dtype
+from ..runtime.signals import SpikeGuard, StopRequest
+from .step_timer import StepTimer
+from ..runtime.topology import Topology
+
+PEAK_KINDS = (*MEMORY_KINDS, "total", "device")
+
+
+def seed_everything(seed: int, rank: int) -> None:
+    """torch alike on every rank (identical initial weights); python and numpy per rank, so a run
+    is reproducible whole, down to the generator states its checkpoints hold."""
+    torch.manual_seed(seed)
+    random.seed(f"minitrain/{seed}/rank{rank}")
+    np.random.seed([seed, rank])
+
+
+def parallel_config(cfg: RunConfig) -> ParallelConfig:
+    """What the strategies need of the run's settings."""
+    t = cfg.train
+    return ParallelConfig(zero=t.zero, dp=cfg.ddp.mode, bucket_mb=cfg.ddp.bucket_mb, prefetch=t.prefetch,
+                          master_dtype=master_dtype(t), reduce_dtype=reduce_dtype(t), grad_clip=t.grad_clip)
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive steps with NaN/Inf gradients."""
+
+
+@dataclass
+class StepRecord:
+    """One line of metrics.jsonl. Per-rank lists are indexed by rank."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    param_norm: float
+    lr: float
+    tokens: int
+    tokens_seen: int
+    step_time_s: float
+    tokens_per_s: float
+    comm_time_s: float
+    comm_bytes: int
+    comm_calls: int
+    param_norm_per_rank: list[float]
+    memory: dict[str, list[int]]  # bytes at rest: {"params": [rank0, rank1, ...], ...}
+    memory_peak: dict[str, list[int]]  # most bytes held during the step: params, grads, optimizer, total, device
+    sync: dict  # this rank's gradient sync: buckets, all-reduce calls and times, overlap (see sync_summary)
+    skipped: bool = False  # non-finite gradients (or an fp16 overflow): no update this step
+    loss_scale: float | None = None  # fp16: the loss scale this step's backward used
+    overflow: bool = False  # fp16: skipped because the scaled gradients overflowed (the scale halved)
+    # Pipelined runs: schedule, stages, micro-batches, expected_bubble, and per stage the measured bubble and
+    # peak in-flight micro-batches (Pipeline.run).
+    pipeline: dict | None = None
+    # Where this rank's step went (step_timer.py): seconds of data, forward, backward, forward_backward
+    # (pipelined steps), comm (exposed), optimizer, other; None for a phase this kind of step has not.
+    phases_s: dict | None = None
+    # Per rank, the host seconds from the end of the last step's statistics exchange to this one's, less the
+    # time it waited in the gradient sync and the update's collectives: a straggler's is the largest.
+    busy_s_per_rank: list[float] | None = None
+    # Wall-clock seconds since the run (or its resume) started, at the end of this step.
+    elapsed_s: float | None = None
+    # Unix time at the end of this step: lines from different attempts of one run (a torchrun restart, an
+    # elastic resize) line up on it, and a recovery time is read off it.
+    time: float | None = None
+    # The held-out loss after this step's update and its perplexity exp(val_loss): only on steps that evaluated
+    # (eval.every), else None.
+    val_loss: float | None = None
+    val_ppl: float | None = None
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, topo: Topology):
+        self.cfg, self.topo = cfg, topo
+        seed_everything(cfg.train.seed, topo.rank)
+        # Initialised in --dtype, then held in the compute dtype (16-bit in mixed precision; the
+        # strategy's optimizer keeps the master copy in --dtype).
+        self.model = MiniGPT(cfg.model).to(device=topo.device, dtype=getattr(torch, cfg.train.dtype))
+        cast_parameters(self.model, compute_dtype(cfg.train))
+        self.loss_scaler = make_loss_scaler(cfg.train)
+        # The same path minitrain.prepare takes, with MiniGPT's plan and the CLI's own optimizer.
+        self.strategy, self.pipeline = parallelize(
+            self.model, topo, parallel_config(cfg), flat_adamw_factory(cfg.train), MINIGPT_PLAN,
+            cfg.train.activation_checkpointing, self._pipeline_builder(), compile=cfg.train.compile)
+        # Data is split over data-parallel replicas only: a tensor-parallel group shares its batch.
+        self._corpus_sha256: str | None = None  # computed at the first save (train_state)
+        self.loader = ShardedLoader(load_corpus(cfg), cfg.model.seq_len, cfg.train.batch_size,
+                                    topo.dp.rank, topo.dp.world_size, cfg.train.seed)
+        self.eval_batches = (EvalBatches(load_val(cfg), cfg.model.seq_len, cfg.train.batch_size, topo.dp.rank,
+                                         topo.dp.world_size, cfg.eval.batches) if cfg.eval.every else None)
+        self.step = 0  # training steps completed (a skipped step counts: its data was consumed)
+        self.skipped_steps = self.skipped_in_a_row = 0
+        self.overflow_steps = 0  # fp16 steps skipped because the scaled gradients overflowed
+        self.tokens_seen = 0
+        t = cfg.train
+        self.tokens_per_step = t.batch_size * t.grad_accum * topo.dp.world_size * cfg.model.seq_len
+        self.spikes = SpikeGuard(t.spike_factor, t.spike_window)
+        self.timer = StepTimer(topo.device)
+        self.faults = Faults(cfg.fault, topo.rank, resumed=False)
+        # Exchanged at every step boundary (set by the run loop; None when not in use):
+        self.stop_request: StopRequest | None = None
+        self.pending_save: checkpoint.AsyncSave | None = None
+        # ...and what the ranks agreed on at the last boundary:
+        self.agreed_stop = 0  # a signal number if any rank received SIGTERM/SIGUSR1, else 0
+        self.stop_ranks: list[int] = []  # ...and which ranks received one
+        self.pending_save_written = False  # every rank's background write has finished (or failed)
+        self._last_exchange_end: float | None = None  # when this rank's last statistics exchange returned
+        self._device_busy = 0.0  # on a GPU: the last step's busy seconds, from its events (train_step)
+
+    def _pipeline_builder(self):
+        """Builds the executor of a pipelined (or micro-batched) step, or None when the step is one pass."""
+        d, t, topo = self.cfg.dist, self.cfg.train, self.topo
+        if d.pp == 1 and d.microbatches == 1:
+            return None
+        return lambda strategy: Pipeline(strategy.module, topo.pp, d.schedule, d.microbatches, self.cfg.model.d_model,
+                                         compute_dtype(t), topo.device, lambda: autocast(t, topo.device),
+                                         strategy.no_sync)
+
+    def train_step(self) -> StepRecord:
+        if self.topo.watch is not None:  # hang diagnoses name the step; every N steps, the fingerprint check
+            self.topo.watch.at_step(self.step + 1, self.cfg.dist.fingerprint_every)
+        try:
+            return self._train_step()
+        except CollectiveError as e:
+            # The comm layer names the op and the rank; the step says when (a peer hung or died).
+            raise CollectiveError(f"step {self.step + 1}: {e}") from e
+
+    def _train_step(self) -> StepRecord:
+        cfg, comm, strategy, timer = self.cfg.train, self.topo.dp, self.strategy, self.timer
+        measure_sync = self.cfg.ddp.measure_sync
+        # This rank's busy time runs from the end of the last exchange: a straggler's slowness before the step
+        # counts, and the other ranks' wait for it (in the gradient sync) is taken out below.
+        since = self._last_exchange_end or time.perf_counter()
+        self.faults.at_step_start(self.step + 1)
+        before = self._comm_totals()
+        if measure_sync:
+            comm.barrier()  # every rank starts the step together
+        start = time.perf_counter()
+        timer.start()
+        strategy.ledger.reset_peak()
+        reset_device_peak(self.topo.device)
+        if not self.model.training:  # train() walks every module: not on every step
+            self.model.train()
+        strategy.zero_grad()
+        # On the device: summed there, read once in the statistics exchange (no host sync per micro-batch).
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.topo.device)
+        loss_scale = self.loss_scaler.scale if self.loss_scaler else 1.0
+        for micro in range(cfg.grad_accum):
+            last = micro == cfg.grad_accum - 1
+            with timer.phase("data"):
+                x, y = (self._to_device(t) for t in self.loader.next_batch())  # every stage reads it: in step
+            if self.pipeline is not None:  # micro-batches through the stages; it syncs in the last backward
+                with timer.phase("forward_backward"):
+                    loss_sum += self.pipeline.run(x, y, loss_scale / cfg.grad_accum, sync=last)
+                continue
+            with contextlib.nullcontext() if last else strategy.no_sync():  # sync once per step
+                with timer.phase("forward"), autocast(cfg, self.topo.device):  # backward follows its dtypes
+                    loss = strategy.module(x, y)
+                # Mean over this rank's tokens / accumulation; the strategy averages over ranks,
+                # so the gradient is the mean over the global token count.
+                with timer.phase("backward"):
+                    scaled = loss / cfg.grad_accum
+                    (scaled if loss_scale == 1.0 else scaled * loss_scale).backward()
+            loss_sum += loss.detach().double()
+        bracketed = {}
+        with timer.phase("comm"):  # what of the gradient sync backward did not hide
+            backward_end = time.perf_counter()
+            strategy.finish_grad_sync()
+            if measure_sync:
+                comm.barrier()  # ...and ends when the slowest rank has its synced gradients
+                done = time.perf_counter()
+                # compute_and_sync: forward + backward + sync, barrier to barrier. sync_exposed: the part
+                # after this rank's backward returned, i.e. communication not hidden behind compute.
+                bracketed = {"compute_and_sync_s": done - start, "sync_exposed_s": done - backward_end}
+            waited = time.perf_counter() - backward_end
+        lr = lr_at(self.step, cfg) * self.faults.lr_factor(self.step + 1)
+        groups = (self.topo.dp, self.topo.tp, self.topo.pp)
+        for group in groups:
+            group.tag = "update"  # the update's own collectives (the norm's all-reduce, ZeRO's gathers): comm time
+        with timer.phase("optimizer"):
+            # On the device where the optimizer can skip a non-finite step by itself (FlatAdamW's fused
+            # kernel): the norm is then read with the step's statistics below, not here (no host sync).
+            norm = (strategy.step_on_device(lr, loss_scale) if strategy.steps_on_device else
+                    torch.tensor(strategy.step(lr, loss_scale), dtype=torch.float64))
+        for group in groups:
+            group.tag = None
+        on_device = self.topo.dp.clock.on_device
+        if not on_device:  # on the host, known now; on a GPU, once the statistics exchange below has synchronised
+            update_comm = sum(group.take_tagged("update") for group in groups)
+            timer.move(update_comm, "optimizer", "comm")
+            waited += update_comm
+        # This rank's busy seconds: host time since the last exchange less its waits; on a GPU, the step before's
+        # device time in its phases but comm (events are read after this step's exchange, the one host sync).
+        busy = self._device_busy if on_device else time.perf_counter() - since - waited
+        self.step += 1
+        self.tokens_seen += self.tokens_per_step
+
+        held, peak = strategy.memory_bytes(), strategy.peak_memory_bytes()
+        peak["device"] = device_peak_bytes(self.topo.device)
+        host = torch.tensor([self._holds_loss()] + self._pipeline_measured()
+                            + [float(held[k]) for k in MEMORY_KINDS] + [float(peak[k]) for k in PEAK_KINDS]
+                            + self._boundary_flags() + [busy], dtype=torch.float64)
+        host = host.to(self.topo.device)
+        row = torch.cat([(loss_sum / cfg.grad_accum).reshape(1), host[:1], strategy.param_norm_tensor().reshape(1),
+                         norm.to(host).reshape(1), host[1:]])
+        # Every rank's row, on the host as Python lists (the step's one read of device values): [loss, holds
+        # loss, param norm, grad norm, bubble, in flight, 3 at rest, 5 peaks, 2 flags, busy seconds].
+        rows = self.topo.everyone.gather_rows(row).tolist()
+        self._last_exchange_end = time.perf_counter()
+        grad_norm = rows[0][3]  # global: the same on every rank
+        skipped = not math.isfinite(grad_norm)
+        if skipped and strategy.steps_on_device:
+            strategy.optimizer.unstep()  # the device skipped it: its bias correction must not count
+        overflow = self._check_skips(skipped)
+        kinds = len(MEMORY_KINDS)
+        at_rest = [[int(r[6 + i]) for r in rows] for i in range(kinds)]
+        peaks = [[int(r[6 + kinds + i]) for r in rows] for i in range(len(PEAK_KINDS))]
+        signals = [int(r[-3]) for r in rows]
+        self.agreed_stop = max(signals)
+        self.stop_ranks = [rank for rank, signum in enumerate(signals) if signum]
+        self.pending_save_written = all(r[-2] == 1 for r in rows)
+        elapsed = time.perf_counter() - start
+        if on_device:
+            timer.move(sum(group.take_tagged("update") for group in groups), "optimizer", "comm")
+        phases = timer.finish(elapsed)
+        if on_device:
+            self._device_busy = sum(phases[k] or 0.0 for k in ("data", "forward", "backward", "forward_backward",
+                                                                "optimizer"))
+        after = self._comm_totals()
+        return StepRecord(
+            step=self.step,
+            loss=sum(r[0] * r[1] for r in rows) / sum(r[1] for r in rows),  # over the ranks that compute it
+            grad_norm=grad_norm,
+            param_norm=rows[0][2],
+            lr=lr,
+            tokens=self.tokens_per_step,
+            tokens_seen=self.tokens_seen,
+            step_time_s=elapsed,
+            tokens_per_s=self.tokens_per_step / elapsed,
+            comm_time_s=after.seconds - before.seconds,
+            comm_bytes=after.bytes - before.bytes,
+            comm_calls=after.calls - before.calls,
+            param_norm_per_rank=[r[2] for r in rows],
+            memory=dict(zip(MEMORY_KINDS, at_rest)),
+            memory_peak=dict(zip(PEAK_KINDS, peaks)),
+            sync={**strategy.last_sync, **bracketed},
+            skipped=skipped,
+            loss_scale=loss_scale if self.loss_scaler else None,
+            overflow=overflow,
+            pipeline=self._pipeline_record([r[4:6] for r in rows]),
+            phases_s=phases,
+            busy_s_per_rank=[r[-1] for r in rows],
+        )
+
+    def evaluate(self) -> float:
+        """Collective: the mean loss over the held-out batches (data.EvalBatches: each data-parallel rank
+        its disjoint share, the same examples every time), with the model as it is now. Every rank that
+        computes a loss (all, or a pipeline's last stages) adds it in; a tensor-parallel group's ranks
+        hold the same value, so the mean over the holders is the mean over the examples."""
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.topo.device)
+        self.model.eval()  # the next train_step switches back
+        with torch.no_grad():
+            for x, y in self.eval_batches:
+                x, y = self._to_device(x), self._to_device(y)
+                if self.pipeline is not None:
+                    loss_sum += self.pipeline.evaluate(x, y)
+                else:
+                    with autocast(self.cfg.train, self.topo.device):
+                        loss_sum += self.strategy.module(x, y).double()
+        holds = self._holds_loss()
+        both = torch.stack([loss_sum * holds / self.eval_batches.batches,
+                            torch.tensor(holds, dtype=torch.float64, device=self.topo.device)])
+        self.topo.everyone.all_reduce_sum(both)
+        total, holders = both.tolist()
+        return total / holders
+
+    def _to_device(self, batch: torch.Tensor) -> torch.Tensor:
+        """A CPU batch onto the device: on a GPU from pinned memory without blocking the host, so the copy
+        overlaps whatever the GPU is still running."""
+        if self.topo.device.type != "cuda":
+            return batch.to(self.topo.device)
+        return batch.pin_memory().to(self.topo.device, non_blocking=True)
+
+    def _comm_totals(self) -> OpStats:
+        """Collectives (and point-to-point transfers) so far in the data-, tensor- and pipeline-parallel groups."""
+        totals = [self.topo.dp.totals(), self.topo.tp.totals(), self.topo.pp.totals()]
+        return OpStats(sum(t.calls for t in totals), sum(t.bytes for t in totals), sum(t.seconds for t in totals))
+
+    def _holds_loss(self) -> float:
+        """1 where this rank computes the loss (every rank, or a pipeline's last stage), else 0."""
+        return float(self.pipeline is None or self.pipeline.last_stage)
+
+    def _pipeline_measured(self) -> list[float]:
+        """[bubble, peak in-flight micro-batches] of this rank's last schedule (0, 0 without a pipeline)."""
+        m = self.pipeline.measured if self.pipeline is not None else {}
+        return [m.get("bubble", 0.0), float(m.get("peak_in_flight", 0))]
+
+    def _pipeline_record(self, measured: list[list[float]]) -> dict | None:
+        """The step's pipeline figures per stage from every rank's [bubble, in flight] (a stage's ranks are
+        consecutive, pp being outermost): its bubble (the mean over its ranks) and the most micro-batches
+        any of them held at once."""
+        if self.pipeline is None:
+            return None
+        per_stage = len(measured) // self.pipeline.stages
+        stages = [measured[i:i + per_stage] for i in range(0, len(measured), per_stage)]
+        return {**self.pipeline.summary(), "bubble": [sum(r[0] for r in st) / len(st) for st in stages],
+                "peak_in_flight": [int(max(r[1] for r in st)) for st in stages]}
+
+    def _boundary_flags(self) -> list[float]:
+        """[signal received (its number, or 0), background save: 1 written, 0 still writing or none]."""
+        signum = self.stop_request.signum if self.stop_request else 0
+        written = self.pending_save is not None and self.pending_save.written
+        return [float(signum), float(written)]
+
+    def _check_skips(self, skipped: bool) -> bool:
+        """Count non-finite steps (called once the step is counted: self.step is its number); every rank
+        decides alike (the norm is global), so all abort together.
+        In fp16 an overflow at a loss scale above 1 is the scaler's to handle (halve, retry), not the guard's.
+        Returns whether the step was such an overflow."""
+        scaler = self.loss_scaler
+        if scaler is not None:
+            overflow = skipped and scaler.overflow_is_scalers()
+            scaler.update(overflowed=skipped)
+            if overflow:
+                self.overflow_steps += 1
+                return True
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
+        self.skipped_steps += skipped
+        if self.skipped_in_a_row > self.cfg.train.max_skipped_steps:
+            raise NonFiniteError(f"step {self.step}: gradients were NaN/Inf {self.skipped_in_a_row} steps in a "
+                                 f"row (more than --train.max_skipped_steps {self.cfg.train.max_skipped_steps}); "
+                                 "lower --lr, check the data, or resume from an earlier checkpoint")
+        return False
+
+    def train_state(self) -> dict:
+        if self._corpus_sha256 is None and self.topo.is_main:  # the manifest's copy is rank 0's
+            self._corpus_sha256 = corpus_fingerprint(self.loader.tokens)
+        return {"step": self.step, "optimizer_steps": self.strategy.optimizer.steps_taken,
+                "corpus_sha256": self._corpus_sha256,
+                "optimizer_scalars": self.strategy.optimizer.scalar_state(),
+                "tokens_seen": self.tokens_seen, "loader": self.loader.state_dict(),
+                "recent_losses": self.spikes.state(),
+                "loss_scaler": self.loss_scaler.state() if self.loss_scaler else None}
+
+    def save_checkpoint(self, root: str | Path) -> Path:
+        """Collective: save now, return the step directory once it is complete."""
+        return checkpoint.save(root, self.step, self.topo, self.strategy, self.train_state(), self.cfg.to_dict(),
+                               after_written=self.faults.after_shard_written)
+
+    def start_async_save(self, root: str | Path) -> checkpoint.AsyncSave:
+        """Collective: snapshot now, write in the background; the caller commits it later."""
+        return checkpoint.AsyncSave(root, self.step, self.topo, self.strategy, self.train_state(),
+                                    self.cfg.to_dict(), after_written=self.faults.after_shard_written)
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        state = checkpoint.load(path, self.topo, self.strategy)
+        self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+        self.loader.load_state_dict(state["loader"])
+        t = self.cfg.train
+        self.spikes = SpikeGuard(t.spike_factor, t.spike_window, state.get("recent_losses"))
+        if self.loss_scaler and state.get("loss_scaler"):
+            self.loss_scaler.load_state(state["loss_scaler"])
+        self.faults.armed = False  # deliberate faults never fire in a run that loaded a checkpoint

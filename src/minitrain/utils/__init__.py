@@ -1,0 +1,1 @@
+"""Leaf helpers: progress bars."""

@@ -28,7 +28,7 @@ from .api import (
 )
 from .parallel.model_plan import ModelPlan
 
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = ["GradScaler", "ModelPlan", "PipelineSplit", "PreparedOptimizer", "__version__", "barrier", "cleanup",
            "clip_grad_norm_",

@@ -1,5 +1,5 @@
-"""The error every user-input check raises, in a module of its own so that any module may raise it without
-importing the configuration (config imports data and faults to validate a run; they must not import it back)."""
+"""The error every user-input check raises, at the bottom of the layers so that any module (the runtime's topology,
+the data checks, the configuration) may raise it without importing the configuration."""
 
 
 class ConfigError(ValueError):

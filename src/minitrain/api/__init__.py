@@ -52,7 +52,7 @@ from ..parallel.tp_plan import check_plan, hugging_face_plan
 from ..parallel.replica_state import check_buffers_agree, check_feeds, feed_checksum, refuse_batch_statistics
 from ..parallel.whole_state import full_model_state, full_optimizer_state, load_optimizer_state
 from .scaler import GradScaler
-from ..train.precision import COMPUTE_DTYPES
+from ..parallel.loss_scale import COMPUTE_DTYPES
 from ..runtime.topology import Topology, under_torchrun
 
 

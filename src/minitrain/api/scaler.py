@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from ..train.precision import LossScaler
+from ..parallel.loss_scale import LossScaler
 
 
 class GradScaler:

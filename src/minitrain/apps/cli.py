@@ -12,7 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .. import __version__
+from ..version import __version__
 from .. import checkpoint
 from ..corpus import prepare as prepare_data
 from . import report

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from .. import __version__
+from ..version import __version__
 from .. import checkpoint
 from .ckpt import consolidated_state_dict
 from ..config import ModelConfig

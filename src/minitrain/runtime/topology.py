@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from .watch import MARGIN_S, CollectiveWatch, open_watch
 from .comm import Comm
-from ..config import ConfigError
+from ..errors import ConfigError
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 

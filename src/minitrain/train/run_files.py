@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import __version__
+from ..version import __version__
 from ..corpus import token_files
 from ..config import RunConfig
 from ..runtime.topology import Topology

@@ -29,7 +29,7 @@ from ranges import fmt_range, median_range  # benchmarks/ranges.py
 from record import RESULTS, write_result  # benchmarks/record.py
 
 from minitrain.runtime.launch import launch
-from minitrain.train.memory import device_peak_bytes, reset_device_peak
+from minitrain.train.memory import DevicePeak
 from minitrain.train.metrics import format_table, human_bytes
 
 GPT2 = dict(vocab_size=8192, n_positions=128, n_embd=320, n_layer=6, n_head=5, resid_pdrop=0.0, embd_pdrop=0.0,
@@ -57,7 +57,7 @@ def _build(name: str, topo):
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2))
     adamw = functools.partial(torch.optim.AdamW, lr=1e-3, betas=(0.9, 0.95))
     if name in PEER_OF:
-        minitrain.init_distributed()
+        minitrain.init_distributed(topology=topo)
         model, opt = minitrain.prepare(model, adamw, zero=int(name[-1]), param_groups=_groups(model))
         return model, opt, None
     if name in ("ddp", "zero-redundancy"):
@@ -92,15 +92,16 @@ def worker(topo, name: str, steps: int) -> dict:
 
     import minitrain
 
+    peak = DevicePeak(topo.device)
     gc.collect()
-    reset_device_peak(topo.device)
-    baseline = device_peak_bytes(topo.device)
+    peak.reset()
+    baseline = peak.bytes()
     model, opt, clip_params = _build(name, topo)
     g = torch.Generator().manual_seed(1 + topo.rank)
     times, peaks, first_loss = [], [], None
     for _ in range(WARMUP + steps):
         x = torch.randint(0, GPT2["vocab_size"], (BATCH, SEQ), generator=g)
-        reset_device_peak(topo.device)
+        peak.reset()
         topo.dp.barrier()
         start = time.perf_counter()
         logits = model(input_ids=x).logits
@@ -114,8 +115,9 @@ def worker(topo, name: str, steps: int) -> dict:
         opt.zero_grad()
         topo.dp.barrier()
         times.append(time.perf_counter() - start)
-        peaks.append(device_peak_bytes(topo.device) - baseline)
+        peaks.append(peak.bytes() - baseline)
         first_loss = first_loss if first_loss is not None else float(loss.detach())
+    peak.close()
     return {"step_s": statistics.median(times[WARMUP:]), "peak_bytes": max(peaks), "first_loss": first_loss}
 
 

@@ -143,7 +143,7 @@ def plain(kind: str) -> tuple[list[float], dict]:
 
 
 def _zero3_cases(topo, kinds):
-    minitrain.init_distributed()
+    minitrain.init_distributed(topology=topo)
     out = {}
     for kind in kinds:
         for zero in (2, 3):
@@ -277,7 +277,7 @@ def _habits(topo, root):
 
 
 def _two_ranks(topo, kinds, root):
-    minitrain.init_distributed()
+    minitrain.init_distributed(topology=topo)
     return _zero3_cases(topo, kinds), _ported_ddp_loops(topo), _fp16(topo, root), _habits(topo, root)
 
 

@@ -47,7 +47,7 @@ def _train(kind, optimizer, zero, steps, rank, world, micro=1):
             total += loss.item()
         norms.append(minitrain.clip_grad_norm_(model, MAX_NORM))
         opt.step()
-        strategy = minitrain.api._state_of(model).strategy
+        strategy = minitrain.api.session.state_of(model).strategy
         after_step = strategy.memory_bytes()
         opt.zero_grad()
         losses.append(_global_mean(total))
@@ -76,7 +76,7 @@ class _nothing:
 
 
 def _parity_cases(topo, cases, micro):
-    minitrain.init_distributed()
+    minitrain.init_distributed(topology=topo)
     steps = batches(STEPS, 8)
     out = {}
     for kind, optimizer, zero in cases:
@@ -119,7 +119,7 @@ def test_accumulation_under_no_sync_equals_one_big_batch_at_every_stage():
 # --- checkpoints -------------------------------------------------------------------------------------
 def _save_then_continue(topo, root, kind, zero):
     """Steps 1-5, save at 5, steps 6-10; returns the states after each step 6..10."""
-    minitrain.init_distributed()
+    minitrain.init_distributed(topology=topo)
     steps = batches(10, 8)
     _, _, model, opt = _train(kind, "adamw", zero, steps[:5], topo.rank, topo.world_size)
     minitrain.save_checkpoint(root, model, opt, 5, extra={"epoch": 0, "note": "after five"})
@@ -139,7 +139,7 @@ def _continue(model, opt, steps, topo):
 
 
 def _resume(topo, root, kind, zero):
-    minitrain.init_distributed()
+    minitrain.init_distributed(topology=topo)
     model = make_model(kind, seed=123)  # different initial weights: all must come from the checkpoint
     model, opt = minitrain.prepare(model, OPTIMIZERS["adamw"], zero=zero, param_groups=param_groups(model))
     step, extra = minitrain.load_checkpoint(root, model, opt)
@@ -153,7 +153,7 @@ def _elements_read(model, root) -> tuple[int, int, int]:
     """(parameter elements this rank's load read, elements in its shard, elements in the model)."""
     from minitrain import checkpoint
 
-    strategy = minitrain.api._state_of(model).strategy
+    strategy = minitrain.api.session.state_of(model).strategy
     manifest = checkpoint.read_manifest(checkpoint.resolve(root))
     wanted = strategy.flat.pieces(strategy.shard_ranges)
     read = sum(n for copies in checkpoint.plan_reads(manifest, "params", wanted).values() for _, _, n in copies)
@@ -180,7 +180,7 @@ def test_resume_is_bit_identical_reshards_and_reads_only_a_ranks_pieces(tmp_path
 
 
 def _save_on_rank0_only(topo, root):
-    minitrain.init_distributed(timeout_s=2)
+    minitrain.init_distributed(timeout_s=2, topology=topo)
     model = make_model("gpt2")
     model, opt = minitrain.prepare(model, OPTIMIZERS["sgd"], zero=2)
     if topo.rank != 0:
@@ -285,7 +285,7 @@ def test_an_lr_scheduler_drives_the_prepared_optimizer_as_plain_pytorch():
 
 def _lab_names(topo):
     """The seed labs' calls: is_main_process, barrier, wrap_for_ddp with a plain torch optimizer."""
-    rank, world = minitrain.init_distributed()
+    rank, world = minitrain.init_distributed(topology=topo)
     torch.manual_seed(rank)  # different weights per rank: DDP must start them from rank 0's
     model = minitrain.wrap_for_ddp(torch.nn.Linear(3, 1).double())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

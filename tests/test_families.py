@@ -110,7 +110,7 @@ def _refusals():
 
 
 def _all_cases(topo):
-    minitrain.init_distributed()
+    minitrain.init_distributed(topology=topo)
     return {case: _run(topo, *case) for case in CASES}, _refusals()
 
 

@@ -56,7 +56,7 @@ def test_prepare_keeps_a_model_on_its_own_device():
     for zero in range(4):
         model, opt = minitrain.prepare(tiny("meta"), ADAMW, zero=zero)
         assert {p.device.type for p in model.parameters()} == {"meta"}, zero
-        strategy = minitrain.api._state_of(model).strategy
+        strategy = minitrain.api.session.state_of(model).strategy
         assert strategy.optimizer.master.device.type == "meta" and strategy.comm.device.type == "meta", zero
 
 
@@ -250,7 +250,7 @@ def test_a_collective_is_timed_on_the_device_not_at_enqueue():
 def test_the_gradient_sync_overlap_is_read_from_device_marks():
     comm = _device_comm()
     model, _ = minitrain.prepare(tiny(), ADAMW, zero=0)
-    strategy = minitrain.api._state_of(model).strategy
+    strategy = minitrain.api.session.state_of(model).strategy
     strategy.comm = comm
     first, second, end = FakeEvent(0.0), FakeEvent(), FakeEvent(0.6)
     strategy.sync_at(2, [(first, FakeEvent(0.4)), (FakeEvent(0.2), second)], end)
@@ -266,7 +266,7 @@ def test_the_watch_sees_a_collective_the_device_has_not_finished():
     went unseen. It now watches the Work until the device finishes it."""
     from minitrain.runtime.watch import CollectiveWatch
 
-    watch = CollectiveWatch(0, 1, torch.distributed.HashStore(), 0.05, object(), report=lambda *a: None)
+    watch = CollectiveWatch(0, 1, torch.distributed.HashStore(), 0.05, report=lambda *a: None)
     try:
         work = FakeWork()
         fp = ("dp", 1, "all_reduce", ((4,),), "float32", "test.py:1")
@@ -329,7 +329,7 @@ def test_a_snapshot_makes_no_second_copy_of_the_state_where_it_lives(tmp_path, m
     for zero in range(4):
         model, opt = minitrain.prepare(tiny(), ADAMW, zero=zero)
         _step(model, opt, "cpu")
-        state = minitrain.api._state_of(model)
+        state = minitrain.api.session.state_of(model)
         made = []
         monkeypatch.setattr(torch, "cat", lambda *a, **k: made.append("cat") or torch.stack([]))
         monkeypatch.setattr(torch.Tensor, "clone", lambda *a, **k: made.append("clone"))

@@ -178,7 +178,7 @@ def test_messages_name_the_likely_cause():
 
 # --- the API, 2 ranks ---------------------------------------------------------------------------------------
 def _two_ranks(topo):
-    minitrain.init_distributed()
+    minitrain.init_distributed(topology=topo)
     out = {}
     for zero in range(4):  # no zero_grad between steps: torch accumulates, so must every stage
         model, opt = minitrain.prepare(net(), ADAMW, zero=zero)

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import minitrain
-from minitrain.apps.ckpt import consolidated_state_dict
+from minitrain.checkpoint import consolidated_state_dict
 from minitrain.runtime.comm import Comm
 from minitrain.parallel.recompute import apply_activation_checkpointing, targets
 from minitrain.parallel.tensor import tensor_parallel_slices
@@ -139,7 +139,7 @@ def _pipelined(topo, root, tp, pp, zero, schedule, microbatches):
 
 
 def _four_ranks(topo, root):
-    minitrain.init_distributed()
+    minitrain.init_distributed(topology=topo)
     trained = {case: _train(topo, root, *case) for case in CASES}
     pipelined = {case: _pipelined(topo, root, *case) for case in PIPELINES}
     return trained, _sharded_gradients(topo), pipelined

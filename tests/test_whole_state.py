@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 
 import minitrain
 from minitrain.checkpoint import CheckpointError
-from minitrain.apps.ckpt import consolidate, consolidated_state_dict
+from minitrain.apps.ckpt import consolidate
+from minitrain.checkpoint import consolidated_state_dict
 
 from .dist import run_ranks
 from .hf_models import SEQ, VOCAB, batches, lm_loss
@@ -75,7 +76,7 @@ def _pipe_step(model, opt, x, loss_fn):
 
 
 def _two_ranks(topo, root):
-    minitrain.init_distributed()
+    minitrain.init_distributed(topology=topo)
     out = {}
     steps = batches(3, 4)
     # 1. A frozen embedding split over the vocabulary at tp=2: saved whole, consolidated whole, each rank's own

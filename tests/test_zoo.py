@@ -212,7 +212,7 @@ def _step(model, opt, x, layout):
 
 
 def _zoo(topo, specs: list[dict], root):
-    minitrain.init_distributed()
+    minitrain.init_distributed(topology=topo)
     out = []
     for n, fields in enumerate(specs):
         spec = Spec(**fields)

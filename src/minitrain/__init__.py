@@ -1,6 +1,6 @@
 """minitrain: a small, readable, exactly correct distributed training framework.
 
-Bring your own model, optimizer and loop (see api.py):
+Bring your own model, optimizer and loop (see api/__init__.py):
 
     import minitrain
     minitrain.init_distributed()

@@ -80,9 +80,8 @@ class OverlappedAllReduce:
         self.flat, self.comm, self.to_reduce = flat, comm, to_reduce
         self.buckets = plan_buckets(flat.segments, cap_bytes, flat.grad.element_size())
         bucket_of = {name: i for i, b in enumerate(self.buckets) for name in b.names}
-        for name in flat.names():
-            flat.param_named(name).register_post_accumulate_grad_hook(
-                lambda _p, name=name, i=bucket_of[name]: self._grad_ready(i, name))
+        self.handles = [flat.param_named(name).register_post_accumulate_grad_hook(
+            lambda _p, name=name, i=bucket_of[name]: self._grad_ready(i, name)) for name in flat.names()]
         self.enabled = True  # False under no_sync(): backward accumulates locally
         self._reset()
 

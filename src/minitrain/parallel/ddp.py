@@ -97,6 +97,7 @@ class BucketedDataParallel(ReplicatedStrategy):
                  **kwargs):
         super().__init__(model, comm, pcfg, make_optimizer, **kwargs)
         self.overlapped = OverlappedAllReduce(self.flat, comm, self.to_reduce, int(pcfg.bucket_mb * 2**20))
+        self.hooks += self.overlapped.handles
         self.buckets = self.overlapped.buckets
         self._sync_when_backward_ends(lambda: not self.overlapped.enabled)
 
@@ -141,6 +142,12 @@ class TorchDataParallel(ReplicatedStrategy):
 
     def no_sync(self):
         return self.module.no_sync()
+
+    def close(self) -> None:
+        """Also let go of the DDP wrapper: its reducer holds the comm hook (this strategy) in C++, where the collector
+        cannot see the cycle; with the wrapper gone the reducer and its hooks on the parameters go too."""
+        super().close()
+        self.module = self.model
 
     def _sync(self) -> None:
         # DDP finished the all-reduces inside backward; collect their timings.

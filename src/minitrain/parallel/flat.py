@@ -6,6 +6,9 @@ gradient norm and clipping, what a rank holds, and its checkpoint state.
 (`make_optimizer(master, flat, shard_ranges)`): minitrain's own `FlatAdamW` for the CLI, or a
 user's torch optimizer over this rank's shard (`shard_optimizer.py`), so the strategies never
 know which.
+
+Longer than our ~400 lines on purpose: it is the one contract every strategy (ddp.py, zero.py, zero3.py)
+fills in, and the step, the norm, the memory accounting and the checkpoint state read best beside each other.
 """
 from __future__ import annotations
 
@@ -114,11 +117,23 @@ class FlatStrategy:
         self._norm: float | None = None  # this step's global gradient norm, once computed
         self._visible_guard: VisibleGradGuard | None = None  # refuses p.grad changed after a sync (visible_grads.py)
         self._backward_end: BackwardEndSync | None = None  # syncs when backward ends (user_loop, stages 0-1)
-        self._user_hooks: list = []  # handles of the hooks on the user's model.state_dict / load_state_dict
+        # Every hook this strategy puts on the model or its parameters: close() removes them, so a dropped model no
+        # longer reaches the strategy (autograd would keep both alive) and the model is the user's own again.
+        self.hooks: list = []
+        self.closed = False  # close() was called: no further update (its gradients would no longer be synced)
         if pcfg.user_loop:
             self._follow_user_state_dict(model)
             if self.flat.grad is not None:
                 self._keep_grads_in_place()
+
+    def close(self) -> None:
+        """Take every hook this strategy put on the model off it. The strategy then holds no place in autograd or in
+        the model's hook tables, so once its owner drops it (a finished Trainer, minitrain.cleanup()) it is freed,
+        with the flat buffers and the optimizer state it holds."""
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks.clear()
+        self.closed = True
 
     # --- the last step's gradient-sync figures ----------------------------------------------------------------
     def sync_at(self, buckets: int, intervals: list[tuple], backward_end) -> None:
@@ -190,6 +205,7 @@ class FlatStrategy:
         if self.pcfg.user_loop:
             self._backward_end = BackwardEndSync([self.flat.param(s) for s in self.flat.segments],
                                                  self._sync_again, suspended)
+            self.hooks += self._backward_end.handles
 
     def _keep_grads_in_place(self) -> None:
         """A gradient autograd made afresh because p.grad had been set to None (model.zero_grad(), torch's default
@@ -203,7 +219,7 @@ class FlatStrategy:
         for seg in self.flat.segments:
             if seg.numel:
                 view = self.flat.grad[seg.offset:seg.offset + seg.numel].view(seg.shape)
-                self._user_hooks.append(self.flat.param(seg).register_post_accumulate_grad_hook(
+                self.hooks.append(self.flat.param(seg).register_post_accumulate_grad_hook(
                     lambda p, view=view: keep(p, view)))
 
     def _sync_again(self) -> None:
@@ -227,7 +243,7 @@ class FlatStrategy:
 
     # --- the user's own model.load_state_dict / state_dict (user_loop) ---------------------------------------------
     def _follow_user_state_dict(self, model: nn.Module) -> None:
-        self._user_hooks.append(model.register_load_state_dict_post_hook(lambda _m, _keys: self.params_loaded()))
+        self.hooks.append(model.register_load_state_dict_post_hook(lambda _m, _keys: self.params_loaded()))
 
     @torch.no_grad()
     def params_loaded(self) -> None:
@@ -277,6 +293,9 @@ class FlatStrategy:
 
     def _grad_norm_tensor(self, loss_scale: float) -> torch.Tensor:
         """grad_norm as a float64 tensor on the device (collective; nothing read back)."""
+        if self.closed:  # every update passes here: without its hooks, backward no longer syncs the gradients
+            raise RuntimeError(f"this {self.name} strategy was closed (its hooks are off the model); prepare the "
+                               "model again to train it")
         parts = self._sum_sq_parts(self._averaged_grad(), self.shard_ranges)
         if self.stage >= 1:
             self.comm.all_reduce_sum(parts)  # over the data-parallel shards

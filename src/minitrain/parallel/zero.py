@@ -102,6 +102,7 @@ class Zero1(ShardedStrategy):
         super().__init__(model, comm, pcfg, make_optimizer, **kwargs)
         self.to_reduce = GradientToReduce(self.flat, self.ledger, self.reduce_dtype)
         self.overlapped = OverlappedAllReduce(self.flat, comm, self.to_reduce, int(pcfg.bucket_mb * 2**20))
+        self.hooks += self.overlapped.handles
         self.buckets = self.overlapped.buckets
         self._synced = False
         # A loop that reads p.grad gets every gradient averaged, as at data parallel: the whole summed buffer is
@@ -147,8 +148,8 @@ class Zero2(ShardedStrategy):
         self._shard_views = local_views(self.grad_shard, self.shard_ranges)  # one per unit
         for i, unit in enumerate(self.flat.units):
             for seg in unit.segments:
-                self.flat.param(seg).register_post_accumulate_grad_hook(
-                    lambda p, i=i, seg=seg: self._grad_ready(i, seg, p))
+                self.hooks.append(self.flat.param(seg).register_post_accumulate_grad_hook(
+                    lambda p, i=i, seg=seg: self._grad_ready(i, seg, p)))
         self._arrived: list[set[str]] = [set() for _ in self.flat.units]
         self._buffers: dict[int, torch.Tensor] = {}  # unit -> its full gradient, being filled by backward
         self._inflight: deque[tuple[int, PendingCollective, torch.Tensor | None, torch.Tensor]] = deque()
@@ -162,7 +163,7 @@ class Zero2(ShardedStrategy):
         self._averaged_in_sync = pcfg.user_loop
         # A new forward means the last backward is over: finish its reductions now, so with
         # gradient accumulation the last unit's full gradient does not sit through a forward.
-        model.register_forward_pre_hook(lambda _m, _args: self._retire_all())
+        self.hooks.append(model.register_forward_pre_hook(lambda _m, _args: self._retire_all()))
 
     def held_grads(self) -> torch.Tensor:
         return self.grad_shard

@@ -66,10 +66,11 @@ class Zero3(Zero2):
         self._shared = [i for i, plan in enumerate(self.plans) if plan.module is None]
         self._pinned: set[int] = set()  # gathered for a use outside their module: whole until their gradient is reduced
         for pos, i in enumerate(self._order):
-            self.plans[i].module.register_forward_pre_hook(lambda _m, _args, pos=pos: self._before_forward(pos))
-            self.plans[i].module.register_forward_hook(lambda _m, _args, out, pos=pos: self._after_forward(pos, out))
-        model.register_forward_pre_hook(self._before_model_forward)
-        model.register_forward_hook(self._after_model_forward)
+            module = self.plans[i].module
+            self.hooks.append(module.register_forward_pre_hook(lambda _m, _args, pos=pos: self._before_forward(pos)))
+            self.hooks.append(module.register_forward_hook(lambda _m, _args, out, pos=pos: self._after_forward(pos, out)))
+        self.hooks.append(model.register_forward_pre_hook(self._before_model_forward))
+        self.hooks.append(model.register_forward_hook(self._after_model_forward))
         if pcfg.user_loop:
             self._watch_uses(model)
 
@@ -91,16 +92,16 @@ class Zero3(Zero2):
                 watch.__exit__(None, None, None)
 
         for module in model.modules():
-            module.register_forward_pre_hook(enter, prepend=True)
-            module.register_forward_hook(leave, always_call=True)
+            self.hooks.append(module.register_forward_pre_hook(enter, prepend=True))
+            self.hooks.append(module.register_forward_hook(leave, always_call=True))
 
     def _follow_user_state_dict(self, model: nn.Module) -> None:
         """model.load_state_dict gathers every unit first and keeps this rank's chunks of the loaded values
         (collective: every rank loads, as every rank prepared); model.state_dict() is refused, its parameters
         being freed shards between steps."""
         super()._follow_user_state_dict(model)
-        self._user_hooks.append(model.register_load_state_dict_pre_hook(self._before_user_load))
-        self._user_hooks.append(model.register_state_dict_pre_hook(self._refuse_values))
+        self.hooks.append(model.register_load_state_dict_pre_hook(self._before_user_load))
+        self.hooks.append(model.register_state_dict_pre_hook(self._refuse_values))
 
     def _before_user_load(self, *_args) -> None:
         for i in range(len(self.flat.units)):

@@ -22,8 +22,12 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+# Imported before any process group is joined, never after: torch.distributed.nn.functional binds `group.WORLD` as
+# a default argument when first imported (torch._dynamo imports it, and any torch optimizer imports torch._dynamo),
+# which would keep the group, and its gloo threads, alive past destroy_process_group (Topology.close).
+import torch.distributed.nn  # noqa: F401
 
-from .watch import MARGIN_S, CollectiveWatch, open_watch
+from .watch import MARGIN_S, CollectiveWatch
 from .comm import Comm
 from ..errors import ConfigError
 
@@ -153,15 +157,15 @@ class Topology:
         # device_id binds the group to this GPU (NCCL connects eagerly, and never guesses GPU 0 for a rank).
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
                                 device_id=device if device.type == "cuda" else None)
-        watch = CollectiveWatch(rank, world, store, timeout_s, dist.group.WORLD, report)
+        watch = CollectiveWatch(rank, world, store, timeout_s, report)
         comm = Comm(rank, world, dist.group.WORLD, device, "world", watch)
         return cls(rank, world, local_rank, backend, device, comm, watch=watch, opened=[comm])
 
     @classmethod
     def from_initialized(cls, report=None) -> "Topology":
-        """The process group this process has already joined (e.g. by its launcher), as a Topology. Its watch
-        is the one from_env made when joining, or a new one that speaks MARGIN_S before the group's own timeout
-        (or at half of a timeout shorter than 2 x MARGIN_S)."""
+        """The process group this process has already joined (the user's own init_process_group), as a Topology
+        with a new watch that speaks MARGIN_S before the group's own timeout (or at half of a timeout shorter than
+        2 x MARGIN_S). Code running under minitrain's launcher is handed the launcher's Topology instead."""
         rank, world = dist.get_rank(), dist.get_world_size()
         backend = str(dist.get_backend())  # "gloo", "nccl", or a per-device list such as "cpu:gloo,cuda:nccl"
         backend = "nccl" if "nccl" in backend else "gloo"
@@ -176,7 +180,7 @@ class Topology:
             device = local_device(backend, index, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
             torch.cuda.set_device(device)
         local_rank = device.index if device.type == "cuda" else int(os.environ.get("LOCAL_RANK", "0"))
-        watch = open_watch(dist.group.WORLD) or cls._new_watch(rank, world, device, report)
+        watch = cls._new_watch(rank, world, device, report)
         comm = Comm(rank, world, dist.group.WORLD, device, "world", watch)
         return cls(rank, world, local_rank, backend, device, comm, watch=watch, opened=[comm])
 
@@ -187,8 +191,7 @@ class Topology:
         except (AttributeError, RuntimeError):  # a backend that does not say: torch's default, 30 minutes
             pg_timeout = 1800.0
         watch_s = pg_timeout - MARGIN_S if pg_timeout > 2 * MARGIN_S else pg_timeout / 2
-        return CollectiveWatch(rank, world, dist.distributed_c10d._get_default_store(), watch_s, dist.group.WORLD,
-                               report)
+        return CollectiveWatch(rank, world, dist.distributed_c10d._get_default_store(), watch_s, report)
 
     def close(self) -> None:
         """Tear down in order: the watch's thread, then every process group. A group's threads (gloo's loop

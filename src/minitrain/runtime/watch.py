@@ -58,17 +58,6 @@ CLOSING = 1 << 32  # added to the signal counter by rank 0 as it closes; hang de
 STORE_OP_S = 5.0  # the watch thread's bound on any one store call (its store is a clone of its own)
 
 
-# The watch of each process group this process joined, while open: a Topology.from_initialized() under a launcher
-# that joined already (minitrain.api under --nproc) must use the launcher's, whose reports reach the launcher.
-_OPEN: dict[int, CollectiveWatch] = {}
-
-
-def open_watch(group) -> CollectiveWatch | None:
-    """The open watch made when this process joined `group` (the default process group object), if any."""
-    watch = _OPEN.get(id(group))
-    return watch if watch is not None and watch.group is group else None
-
-
 class GroupTrack:
     """One process group's collectives on this rank. `seq` numbers every op for diagnoses; `checked` and
     `digest` cover the symmetric ones (every member issues the same), which the periodic check compares.
@@ -107,9 +96,8 @@ class CollectiveWatch:
     gloo all-reduce between two ranks of that machine took 760 us. The thread costs one store round trip per
     POLL_S per rank."""
 
-    def __init__(self, rank: int, world_size: int, store, timeout_s: float, group, report=None):
-        """group: the default process group just joined, under which the watch is found (open_watch)."""
-        self.rank, self.world_size, self.timeout_s, self.group = rank, world_size, timeout_s, group
+    def __init__(self, rank: int, world_size: int, store, timeout_s: float, report=None):
+        self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self._report = report or _print_report
         self._store = store  # the main thread's: the periodic check
         self._side = store.clone() if hasattr(store, "clone") else store  # the watch thread's
@@ -136,7 +124,6 @@ class CollectiveWatch:
         self._main_ident = threading.get_ident()  # the thread that runs the collectives
         self._thread = threading.Thread(target=self._loop, name="minitrain-collective-watch", daemon=True)
         self._thread.start()
-        _OPEN[id(group)] = self
 
     # --- what comm.py tells it ---------------------------------------------------------------
     def track(self, name: str, members: list[int]) -> GroupTrack:
@@ -345,9 +332,6 @@ class CollectiveWatch:
 
     def close(self) -> None:
         """Stop the thread (before the process group goes), and leave a note for any later diagnosis."""
-        if _OPEN.get(id(self.group)) is self:
-            del _OPEN[id(self.group)]
-        self.group = None  # the process group must be able to go with its last Comm (Topology.close)
         if self._stop.is_set():
             return
         self._stop.set()

@@ -1,0 +1,93 @@
+"""A prepared model's whole state: save_checkpoint / load_checkpoint (every rank writes and reads only its own
+part, at any layout), and full_state_dict (the whole model in memory, with its own keys)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .. import checkpoint
+from ..parallel.replica_state import check_buffers_agree
+from ..parallel.whole_state import full_model_state
+from .optimizer import PreparedOptimizer
+from .session import Prepared, current, state_of
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's state_dict, with exactly its own keys, shapes and dtypes, on every rank (copies): what to
+    evaluate or export in memory. Put together from every data-parallel shard, tensor-parallel slice and pipeline
+    stage, so it is collective (call it on every rank) and holds the whole model on each."""
+    state = state_of(model)
+    topo = state.topo
+    check_buffers_agree(state.strategy.model, topo.dp, "full_state_dict")
+    return full_model_state(state.strategy, topo.everyone, topo.dp, topo.tp, topo.pp)
+
+
+def save_checkpoint(directory: str | Path, model: nn.Module, optimizer: PreparedOptimizer, step: int,
+                    extra: dict | None = None) -> Path:
+    """Save the model and optimizer as a sharded, sha256-verified checkpoint under directory/step-NNNNNN,
+    and point directory/latest at it once it is complete. Collective (every rank writes its own shard).
+    extra: anything JSON can hold (epoch, data position, ...), returned by load_checkpoint."""
+    state = _with_its_optimizer(model, optimizer, "save_checkpoint")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"step must be a non-negative integer (it names the checkpoint, step-NNNNNN), got {step!r}")
+    train_state = _train_state(state, step, extra)
+    current().all_ranks_arrive("save_checkpoint")
+    check_buffers_agree(state.strategy.model, state.topo.dp, "save_checkpoint")
+    return checkpoint.save(directory, int(step), state.topo, state.strategy, train_state, {"prepare": state.settings})
+
+
+def load_checkpoint(directory: str | Path, model: nn.Module, optimizer: PreparedOptimizer) -> tuple[int, dict | None]:
+    """Restore a checkpoint saved by save_checkpoint (the directory, or one step-NNNNNN in it) at any world
+    size or ZeRO stage; each rank reads only the parts it holds. Returns (step, extra). Collective."""
+    state = _with_its_optimizer(model, optimizer, "load_checkpoint")
+    current().all_ranks_arrive("load_checkpoint")
+    saved_optimizer = checkpoint.read_manifest(checkpoint.resolve(directory))["train_state"].get("optimizer")
+    if saved_optimizer is not None and saved_optimizer != _optimizer_name(state):
+        raise checkpoint.CheckpointError(f"checkpoint {directory} holds the state of a {saved_optimizer}, and this "
+                                         f"optimizer is a {_optimizer_name(state)}: its state would be dropped or "
+                                         "missing; load it with the optimizer it was saved with")
+    train_state = checkpoint.load(directory, state.topo, state.strategy)
+    if train_state.get("loss_scaler") is not None and state.settings["precision"] == "fp16":
+        if state.scaler is not None:
+            state.scaler.load_state_dict(train_state["loss_scaler"])
+        else:
+            state.scaler_state = train_state["loss_scaler"]
+    if "param_groups" in train_state:  # the learning rate a scheduler had set, betas, weight decay, ...
+        try:
+            state.strategy.optimizer.load_group_options(train_state["param_groups"])
+        except ValueError as e:
+            raise checkpoint.CheckpointError(f"checkpoint {directory}: {e}") from None
+    return train_state["step"], train_state.get("extra")
+
+
+def _with_its_optimizer(model: nn.Module, optimizer, what: str) -> Prepared:
+    state = state_of(model)
+    if optimizer is not state.optimizer:
+        raise ValueError(f"{what} takes the optimizer prepare returned with this model")
+    return state
+
+
+def _train_state(state: Prepared, step: int, extra: dict | None) -> dict:
+    """What a checkpoint's manifest records beside the tensors: the step, the optimizer's class, counters and group
+    options, fp16's loss scaler, and the user's `extra` (refused unless strict JSON holds it: a manifest is read
+    back without NaN or Infinity)."""
+    optimizer = state.strategy.optimizer
+    train_state = {"step": step, "optimizer_steps": optimizer.steps_taken, "optimizer_scalars": optimizer.scalar_state(),
+                   "optimizer": _optimizer_name(state), "param_groups": optimizer.group_options(), "extra": extra}
+    if state.settings["precision"] == "fp16":
+        train_state["loss_scaler"] = state.scaler.state_dict() if state.scaler is not None else state.scaler_state
+    try:
+        json.dumps(train_state, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"save_checkpoint: extra must be plain JSON (dicts, lists, strings, finite numbers): {e}") \
+            from None
+    return train_state
+
+
+def _optimizer_name(state: Prepared) -> str:
+    """The user's optimizer's class, as `module.Class` (what a checkpoint records of it)."""
+    cls = type(state.strategy.optimizer.inner)
+    return f"{cls.__module__}.{cls.__qualname__}"

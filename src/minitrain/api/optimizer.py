@@ -1,0 +1,75 @@
+"""The optimizer prepare returns: the user's own optimizer class, running on this rank's shard of the flat
+parameters, behind torch's Optimizer interface (param_groups, state, step, zero_grad, state_dict)."""
+from __future__ import annotations
+
+import torch
+
+from ..parallel import FlatStrategy
+from ..parallel.whole_state import full_optimizer_state, load_optimizer_state
+from .session import Prepared
+from .steps import check_fed_alike
+
+
+class PreparedOptimizer(torch.optim.Optimizer):
+    """The user's optimizer, as prepare returns it: step() syncs what backward has not yet synced, clips
+    when clip_grad_norm_ asked, updates this rank's shard with the user's optimizer and publishes the new
+    parameters; zero_grad() clears the flat gradients. `param_groups` and `state` are the user's optimizer's
+    (over this rank's shard), so learning-rate schedulers work on it. Its state is saved and loaded with
+    minitrain.save_checkpoint / load_checkpoint (state_dict() of one rank's shard would not reshard)."""
+
+    def __init__(self, strategy: FlatStrategy, prepared: Prepared):  # noqa: D107 - shares the inner optimizer's
+        self._strategy, self._prepared = strategy, prepared
+        self.inner: torch.optim.Optimizer = strategy.optimizer.inner
+        self.defaults, self.param_groups, self.state = self.inner.defaults, self.inner.param_groups, self.inner.state
+        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
+        self._optimizer_state_dict_pre_hooks, self._optimizer_state_dict_post_hooks = {}, {}
+        self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = {}, {}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One update of every rank's parameters (collective). A step whose gradients hold NaN/Inf on any rank
+        is skipped on every rank (parameters and optimizer state unchanged). In fp16, step through the
+        GradScaler instead (scaler.step(optimizer))."""
+        if self._prepared.settings["precision"] == "fp16":
+            raise RuntimeError("precision='fp16' steps through its loss scaler: scaler = "
+                               "minitrain.GradScaler(optimizer), then scaler.scale(loss).backward(); "
+                               "scaler.step(optimizer); scaler.update()")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._step(1.0)
+        return loss
+
+    def _step(self, loss_scale: float) -> float:
+        """The update from gradients of the loss times loss_scale; returns the (unscaled) global gradient norm,
+        not finite if the step was skipped."""
+        check_fed_alike(self._prepared)
+        max_norm, self._prepared.max_norm = self._prepared.max_norm, None
+        return self._strategy.step(None, loss_scale, max_norm if max_norm is not None else 0.0)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients for the next step. They live in minitrain's buffers, so they are zeroed in place;
+        with set_to_none (torch's default) ZeRO-2/3 also give back their gradient shard's memory until the next
+        backward, as FSDP2 frees its sharded gradients."""
+        self._prepared.max_norm = None
+        self._strategy.zero_grad(release=set_to_none)
+
+    def add_param_group(self, param_group: dict) -> None:
+        raise NotImplementedError("groups are fixed by prepare(param_groups=...); prepare a new model to change them")
+
+    def state_dict(self) -> dict:
+        """The whole optimizer's state_dict in torch's format, as the user's optimizer would give it in one process
+        over the whole model (its param groups, with the parameters numbered in their order): every rank's shard,
+        slice and stage put together on every rank. Collective: call it on every rank. (save_checkpoint writes
+        each rank's part instead, without gathering.)"""
+        topo = self._prepared.topo
+        return full_optimizer_state(self._strategy, self._prepared.groups, topo.everyone, topo.dp.rank, topo.tp.rank)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore a state_dict of torch's format (this optimizer's state_dict(), or a plain torch optimizer's over
+        the same param groups): each rank keeps the part it holds, and every group's options (lr, betas, ...)."""
+        load_optimizer_state(self._strategy, self._prepared.groups, state_dict)
+
+    def __repr__(self) -> str:
+        return f"PreparedOptimizer(ZeRO-{self._strategy.stage}, {self.inner!r})"

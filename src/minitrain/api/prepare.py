@@ -1,0 +1,257 @@
+"""prepare(model, optimizer_fn, ...): the user's model made to train under minitrain's strategies, in place.
+Every argument is checked before any rank splits or moves anything, so a refusal leaves the model as it was."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+
+import torch
+from torch import nn
+
+from ..parallel import ModelPlan, cast_parameters, parallelize
+from ..parallel.config import ParallelConfig
+from ..parallel.loss_scale import COMPUTE_DTYPES
+from ..parallel.pieces import PipelineSplit, Stage, check_pieces, check_split, cross_stage_ties, split_model
+from ..parallel.pipeline import Pipeline
+from ..parallel.replica_state import refuse_batch_statistics
+from ..parallel.schedules import SCHEDULES
+from ..parallel.shard_optimizer import OptimizerFn, TorchShardOptimizer, check_elementwise
+from ..parallel.tp_plan import check_plan, hugging_face_plan
+from ..runtime.topology import Topology
+from .optimizer import PreparedOptimizer
+from .session import Prepared, current
+from .steps import note_feed
+
+
+def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param_groups: list[dict] | None = None,
+            precision: str = "fp32", reduce_dtype: str = "fp32", dp: str = "bucketed", bucket_mb: float = 25.0,
+            prefetch: bool = True, activation_checkpointing: str | type = "none", tp: int = 1,
+            tp_plan: dict | str | None = None, pp: int = 1, pp_split: PipelineSplit | list | str | None = None,
+            microbatches: int = 1, schedule: str = "1f1b",
+            plan: ModelPlan | None = None) -> tuple[nn.Module, PreparedOptimizer]:
+    """Make `model` train data parallel over every rank (ZeRO stage `zero`), with the user's optimizer,
+    and with tp > 1 its layers split over groups of tp adjacent ranks (tensor parallel, Megatron-style).
+
+    optimizer_fn: called like a torch optimizer class on param groups, e.g.
+        functools.partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.1). Under ZeRO (zero >= 1) it runs
+        on this rank's shard, which is exact for elementwise optimizers (checked; others are refused).
+    param_groups: [{"params": [parameters of model], **options}, ...] as you would give the optimizer
+        (e.g. no weight decay for biases and norms); every trainable parameter in exactly one group.
+        Default: one group of every trainable parameter. Frozen parameters (requires_grad=False) are
+        never updated and hold no gradient or optimizer state.
+    precision: fp32 (compute in the parameters' dtype, float32 or float64), bf16 (bfloat16 parameters
+        and forward under autocast, float32 master weights and optimizer state) or fp16 (the same in float16,
+        with the loss scaled by minitrain.GradScaler(optimizer), which the loop calls as torch.amp.GradScaler).
+        reduce_dtype: fp32 or compute, what 16-bit gradients are summed in. dp (zero=0): bucketed (all-reduce
+        overlapped with backward) or naive. bucket_mb: bucket cap. prefetch (zero=3): gather the next block early.
+    activation_checkpointing: none | block (recompute each layer of the model's ModuleList/ModuleDict in
+        backward) | selective (needs a plan naming what to recompute) | a module-name pattern such as
+        "model.layers.*" | a module class such as LlamaDecoderLayer: those modules are recomputed.
+    tp: tensor-parallel degree (must divide the world size; data parallel runs over world / tp replicas:
+        feed each the slice of the batch dp_rank() / dp_world_size() say, the same on every rank of a
+        tensor-parallel group). tp_plan: {module-name pattern: style} (parallel/tp_plan.py lists the
+        styles), or "auto" for a Hugging Face model's own plan (its config's base_model_tp_plan and the
+        head's entry, so `model(...).logits` stays whole).
+    pp: pipeline stages (pipeline parallel outermost: dp = world / (tp x pp)); the model is then cut into
+        stages by pp_split (a PipelineSplit, the ordered names of its pieces, or "auto" for a Hugging Face
+        model's own pipeline plan) and trained by minitrain.pipeline_step(model, inputs, targets, loss_fn)
+        instead of forward + backward; each batch is cut into `microbatches` run by `schedule` (1f1b | gpipe).
+    Returns (model, optimizer): the same model object, and the optimizer to call step()/zero_grad() on.
+    Every rank starts from rank 0's parameters."""
+    session = current()
+    master = _check_arguments(model, session, zero, precision, reduce_dtype, dp)
+    _check_degrees(session.topo.world_size, tp, tp_plan, pp, pp_split)
+    plan = _with_tp_plan(model, plan, tp, tp_plan)
+    split = _pipeline_split(model, pp, pp_split, microbatches, schedule)
+    if split is not None:
+        plan = dataclasses.replace(plan or ModelPlan(),
+                                   pipeline_split=lambda m, stage, stages: split_model(m, split, stage, stages))
+    groups = _named_groups(model, param_groups)
+    if zero >= 1:
+        for _, options in groups:
+            check_elementwise(optimizer_fn, options)
+    # Checked: from here on the model is changed.
+    topo = _on_models_device(session.topo, model)
+    compute = COMPUTE_DTYPES[precision] if precision != "fp32" else master
+    hooks = [] if precision == "fp32" else _forward_under_autocast(model, topo.device, compute)
+    if precision != "fp32":
+        cast_parameters(model, compute)
+    # Full precision reduces in the parameters' own dtype; 16-bit in float32 or in the compute dtype.
+    reduce = master if precision == "fp32" else torch.float32 if reduce_dtype == "fp32" else compute
+    pcfg = ParallelConfig(zero=zero, dp=dp, bucket_mb=bucket_mb, prefetch=prefetch, master_dtype=master,
+                          reduce_dtype=reduce, master_is_params=True, user_loop=True)
+
+    def make_optimizer(master_vec, flat, shard_ranges):
+        return TorchShardOptimizer(master_vec, flat, shard_ranges, zero >= 1, optimizer_fn, groups)
+
+    layout = topo.with_layout(tp, pp)
+    builder = None if split is None else functools.partial(
+        Pipeline, comm=layout.pp, schedule=schedule, microbatches=microbatches, d_model=0, dtype=compute,
+        device=topo.device, forward_context=functools.partial(_autocast, topo.device, precision))
+    strategy, pipeline = parallelize(model, layout, pcfg, make_optimizer, plan, activation_checkpointing,
+                                     None if builder is None else lambda s: builder(s.module, no_sync=s.no_sync))
+    settings = {"zero": zero, "precision": precision, "reduce_dtype": reduce_dtype, "dp": dp, "bucket_mb": bucket_mb,
+                "prefetch": prefetch, "tp": tp, "pp": pp, "microbatches": microbatches, "schedule": schedule,
+                "activation_checkpointing": getattr(activation_checkpointing, "__name__", activation_checkpointing)}
+    stage = None if split is None else Stage(model, split, layout.pp.rank, pp)
+    state = Prepared(strategy, settings, layout, pipeline, stage, groups=[names for names, _ in groups],
+                     hooks=hooks + refuse_batch_statistics(model, layout.dp.world_size))
+    if tp > 1 and split is None:  # a tensor-parallel group must be fed alike: checked at each step
+        state.hooks.append(model.register_forward_pre_hook(
+            lambda _m, args, kwargs: note_feed(state, (args, kwargs)), with_kwargs=True))
+    state.optimizer = PreparedOptimizer(strategy, state)
+    session.layout = layout
+    session.prepared[model] = state
+    return model, state.optimizer
+
+
+def _check_arguments(model, session, zero, precision: str, reduce_dtype: str, dp: str) -> torch.dtype:
+    """The model and the plain settings, checked; returns the dtype of the master weights (the trainable
+    parameters' own)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"prepare needs an nn.Module, got {type(model).__name__}")
+    if not isinstance(zero, int) or isinstance(zero, bool) or zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero must be one of the ZeRO stages 0, 1, 2, 3; got {zero!r}")
+    if model in session.prepared:
+        raise ValueError(f"this {type(model).__name__} was already prepared; prepare a model once")
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"precision must be fp32, bf16 or fp16, got {precision!r}")
+    if reduce_dtype not in ("fp32", "compute"):
+        raise ValueError(f"reduce_dtype must be fp32 or compute, got {reduce_dtype!r}")
+    if dp == "torch":
+        raise ValueError("dp='torch' wraps the model in DistributedDataParallel; use wrap_for_ddp(model) for that")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not trainable:
+        raise ValueError(f"{type(model).__name__} has no trainable parameters")
+    dtypes = {p.dtype for p in trainable}
+    if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
+        raise ValueError(f"trainable parameters must share one floating dtype; found {sorted(map(str, dtypes))}")
+    master = next(iter(dtypes))
+    if precision != "fp32" and master != torch.float32:
+        raise ValueError(f"precision={precision!r} keeps float32 master weights: give a float32 model, not {master}")
+    return master
+
+
+def _on_models_device(topo: Topology, model: nn.Module) -> Topology:
+    """One process: the model stays on the device the user put it on (a CUDA model is not moved to the CPU), and
+    the topology computes there. Several ranks: the model goes to this rank's device (its local rank's GPU under
+    NCCL)."""
+    devices = {t.device for t in [*model.parameters(), *model.buffers()]}
+    if len(devices) > 1:
+        raise ValueError(f"{type(model).__name__} is spread over {sorted(map(str, devices))}; put it on one device "
+                         "before prepare (each rank holds its part on its own device)")
+    device = devices.pop()
+    if topo.world_size == 1 and topo.backend == "none":
+        return topo if device == topo.device else Topology.single(device)
+    if device != topo.device:
+        model.to(topo.device)
+    return topo
+
+
+def _check_degrees(world: int, tp, tp_plan, pp, pp_split) -> None:
+    """tp and pp are positive and their product divides the world (the rest is data parallel); a plan for a
+    degree of 1 is a mistake worth saying."""
+    for name, degree in (("tp", tp), ("pp", pp)):
+        if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
+            raise ValueError(f"{name} must be a positive integer, got {degree!r}")
+    if world % (tp * pp):
+        raise ValueError(f"tp x pp = {tp} x {pp} does not divide the world size {world}; data parallel runs over "
+                         "world / (tp x pp) replicas")
+    for name, degree, given in (("tp", tp, tp_plan), ("pp", pp, pp_split)):
+        if degree == 1 and given is not None:
+            raise ValueError(f"{'tp_plan' if name == 'tp' else 'pp_split'} is given but {name}=1: nothing would be "
+                             f"split; pass {name}=2 or more")
+
+
+def _pipeline_split(model: nn.Module, pp: int, pp_split, microbatches: int, schedule: str) -> PipelineSplit | None:
+    """The checked PipelineSplit for pp > 1 (None for pp = 1), before any rank splits anything."""
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    if pp == 1:
+        return None
+    if pp_split is None:
+        raise ValueError(f"pp={pp} needs pp_split: the ordered names of the model's pieces (embedding, the blocks "
+                         "container, final norm, head), or 'auto' for a Hugging Face model's own pipeline plan")
+    split = (PipelineSplit.auto(model) if pp_split == "auto" else
+             pp_split if isinstance(pp_split, PipelineSplit) else PipelineSplit(list(pp_split)))
+    ties = cross_stage_ties(model, split, pp)  # checks the split first
+    if ties:
+        raise ValueError(f"{ties[0]} are one tied weight on different pipeline stages (the embedding on the first, "
+                         "the head on the last); untie them (e.g. tie_word_embeddings=False) to pipeline this model")
+    check_pieces(model, split, check_split(model, split, pp))  # the pieces must compute what the model's forward does
+    return split
+
+
+def _with_tp_plan(model: nn.Module, plan: ModelPlan | None, tp: int, tp_plan) -> ModelPlan | None:
+    """The model plan with the tensor-parallel plan prepare was given (checked before any rank splits)."""
+    if tp == 1:
+        return plan
+    if tp_plan is None:
+        if plan is not None and plan.tensor_parallel:
+            return plan
+        raise ValueError(f"tp={tp} needs tp_plan: {{module-name pattern: style}}, or 'auto' for a Hugging Face "
+                         "model's own plan")
+    if plan is not None and plan.tensor_parallel:
+        raise ValueError("give the tensor-parallel plan once: as tp_plan or in plan.tensor_parallel, not both")
+    if tp_plan == "auto":
+        tp_plan = hugging_face_plan(model)
+    elif not isinstance(tp_plan, dict):
+        raise ValueError(f"tp_plan must be a dict of module-name pattern to style, or 'auto'; got {tp_plan!r}")
+    check_plan(model, tp_plan, tp)  # a pattern matching nothing, an unknown style, a module it cannot split: said
+    # before any group is made
+    return dataclasses.replace(plan or ModelPlan(), tensor_parallel=tp_plan)
+
+
+def _named_groups(model: nn.Module, param_groups: list[dict] | None) -> list[tuple[list[str], dict]]:
+    """[(canonical names of a group's parameters, its options)], checked: every trainable parameter once."""
+    canonical = {id(p): name for name, p in model.named_parameters()}
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    if param_groups is None:
+        return [([canonical[i] for i in canonical if i in trainable], {})]
+    seen: dict[int, int] = {}
+    groups = []
+    for g, group in enumerate(param_groups):
+        if not isinstance(group, dict) or "params" not in group:
+            raise ValueError("param_groups must be a list of dicts with a 'params' list, as torch optimizers take")
+        names = []
+        for p in group["params"]:
+            name = canonical.get(id(p))
+            if name is None:
+                raise ValueError(f"param_groups[{g}] holds a tensor that is not a parameter of the model")
+            if id(p) not in trainable:
+                raise ValueError(f"param_groups[{g}] holds '{name}', which is frozen (requires_grad=False)")
+            if id(p) in seen:
+                raise ValueError(f"'{name}' is in param_groups[{seen[id(p)]}] and param_groups[{g}]")
+            seen[id(p)] = g
+            names.append(name)
+        groups.append((names, {k: v for k, v in group.items() if k != "params"}))
+    missing = [canonical[i] for i in trainable if i not in seen]
+    if missing:
+        raise ValueError(f"trainable parameter(s) {', '.join(missing[:5])} are in no param group; add them to one "
+                         "or freeze them with requires_grad_(False)")
+    return groups
+
+
+def _autocast(device: torch.device, precision: str):
+    """The forward context of a pipeline stage: autocast in bf16, nothing in full precision."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=COMPUTE_DTYPES[precision])
+
+
+def _forward_under_autocast(model: nn.Module, device: torch.device, dtype: torch.dtype) -> list:
+    """Run the model's forward under autocast (hooks around the call: the model object stays the user's); returns
+    the hooks' handles."""
+    contexts: list = []
+
+    def enter(_module, _args):
+        contexts.append(torch.autocast(device.type, dtype=dtype))
+        contexts[-1].__enter__()
+
+    def leave(_module, _args, _output):
+        contexts.pop().__exit__(None, None, None)
+
+    return [model.register_forward_pre_hook(enter), model.register_forward_hook(leave, always_call=True)]

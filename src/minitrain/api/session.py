@@ -1,0 +1,174 @@
+"""One process's place in the distributed run, as the public API sees it: the topology it joined
+(init_distributed), the data-parallel layout of the last prepare, and the models prepared in it (with what
+prepare made for each). There is one Session at a time; cleanup() ends it: every prepared model's hooks come
+off it (the model is plain again, and nothing keeps the strategy alive) and the process group is left.
+"""
+from __future__ import annotations
+
+import atexit
+import re
+import weakref
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..checkpoint import CheckpointError
+from ..parallel import FlatStrategy
+from ..parallel.pieces import Stage
+from ..parallel.pipeline import Pipeline
+from ..runtime.topology import Topology, under_torchrun
+
+
+@dataclass(eq=False)
+class Prepared:
+    """What prepare made for one model."""
+
+    strategy: FlatStrategy
+    settings: dict  # prepare's arguments, as a checkpoint records them
+    topo: Topology  # the layout the model was prepared in (the world, or dp x tp x pp)
+    pipeline: Pipeline | None = None  # pp > 1: the executor, and this rank's stage of the model
+    stage: Stage | None = None
+    shapes: dict = field(default_factory=dict)  # micro-batch input shape -> the activation shape stages exchange
+    max_norm: float | None = None  # set by clip_grad_norm_ for the coming step
+    optimizer: object = field(default=None, repr=False)  # the PreparedOptimizer (optimizer.py)
+    scaler: object = field(default=None, repr=False)  # fp16: the GradScaler the loop calls (scaler.py)
+    scaler_state: dict | None = None  # fp16: a loaded checkpoint's scaler state, for a scaler made after the load
+    groups: list[list[str]] = field(default_factory=list)  # the param groups' parameters, by canonical name
+    hooks: list = field(default_factory=list, repr=False)  # handles of the hooks prepare put on the model itself
+    feed: torch.Tensor | None = None  # tp/pp: the checksum of this step's inputs (replica_state.feed_checksum)
+
+    def close(self) -> None:
+        """Every hook prepare and the strategy put on the model, removed."""
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks.clear()
+        self.strategy.close()
+
+
+class Session:
+    def __init__(self, topo: Topology, timeout_s: float, gloo=None):
+        self.topo, self.timeout_s = topo, timeout_s
+        self.gloo = gloo  # a gloo group for arrival checks when the backend is NCCL (monitored_barrier is gloo's)
+        self.layout: Topology | None = None  # the dp x tp x pp layout of the last prepare (None: dp over everyone)
+        # Weak keys: a model the user drops takes its entry with it (once its hooks are off: cleanup, or never
+        # prepared twice in one session).
+        self.prepared: weakref.WeakKeyDictionary[nn.Module, Prepared] = weakref.WeakKeyDictionary()
+
+    def state_of(self, model: nn.Module) -> Prepared:
+        state = self.prepared.get(model)
+        if state is None:
+            raise ValueError(f"this {type(model).__name__} was not returned by minitrain.prepare in this session "
+                             "(prepare it after init_distributed; cleanup() ends a session)")
+        return state
+
+    def all_ranks_arrive(self, what: str) -> None:
+        """Fail, naming the ranks that did not come, unless every rank calls `what` within the timeout."""
+        if self.topo.world_size == 1:
+            return
+        try:
+            dist.monitored_barrier(group=self.gloo, timeout=timedelta(seconds=self.timeout_s), wait_all_ranks=True)
+        except RuntimeError as e:
+            missing = re.search(r"[Rr]anks? ([\d, ]+) failed to pass", str(e))
+            who = f"rank(s) {missing.group(1).strip()}" if missing else "rank 0"
+            raise CheckpointError(f"{what} is collective: rank {self.topo.rank} called it, {who} did not within "
+                                  f"{self.timeout_s:g} s; call it on every rank") from e
+
+    def end(self) -> None:
+        for state in list(self.prepared.values()):
+            state.close()
+        self.prepared.clear()
+        self.topo.close()
+
+
+_current: Session | None = None
+
+
+def init_distributed(backend: str = "auto", timeout_s: float = 300.0,
+                     topology: Topology | None = None) -> tuple[int, int]:
+    """Join the process group torchrun describes, or run as a single process (rank 0 of 1) when there is none.
+    `backend`: auto (NCCL with a GPU per local rank, else gloo), gloo or nccl. `timeout_s`: how long any
+    collective may wait before it fails loudly. `topology`: the Topology minitrain's own launcher made for this
+    rank (launch(fn, n) calls fn(topology, ...)), whose collective watch reports to the launcher. A process group
+    joined some other way (the user's own init_process_group) is used as it is. Returns (rank, world size);
+    calling it again returns the same."""
+    global _current
+    if _current is None:
+        if topology is not None:
+            topo = topology
+        elif dist.is_initialized():
+            topo = Topology.from_initialized()
+        elif under_torchrun():
+            topo = Topology.from_env(backend, timeout_s)
+            # A script that never calls cleanup() leaves the groups' threads running into the interpreter's exit,
+            # where a torchrun rank may abort ("terminate called without an active exception"): leave them first.
+            atexit.register(_leave_at_exit, topo)
+        else:
+            topo = Topology.single()
+        gloo = dist.new_group(backend="gloo") if topo.world_size > 1 and topo.backend != "gloo" else None
+        _current = Session(topo, timeout_s, gloo)
+    elif topology is not None and topology is not _current.topo:
+        raise ValueError("init_distributed was called already with another topology; cleanup() first")
+    return _current.topo.rank, _current.topo.world_size
+
+
+def _leave_at_exit(topo: Topology) -> None:
+    if _current is not None and _current.topo is topo:
+        cleanup()
+
+
+def current() -> Session:
+    """The session, joined now (as init_distributed() would) if the script has not."""
+    init_distributed()
+    return _current
+
+
+def state_of(model: nn.Module) -> Prepared:
+    """What prepare made for `model` (ValueError for a model it did not return)."""
+    return current().state_of(model)
+
+
+def is_main_process() -> bool:
+    """True on rank 0, the rank that should print and write single files."""
+    return current().topo.is_main
+
+
+def dp_rank() -> int:
+    """This rank's index among the data-parallel replicas of the last `prepare` (its rank without tensor
+    parallelism): which slice of the global batch to feed. Every rank of a tensor-parallel group gets the
+    same index, and must feed the same batch."""
+    session = current()
+    return (session.layout or session.topo).dp.rank
+
+
+def dp_world_size() -> int:
+    """How many data-parallel replicas the last `prepare` made: world size / tp."""
+    session = current()
+    return (session.layout or session.topo).dp.world_size
+
+
+def barrier() -> None:
+    """Wait until every rank gets here."""
+    current().topo.everyone.barrier()
+
+
+def cleanup() -> None:
+    """End the session: every prepared model's hooks come off (so a model and optimizer you drop are freed), and
+    the process group is left. Call once at the end; init_distributed may be called again after it."""
+    global _current
+    if _current is not None:
+        session, _current = _current, None
+        session.end()
+
+
+def wrap_for_ddp(model: nn.Module) -> nn.Module:
+    """The model under PyTorch's DistributedDataParallel on minitrain's process group (the model itself in a
+    single process), for a loop that keeps its own torch optimizer over model.parameters()."""
+    topo = current().topo
+    if topo.everyone.group is None:
+        return model
+    device = topo.device
+    return nn.parallel.DistributedDataParallel(model.to(device), device_ids=[device] if device.type == "cuda" else None,
+                                               process_group=topo.everyone.group)

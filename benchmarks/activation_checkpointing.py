@@ -30,7 +30,7 @@ from record import RESULTS, write_result  # benchmarks/record.py
 
 from minitrain.train.run_config import run_config
 from minitrain.runtime.launch import launch
-from minitrain.train.memory import device_peak_bytes, reset_device_peak, saved_activation_bytes
+from minitrain.train.memory import DevicePeak, saved_activation_bytes
 from minitrain.train.metrics import format_table, human_bytes
 from minitrain.parallel.recompute import MODES
 from minitrain.train.trainer import Trainer
@@ -45,15 +45,17 @@ def worker(topo, mode: str, steps: int) -> dict:
     trainer = Trainer(cfg, topo)
     with saved_activation_bytes(trainer.model) as stored:
         trainer.train_step()  # the counting step (hooks slow it: not timed)
+    peak = DevicePeak(topo.device)
     times, peaks = [], []
     for _ in range(steps):
         gc.collect()
-        reset_device_peak(topo.device)
-        before = device_peak_bytes(topo.device)
+        peak.reset()
+        before = peak.bytes()
         start = time.perf_counter()
         trainer.train_step()
         times.append(time.perf_counter() - start)
-        peaks.append(device_peak_bytes(topo.device) - before)
+        peaks.append(peak.bytes() - before)
+    peak.close()
     return {"stored_bytes": stored["bytes"], "peak_bytes": max(peaks[WARMUP:]), "step_s": statistics.median(times[WARMUP:])}
 
 

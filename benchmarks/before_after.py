@@ -33,11 +33,16 @@ PRESETS = {"tiny": 60, "small": 8}  # preset -> measured steps
 WORKER = """
 import json, statistics, sys, time
 import torch
-from minitrain.config import build_config
-from minitrain.train.run_config import run_config
-from minitrain.train.optim import FlatAdamW
-from minitrain.runtime.topology import Topology
-from minitrain.train.trainer import Trainer
+try:  # the layered tree
+    from minitrain.train.run_config import run_config
+    from minitrain.train.optim import FlatAdamW
+    from minitrain.runtime.topology import Topology
+    from minitrain.train.trainer import Trainer
+except ImportError:  # a tree from before the layers (7caf674 and older)
+    from minitrain.config import build_config as run_config
+    from minitrain.optim import FlatAdamW
+    from minitrain.topology import Topology
+    from minitrain.trainer import Trainer
 
 def median_ms(fn, runs, warmup):
     for _ in range(warmup):

@@ -35,7 +35,7 @@ from record import RESULTS, write_result  # benchmarks/record.py
 
 from minitrain.train.run_config import run_config
 from minitrain.runtime.launch import launch
-from minitrain.train.memory import device_peak_bytes, reset_device_peak
+from minitrain.train.memory import DevicePeak
 from minitrain.train.metrics import format_table, human_bytes
 from minitrain.bench.peers import PeerTrainer
 from minitrain.train.trainer import Trainer
@@ -59,19 +59,21 @@ def worker(topo, name: str, steps: int) -> dict:
               "train.log_every": 0}
     cfg = run_config(cli_values=values)
     device = topo.device
+    peak = DevicePeak(device)
     gc.collect()
-    reset_device_peak(device)
-    baseline = device_peak_bytes(device) if device.type != "cuda" else 0
+    peak.reset()
+    baseline = peak.bytes() if device.type != "cuda" else 0
     trainer = Trainer(cfg, topo) if name in PEER_OF else PeerTrainer(cfg, topo, name)
     times, peaks, ledger = [], [], 0
     for _ in range(steps):
-        reset_device_peak(device)
+        peak.reset()
         start = time.perf_counter()
         trainer.train_step()  # both end with a collective, so every rank leaves the step together
         times.append(time.perf_counter() - start)
-        peaks.append(device_peak_bytes(device) - baseline)
+        peaks.append(peak.bytes() - baseline)
         if name in PEER_OF:
             ledger = max(ledger, trainer.strategy.peak_memory_bytes()["total"])
+    peak.close()
     return {"step_s": statistics.median(times[WARMUP:]), "peak_bytes": max(peaks), "model_state_peak": ledger}
 
 

@@ -5,7 +5,8 @@ import torch
 
 from minitrain.train.run_config import run_config
 from minitrain.parallel.flat import same_state
-from minitrain.train.trainer import NonFiniteError, Trainer
+from minitrain.train.guards import NonFiniteError
+from minitrain.train.trainer import Trainer
 
 from .dist import run_ranks
 

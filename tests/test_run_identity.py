@@ -11,7 +11,7 @@ import pytest
 from minitrain.config import ConfigError
 
 from minitrain.train.run_config import run_config
-from minitrain.train.loop import check_resume
+from minitrain.train.resume import check_resume
 
 from .dist import run_cli, run_main
 

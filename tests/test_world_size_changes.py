@@ -8,7 +8,7 @@ import torch
 from minitrain import checkpoint
 from minitrain.checkpoint.reading import assemble_flat
 from minitrain.config import ConfigError, RunConfig, build_config
-from minitrain.train.loop import saved_run_config
+from minitrain.train.resume import saved_run_config
 
 from .dist import run_ranks
 from .multinode import metric_rows, shards, train_each

@@ -55,15 +55,14 @@ def scaling_config(opts: ScalingOptions, world: int) -> RunConfig:
 
 
 def scaling_worker(topo: Topology, cfg: RunConfig) -> dict:
-    trainer = Trainer(cfg, topo)
-    rows = []
-    for step in range(1, cfg.train.steps + 1):
-        trainer.cfg.ddp.measure_sync = step % 2 == 0  # same on every rank: barriers stay matched
-        r = trainer.train_step()
-        rows.append({"world_size": topo.world_size, "rank": topo.rank, "step": r.step, "loss": r.loss,
-                     "bracketed": r.step % 2 == 0, "step_time_s": r.step_time_s, "tokens": r.tokens,
-                     "tokens_per_s": r.tokens_per_s, **{k: r.sync.get(k) for k in SYNC_KEYS}})
-    return {"rows": rows, "state": trainer.strategy.state_snapshot(), "params": trainer.strategy.flat.numel}
+    with Trainer(cfg, topo) as trainer:
+        rows = []
+        for step in range(1, cfg.train.steps + 1):
+            r = trainer.train_step(measure_sync=step % 2 == 0)  # same on every rank: barriers stay matched
+            rows.append({"world_size": topo.world_size, "rank": topo.rank, "step": r.step, "loss": r.loss,
+                         "bracketed": r.step % 2 == 0, "step_time_s": r.step_time_s, "tokens": r.tokens,
+                         "tokens_per_s": r.tokens_per_s, **{k: r.sync.get(k) for k in SYNC_KEYS}})
+        return {"rows": rows, "state": trainer.strategy.state_snapshot(), "params": trainer.strategy.flat.numel}
 
 
 def summarize(rows: list[dict], warmup: int) -> dict:

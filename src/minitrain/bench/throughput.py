@@ -168,6 +168,7 @@ def measure(opts: ThroughputOptions, precision: str, device: torch.device) -> di
         sides = [("ours", ours.train_step), ("plain", plain.train_step)]
         timed = {name: _timed_steps(step, opts.steps, device) for name, step in (sides if r % 2 == 0 else sides[::-1])}
         rounds.append({name: tokens / seconds for name, seconds in timed.items()})
+    ours.close()
     ours_tps = statistics.median(r["ours"] for r in rounds)
     plain_tps = statistics.median(r["plain"] for r in rounds)
     per_token, _ = flops_per_token(PlanInput(model=cfg.model, params=ours.model.num_params()))

@@ -1,15 +1,14 @@
-"""Surviving a run: a stop signal every rank agrees on, and loss-spike detection.
+"""Stop signals: SIGTERM, SIGUSR1, SIGINT and SIGHUP become a request the run loop passes into the next step, whose
+statistics exchange makes every rank agree on it (train/trainer.py); a second Ctrl-C stops at once.
 
-(Steps with NaN/Inf gradients are skipped by the strategies and counted by the
-trainer; a collective that hangs fails through the process-group timeout.)
+(A collective that hangs fails through the collective watch and the process-group timeout; loss spikes and NaN
+steps are the trainer's guards, train/guards.py.)
 """
 from __future__ import annotations
 
-import math
 import signal
 import threading
 import time
-from collections import deque
 
 # SIGTERM: what schedulers send before they kill a job; SIGUSR1: what Slurm's `--signal` sends ahead of a time
 # limit; SIGINT: Ctrl-C; SIGHUP: the terminal (or the ssh session) went away.
@@ -62,34 +61,3 @@ class StopRequest:
     @staticmethod
     def name(signum: int) -> str:
         return signal.Signals(signum).name
-
-
-class SpikeError(RuntimeError):
-    """The loss spiked again after rolling back: the spike is reproducible, not transient."""
-
-
-class SpikeGuard:
-    """Flags a loss above `factor` x the mean of the previous `window` losses.
-
-    Detection starts once the window is full. A spiking loss is not added to the window; the
-    window is part of the checkpoint's training state, so a resumed or rolled-back run decides
-    exactly as the uninterrupted one would.
-    """
-
-    def __init__(self, factor: float, window: int, history: list[float] | None = None):
-        self.factor = factor
-        self.losses: deque[float] = deque(history or [], maxlen=window)
-
-    def check(self, loss: float) -> float | None:
-        """The running mean if `loss` is a spike, else None (and the loss joins the window)."""
-        if not math.isfinite(loss):
-            return None  # a non-finite step was skipped by the NaN guard; it says nothing about the trend
-        if self.factor and len(self.losses) == self.losses.maxlen:
-            mean = sum(self.losses) / len(self.losses)
-            if loss > self.factor * mean:
-                return mean
-        self.losses.append(loss)
-        return None
-
-    def state(self) -> list[float]:
-        return list(self.losses)

@@ -140,11 +140,11 @@ class PlanInput:
 def model_units(cfg: ModelConfig) -> dict[str, int]:
     """Parameter count of each unit ZeRO-2/3 move together (parallel/units.py), in layout order,
     from a model built on the meta device (no memory, no initialisation cost)."""
-    from ..models.minigpt.model import MiniGPT
+    from ..models import spec_for
     from ..parallel.units import module_units
 
     with torch.device("meta"):
-        model = MiniGPT(cfg)
+        model = spec_for(cfg).build(cfg)
     named = dict(model.named_parameters())
     return {plan.name: sum(named[n].numel() for n in plan.params) for plan in module_units(model)}
 

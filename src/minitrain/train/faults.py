@@ -16,8 +16,8 @@ from __future__ import annotations
 import os
 import signal
 import time
-from ..config import FAULT_KINDS as KINDS  # noqa: F401 - the kinds the config accepts are the ones here
-from ..config import FaultConfig
+
+from ..config import FaultConfig  # its kind is one of config.FAULT_KINDS, the ones listed above
 
 
 class Faults:

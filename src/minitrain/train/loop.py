@@ -20,8 +20,7 @@ import torch
 
 from .. import checkpoint
 from . import memory
-from ..config import ConfigError, RunConfig, build_config, field_specs, profile_range
-from ..data import corpus_fingerprint, load_corpus, num_examples
+from ..config import RunConfig, profile_range
 from .metrics import (
     MetricsWriter,
     best_val_loss,
@@ -31,11 +30,14 @@ from .metrics import (
     straggler_report,
     sync_report,
 )
-from ..runtime.signals import SpikeError, StopRequest
+from ..runtime.signals import StopRequest
+from .guards import SpikeError
+from .resume import resume_path
 from .run_files import write_run_start
 from .step_timer import StepProfiler
 from ..runtime.topology import Topology
 from .tracking import Tracker
+from .step_stats import StepRequests
 from .trainer import StepRecord, Trainer
 
 
@@ -67,6 +69,7 @@ class TrainingRun:
         self.records: list[StepRecord] = []
         self.rollbacks: list[dict] = []
         self.stopped_by: str | None = None
+        self.pending: checkpoint.AsyncSave | None = None  # a background save not yet committed
         self.profiler = StepProfiler(profile_range(cfg.train.profile_steps, cfg.train.steps), self.out / "profile",
                                      topo.rank, topo.device)
         # (loss, step): a resumed run's best so far is in the metrics lines before it (rank 0 reads them).
@@ -83,38 +86,40 @@ class TrainingRun:
             self.say(f"resumed from {self.start_path} at step {t.step}")
         if t.pipeline is not None:
             self.say(pipeline_line(t.pipeline.summary()))
-        t.stop_request = self.stop_request
         try:
             while t.step < total:
                 self.profiler.before_step(t.step + 1)
-                record = t.train_step()
+                # This rank's news for the step's exchange, which makes every rank agree on it (t.agreed).
+                requests = StepRequests(self.stop_request, self.pending)
+                record = t.train_step(requests)
                 self.profiler.after_step(t.step)
                 record = self._evaluated(record)
                 self.records.append(record)
                 self._log(record)
-                if t.pending_save is not None and t.pending_save_written:
+                if self.pending is not None and t.agreed.save_written:
                     self._commit_pending()
                 if self._rolled_back(record):
                     continue
                 stop_at = t.step == self.cfg.train.stop_at
-                stopping = bool(t.agreed_stop) or stop_at
+                stopping = bool(t.agreed.stop_signal) or stop_at
                 if self.cadence.due(t.step) or stopping:
                     self._save(background=self.cfg.ckpt.async_save and not stopping)
                 if stopping:
-                    self.stopped_by = "--stop-at" if stop_at else t.stop_request.name(t.agreed_stop)
-                    cause = "" if stop_at else f" received by rank {t.stop_ranks}"
+                    self.stopped_by = "--stop-at" if stop_at else StopRequest.name(t.agreed.stop_signal)
+                    cause = "" if stop_at else f" received by rank {list(t.agreed.stop_ranks)}"
                     self.say(f"{self.stopped_by}{cause}: stopped after step {t.step}, "
                              f"checkpoint {self.saved[-1]}; continue with --resume auto")
                     break
             self._commit_pending()  # the run is done only when its last checkpoint is durable
+            return self._summary()
         finally:
             self.profiler.stop()
-            t.stop_request.uninstall()
+            self.stop_request.uninstall()
             if self.writer:
                 self.writer.close()
             if self.tracker:
                 self.tracker.close()
-        return self._summary()
+            t.close()  # its hooks off the model: nothing keeps the finished trainer alive
 
     def _evaluated(self, r: StepRecord) -> StepRecord:
         """The step's record with the time so far and, on an evaluation step (every eval.every steps and the
@@ -148,14 +153,14 @@ class TrainingRun:
     def _save(self, background: bool) -> None:
         self._commit_pending()
         if background:
-            self.trainer.pending_save = self.trainer.start_async_save(self.ckpt_root)
+            self.pending = self.trainer.start_async_save(self.ckpt_root)
             return
         self.saved.append(str(self.trainer.save_checkpoint(self.ckpt_root)))
         self._saved()
 
     def _commit_pending(self) -> None:
         """Collective: wait for this rank's background write, then make the checkpoint complete."""
-        pending, self.trainer.pending_save = self.trainer.pending_save, None
+        pending, self.pending = self.pending, None
         if pending is not None:
             self.saved.append(str(pending.commit()))
             self._saved()
@@ -293,115 +298,6 @@ def progress_line(r: StepRecord, total: int, eta_s: float | None = None) -> str:
     return (f"step {r.step:>{width}}/{total}  loss {r.loss:.4f}{val}  grad_norm {r.grad_norm:.3f}  "
             f"lr {r.lr:.2e}  {r.tokens_per_s:,.0f} tok/s  comm {1000 * r.comm_time_s:.1f} ms{bubble}{scale}{skipped}"
             f"{elapsed}{eta}")
-
-
-# --- resuming ------------------------------------------------------------------------------
-def resume_path(cfg: RunConfig, warnings: list[str] | None = None) -> Path | None:
-    """Where to resume from: None (fresh), the newest checkpoint under OUT that verifies (auto),
-    or PATH."""
-    if not cfg.ckpt.resume:
-        return None
-    if cfg.ckpt.resume == "auto":
-        return checkpoint.find_latest(cfg.out, warnings)
-    return checkpoint.resolve(cfg.ckpt.resume)
-
-
-# Settings that change the arithmetic of the steps still to come but not what the checkpoint holds: a
-# resume with other values continues as a warm restart (said in a note), not a bit-identical continuation.
-# The model, the dtypes and the data (corpus, seed, examples per micro-batch) must match: refused otherwise.
-WARM_RESTART_FIELDS = ("steps", "warmup_steps", "lr", "min_lr_ratio", "grad_accum", "weight_decay", "beta1",
-                       "beta2", "eps", "grad_clip", "loss_scale_window")
-
-
-# Settings newer than some checkpoints' manifests (whose runs had the default).
-FIELDS_ADDED_LATER = ("train.global_batch", "train.stop_at")
-
-
-class RunFinished(Exception):
-    """--resume auto found the run already at its last step: nothing to do (exit 0)."""
-
-
-def saved_run_config(step_dir: Path, saved: dict) -> dict:
-    """The run config a `minitrain train` checkpoint recorded, every section and field present and of its
-    type (as a config file's would be), as to_dict() gives it; CheckpointError naming what is wrong."""
-    if "prepare" in saved:
-        raise checkpoint.CheckpointError(f"checkpoint {step_dir} was saved by minitrain.save_checkpoint, not by "
-                                         "`minitrain train`: load it with minitrain.load_checkpoint")
-    flat: dict[str, object] = {}
-    for section, values in saved.items():
-        if isinstance(values, dict) and section != "out":
-            flat.update({f"{section}.{key}": value for key, value in values.items()})
-        else:
-            flat[section] = values
-    # A checkpoint from before a field existed ran with that field's default.
-    missing = sorted({key for key, _, _, _ in field_specs() if key.startswith(("model.", "train."))}
-                     - set(flat) - set(FIELDS_ADDED_LATER))
-    try:
-        if missing:
-            raise ConfigError(f"'{missing[0]}' is missing")
-        return build_config(file_values=flat).to_dict()
-    except ConfigError as e:
-        raise checkpoint.CheckpointError(f"checkpoint {step_dir}: the run config in its manifest is unusable: {e}") \
-            from None
-
-
-def check_resume(cfg: RunConfig) -> list[str]:
-    """Before any rank starts: refuse a resume checkpoint that is corrupt or does not fit
-    this run (ConfigError / CheckpointError, one line each); return notes worth printing.
-    With --resume auto the checkpoint chosen here is pinned in cfg, so every rank loads it."""
-    notes: list[str] = []
-    auto = cfg.ckpt.resume == "auto"
-    path = resume_path(cfg, notes)
-    if path is None:
-        return notes
-    cfg.ckpt.resume = str(path)
-    step_dir, manifest = checkpoint.verify(path)
-    saved = saved_run_config(step_dir, manifest["config"])
-    mine = cfg.to_dict()
-    diff = [k for k in mine["model"] if k != "preset" and saved["model"].get(k) != mine["model"][k]]
-    if diff:
-        raise checkpoint.CheckpointError(f"checkpoint {step_dir} has a different model: " + ", ".join(
-            f"{k}={saved['model'].get(k)!r} (this run {mine['model'][k]!r})" for k in diff))
-    for key in ("dtype", "precision"):
-        theirs = saved["train"].get(key, "fp32")  # checkpoints from before --precision trained in fp32
-        if theirs != mine["train"][key]:
-            raise checkpoint.CheckpointError(f"checkpoint {step_dir} was trained with --{key} {theirs}, "
-                                             f"this run uses --{key} {mine['train'][key]}")
-    if manifest["step"] == cfg.train.steps and auto:
-        raise RunFinished(f"the run in {cfg.out} already finished: its checkpoint {step_dir.name} is at step "
-                          f"{cfg.train.steps} of --steps {cfg.train.steps}; nothing to do (ask for more --steps to "
-                          "continue it)")
-    if cfg.train.stop_at and manifest["step"] >= cfg.train.stop_at:
-        raise ConfigError(f"checkpoint {step_dir} is at step {manifest['step']}, not before --stop-at "
-                          f"{cfg.train.stop_at}; ask for a later --stop-at (or 0 to run to --steps)")
-    if manifest["step"] >= cfg.train.steps:
-        raise ConfigError(f"checkpoint {step_dir} is at step {manifest['step']}; ask for more --steps to continue")
-    ours = corpus_fingerprint(load_corpus(cfg))
-    if manifest["train_state"]["corpus_sha256"] != ours:
-        raise ConfigError(f"checkpoint {step_dir} was trained on another corpus (sha256 "
-                          f"{manifest['train_state']['corpus_sha256'][:12]}..., this run's {ours[:12]}...); resume "
-                          "with the same --corpus and --data.corpus_seed")
-    loader = manifest["train_state"]["loader"]
-    dp = cfg.dist.nproc // (cfg.dist.tp * cfg.dist.pp)  # data-parallel replicas: each reads its own batch
-    global_batch = cfg.train.batch_size * dp
-    if loader["global_batch"] != global_batch:
-        fits = loader["global_batch"] % dp == 0
-        hint = f" (e.g. --batch-size {loader['global_batch'] // dp} with {dp} data-parallel ranks)" if fits else ""
-        raise ConfigError(f"checkpoint {step_dir} was saved with batch_size x data-parallel ranks = "
-                          f"{loader['global_batch']} examples per micro-batch, this run has {global_batch}; keep the "
-                          f"product equal{hint} so the data order continues exactly")
-    if loader["seed"] != cfg.train.seed:
-        raise ConfigError(f"checkpoint {step_dir} was saved with --seed {loader['seed']}, this run has "
-                          f"{cfg.train.seed}; use the same seed to continue the same data order")
-    if loader["num_examples"] != num_examples(cfg):
-        raise ConfigError(f"checkpoint {step_dir} was trained on a corpus of {loader['num_examples']} examples, "
-                          f"this run's corpus has {num_examples(cfg)}; resume with the same --corpus")
-    changed = [f"{k} {saved['train'][k]} -> {mine['train'][k]}" for k in WARM_RESTART_FIELDS
-               if saved["train"][k] != mine["train"][k]]
-    if changed:
-        notes.append(f"settings differ from the checkpoint's run ({', '.join(changed)}): "
-                     "training continues as a warm restart, not a bit-identical continuation")
-    return notes
 
 
 def pipeline_report(records: list[dict | None]) -> dict | None:

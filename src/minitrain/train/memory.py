@@ -74,38 +74,53 @@ def device_peak_source(device: torch.device) -> str:
     return "cuda max_memory_allocated" if device.type == "cuda" else "process peak RSS (VmHWM)"
 
 
-_PROC_FILES: dict[tuple[int, str], int] = {}  # (pid, /proc/self file) -> an open descriptor
+class DevicePeak:
+    """The device's peak memory since the last reset(): CUDA's allocator counter on a GPU, the process's peak
+    RSS (VmHWM) on the CPU. On Linux the /proc files stay open between steps (opening one costs more than
+    reading it) until close(); reading 0 where the platform cannot tell."""
 
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._files: dict[str, int] = {}  # /proc/self file -> an open descriptor
+        self._pid = os.getpid()  # a forked child's /proc/self is another file: it opens its own
 
-def _proc_file(name: str, flags: int) -> int:
-    """A descriptor of /proc/self/NAME kept open, since the trainer reads it every step (opening it
-    costs more than reading it); keyed by pid, as a forked child's /proc/self is another file."""
-    key = (os.getpid(), name)
-    if key not in _PROC_FILES:
-        _PROC_FILES[key] = os.open(f"/proc/self/{name}", flags)
-    return _PROC_FILES[key]
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        try:  # "5" resets the peak RSS of this process (Linux >= 4.0)
+            os.write(self._proc_file("clear_refs", os.O_WRONLY), b"5")
+        except OSError:
+            pass
 
+    def bytes(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        try:
+            status = os.pread(self._proc_file("status", os.O_RDONLY), 1 << 16, 0)
+        except OSError:
+            return 0
+        at = status.find(b"VmHWM:")
+        return 0 if at < 0 else int(status[at + 6:status.index(b"kB", at)]) * 1024
 
-def reset_device_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return
-    try:  # "5" resets the peak RSS of this process (Linux >= 4.0)
-        os.write(_proc_file("clear_refs", os.O_WRONLY), b"5")
-    except OSError:
-        pass
+    def close(self) -> None:
+        if os.getpid() == self._pid:
+            for fd in self._files.values():
+                os.close(fd)
+        self._files.clear()
 
+    def __enter__(self) -> DevicePeak:
+        return self
 
-def device_peak_bytes(device: torch.device) -> int:
-    """Peak bytes since the last reset (0 where the platform cannot tell)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    try:
-        status = os.pread(_proc_file("status", os.O_RDONLY), 1 << 16, 0)
-    except OSError:
-        return 0
-    at = status.find(b"VmHWM:")
-    return 0 if at < 0 else int(status[at + 6:status.index(b"kB", at)]) * 1024
+    def __exit__(self, *_exc) -> None:
+        self.close()
+
+    def _proc_file(self, name: str, flags: int) -> int:
+        if os.getpid() != self._pid:  # forked since: the parent's descriptors read the parent's /proc/self
+            self._files, self._pid = {}, os.getpid()
+        if name not in self._files:
+            self._files[name] = os.open(f"/proc/self/{name}", flags)
+        return self._files[name]
 
 
 def per_rank_expectation(strategy: FlatStrategy) -> list[float]:

@@ -1,11 +1,15 @@
 """One training step: forward, backward, sync, update, and the step's record; and the
 trainer's state in a checkpoint. (The loop around it, with cadence, signals and
-rollback, is run.py.)
+rollback, is loop.py.)
 
 It calls no collective itself: gradient sync and parameter updates belong to
 the strategy, and the one per-step statistics exchange goes through the comm
-layer's `gather_rows`. That exchange also carries each rank's stop signal and
-background-save progress, so the ranks agree on both without another collective.
+layer's `gather_rows`. That exchange also carries what the loop passes in (each
+rank's stop signal and background-save progress, step_stats.StepRequests), so
+the ranks agree on both without another collective.
+
+The model comes from a spec (models/spec.py: how to build it, and its plan); the
+trainer knows no model family.
 """
 from __future__ import annotations
 
@@ -23,20 +27,18 @@ from .. import checkpoint
 from ..runtime.comm import CollectiveError, OpStats
 from ..config import RunConfig
 from ..data import EvalBatches, ShardedLoader, corpus_fingerprint, load_corpus, load_val
-from .faults import Faults
-from .memory import device_peak_bytes, reset_device_peak
-from ..models.minigpt.plan import MINIGPT_PLAN
-from ..models.minigpt.model import MiniGPT
-from .optim import flat_adamw_factory, lr_at
+from ..models import ModelSpec, spec_for
 from ..parallel import Pipeline, cast_parameters, parallelize
 from ..parallel.config import ParallelConfig
 from ..parallel.memory_math import MEMORY_KINDS
-from .precision import autocast, compute_dtype, make_loss_scaler, master_dtype, reduce_dtype
-from ..runtime.signals import SpikeGuard, StopRequest
-from .step_timer import StepTimer
 from ..runtime.topology import Topology
-
-PEAK_KINDS = (*MEMORY_KINDS, "total", "device")
+from .faults import Faults
+from .guards import NonFiniteGuard, SpikeGuard
+from .memory import DevicePeak
+from .optim import flat_adamw_factory, lr_at
+from .precision import autocast, compute_dtype, make_loss_scaler, master_dtype, reduce_dtype
+from .step_stats import PEAK_KINDS, Agreed, RankStats, StepRequests
+from .step_timer import StepTimer
 
 
 def seed_everything(seed: int, rank: int) -> None:
@@ -52,10 +54,6 @@ def parallel_config(cfg: RunConfig) -> ParallelConfig:
     t = cfg.train
     return ParallelConfig(zero=t.zero, dp=cfg.ddp.mode, bucket_mb=cfg.ddp.bucket_mb, prefetch=t.prefetch,
                           master_dtype=master_dtype(t), reduce_dtype=reduce_dtype(t), grad_clip=t.grad_clip)
-
-
-class NonFiniteError(RuntimeError):
-    """Too many consecutive steps with NaN/Inf gradients."""
 
 
 @dataclass
@@ -102,17 +100,22 @@ class StepRecord:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, topo: Topology):
+    """One rank's training state (model, strategy, data position, guards) and its step. close() (or leaving a
+    `with Trainer(...)` block) takes the strategy's hooks off the model, so a dropped trainer is freed."""
+
+    def __init__(self, cfg: RunConfig, topo: Topology, spec: ModelSpec | None = None):
+        """spec: the model family to build and its plan (default: the one cfg.model describes, models.spec_for)."""
         self.cfg, self.topo = cfg, topo
+        spec = spec or spec_for(cfg.model)
         seed_everything(cfg.train.seed, topo.rank)
         # Initialised in --dtype, then held in the compute dtype (16-bit in mixed precision; the
         # strategy's optimizer keeps the master copy in --dtype).
-        self.model = MiniGPT(cfg.model).to(device=topo.device, dtype=getattr(torch, cfg.train.dtype))
+        self.model = spec.build(cfg.model).to(device=topo.device, dtype=getattr(torch, cfg.train.dtype))
         cast_parameters(self.model, compute_dtype(cfg.train))
         self.loss_scaler = make_loss_scaler(cfg.train)
-        # The same path minitrain.prepare takes, with MiniGPT's plan and the CLI's own optimizer.
+        # The same path minitrain.prepare takes, with the model's plan and the CLI's own optimizer.
         self.strategy, self.pipeline = parallelize(
-            self.model, topo, parallel_config(cfg), flat_adamw_factory(cfg.train), MINIGPT_PLAN,
+            self.model, topo, parallel_config(cfg), flat_adamw_factory(cfg.train), spec.plan,
             cfg.train.activation_checkpointing, self._pipeline_builder(), compile=cfg.train.compile)
         # Data is split over data-parallel replicas only: a tensor-parallel group shares its batch.
         self._corpus_sha256: str | None = None  # computed at the first save (train_state)
@@ -121,23 +124,38 @@ class Trainer:
         self.eval_batches = (EvalBatches(load_val(cfg), cfg.model.seq_len, cfg.train.batch_size, topo.dp.rank,
                                          topo.dp.world_size, cfg.eval.batches) if cfg.eval.every else None)
         self.step = 0  # training steps completed (a skipped step counts: its data was consumed)
-        self.skipped_steps = self.skipped_in_a_row = 0
-        self.overflow_steps = 0  # fp16 steps skipped because the scaled gradients overflowed
+        self.nonfinite = NonFiniteGuard(cfg.train.max_skipped_steps, self.loss_scaler)
         self.tokens_seen = 0
         t = cfg.train
         self.tokens_per_step = t.batch_size * t.grad_accum * topo.dp.world_size * cfg.model.seq_len
         self.spikes = SpikeGuard(t.spike_factor, t.spike_window)
         self.timer = StepTimer(topo.device)
+        self.device_peak = DevicePeak(topo.device)
         self.faults = Faults(cfg.fault, topo.rank, resumed=False)
-        # Exchanged at every step boundary (set by the run loop; None when not in use):
-        self.stop_request: StopRequest | None = None
-        self.pending_save: checkpoint.AsyncSave | None = None
-        # ...and what the ranks agreed on at the last boundary:
-        self.agreed_stop = 0  # a signal number if any rank received SIGTERM/SIGUSR1, else 0
-        self.stop_ranks: list[int] = []  # ...and which ranks received one
-        self.pending_save_written = False  # every rank's background write has finished (or failed)
+        self.agreed = Agreed()  # what the ranks agreed on at the last step boundary (step_stats.py)
         self._last_exchange_end: float | None = None  # when this rank's last statistics exchange returned
         self._device_busy = 0.0  # on a GPU: the last step's busy seconds, from its events (train_step)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for NaN/Inf gradients so far (fp16 overflows apart)."""
+        return self.nonfinite.skipped_steps
+
+    @property
+    def overflow_steps(self) -> int:
+        """fp16 steps skipped because the scaled gradients overflowed."""
+        return self.nonfinite.overflow_steps
+
+    def close(self) -> None:
+        """Take the strategy's hooks off the model: no further step, and nothing keeps the trainer alive."""
+        self.strategy.close()
+        self.device_peak.close()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.close()
 
     def _pipeline_builder(self):
         """Builds the executor of a pipelined (or micro-batched) step, or None when the step is one pass."""
@@ -148,18 +166,21 @@ class Trainer:
                                          compute_dtype(t), topo.device, lambda: autocast(t, topo.device),
                                          strategy.no_sync)
 
-    def train_step(self) -> StepRecord:
+    def train_step(self, requests: StepRequests = StepRequests(), measure_sync: bool | None = None) -> StepRecord:
+        """One step: forward and backward over grad_accum micro-batches, the gradient sync, the update, and the
+        statistics exchange that also shares `requests` (what every rank then agrees on is in `self.agreed`).
+        measure_sync: bracket the step with barriers to time its compute and exposed sync (None: the config's
+        --measure-sync); every rank must pass the same."""
         if self.topo.watch is not None:  # hang diagnoses name the step; every N steps, the fingerprint check
             self.topo.watch.at_step(self.step + 1, self.cfg.dist.fingerprint_every)
         try:
-            return self._train_step()
+            return self._train_step(requests, self.cfg.ddp.measure_sync if measure_sync is None else measure_sync)
         except CollectiveError as e:
             # The comm layer names the op and the rank; the step says when (a peer hung or died).
             raise CollectiveError(f"step {self.step + 1}: {e}") from e
 
-    def _train_step(self) -> StepRecord:
-        cfg, comm, strategy, timer = self.cfg.train, self.topo.dp, self.strategy, self.timer
-        measure_sync = self.cfg.ddp.measure_sync
+    def _train_step(self, requests: StepRequests, measure_sync: bool) -> StepRecord:
+        comm, strategy, timer = self.topo.dp, self.strategy, self.timer
         # This rank's busy time runs from the end of the last exchange: a straggler's slowness before the step
         # counts, and the other ranks' wait for it (in the gradient sync) is taken out below.
         since = self._last_exchange_end or time.perf_counter()
@@ -170,13 +191,71 @@ class Trainer:
         start = time.perf_counter()
         timer.start()
         strategy.ledger.reset_peak()
-        reset_device_peak(self.topo.device)
+        self.device_peak.reset()
+        loss_scale = self.loss_scaler.scale if self.loss_scaler else 1.0
+        loss_sum = self._forward_backward(loss_scale)
+        bracketed = {}
+        with timer.phase("comm"):  # what of the gradient sync backward did not hide
+            backward_end = time.perf_counter()
+            strategy.finish_grad_sync()
+            if measure_sync:
+                comm.barrier()  # ...and ends when the slowest rank has its synced gradients
+                done = time.perf_counter()
+                # compute_and_sync: forward + backward + sync, barrier to barrier. sync_exposed: the part
+                # after this rank's backward returned, i.e. communication not hidden behind compute.
+                bracketed = {"compute_and_sync_s": done - start, "sync_exposed_s": done - backward_end}
+            waited = time.perf_counter() - backward_end
+        lr = lr_at(self.step, self.cfg.train) * self.faults.lr_factor(self.step + 1)
+        norm, update_comm = self._update(lr, loss_scale)
+        waited += update_comm
+        # This rank's busy seconds: host time since the last exchange less its waits; on a GPU, the step before's
+        # device time in its phases but comm (events are read after this step's exchange, the one host sync).
+        busy = self._device_busy if self.topo.dp.clock.on_device else time.perf_counter() - since - waited
+        self.step += 1
+        self.tokens_seen += self.tokens_per_step
+        rows = self._exchange(loss_sum, norm, busy, requests)
+        self.agreed = Agreed.of(rows)
+        skipped = not math.isfinite(rows[0].grad_norm)  # global: the same on every rank
+        if skipped and strategy.steps_on_device:
+            strategy.optimizer.unstep()  # the device skipped it: its bias correction must not count
+        overflow = self.nonfinite.after_step(self.step, skipped)
+        elapsed = time.perf_counter() - start
+        phases = self._phases(elapsed)
+        after = self._comm_totals()
+        return StepRecord(
+            step=self.step,
+            loss=sum(r.loss * r.holds_loss for r in rows) / sum(r.holds_loss for r in rows),  # over the holders
+            grad_norm=rows[0].grad_norm,
+            param_norm=rows[0].param_norm,
+            lr=lr,
+            tokens=self.tokens_per_step,
+            tokens_seen=self.tokens_seen,
+            step_time_s=elapsed,
+            tokens_per_s=self.tokens_per_step / elapsed,
+            comm_time_s=after.seconds - before.seconds,
+            comm_bytes=after.bytes - before.bytes,
+            comm_calls=after.calls - before.calls,
+            param_norm_per_rank=[r.param_norm for r in rows],
+            memory={kind: [int(r.at_rest[i]) for r in rows] for i, kind in enumerate(MEMORY_KINDS)},
+            memory_peak={kind: [int(r.peak[i]) for r in rows] for i, kind in enumerate(PEAK_KINDS)},
+            sync={**strategy.last_sync, **bracketed},
+            skipped=skipped,
+            loss_scale=loss_scale if self.loss_scaler else None,
+            overflow=overflow,
+            pipeline=self._pipeline_record([[r.bubble, r.in_flight] for r in rows]),
+            phases_s=phases,
+            busy_s_per_rank=[r.busy_s for r in rows],
+        )
+
+    def _forward_backward(self, loss_scale: float) -> torch.Tensor:
+        """Forward and backward of every micro-batch of the step, the gradient sync launched in the last backward.
+        Returns the sum of the micro-batches' losses, on the device (read once, in the statistics exchange: no
+        host sync per micro-batch)."""
+        cfg, strategy, timer = self.cfg.train, self.strategy, self.timer
         if not self.model.training:  # train() walks every module: not on every step
             self.model.train()
         strategy.zero_grad()
-        # On the device: summed there, read once in the statistics exchange (no host sync per micro-batch).
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.topo.device)
-        loss_scale = self.loss_scaler.scale if self.loss_scaler else 1.0
         for micro in range(cfg.grad_accum):
             last = micro == cfg.grad_accum - 1
             with timer.phase("data"):
@@ -194,95 +273,56 @@ class Trainer:
                     scaled = loss / cfg.grad_accum
                     (scaled if loss_scale == 1.0 else scaled * loss_scale).backward()
             loss_sum += loss.detach().double()
-        bracketed = {}
-        with timer.phase("comm"):  # what of the gradient sync backward did not hide
-            backward_end = time.perf_counter()
-            strategy.finish_grad_sync()
-            if measure_sync:
-                comm.barrier()  # ...and ends when the slowest rank has its synced gradients
-                done = time.perf_counter()
-                # compute_and_sync: forward + backward + sync, barrier to barrier. sync_exposed: the part
-                # after this rank's backward returned, i.e. communication not hidden behind compute.
-                bracketed = {"compute_and_sync_s": done - start, "sync_exposed_s": done - backward_end}
-            waited = time.perf_counter() - backward_end
-        lr = lr_at(self.step, cfg) * self.faults.lr_factor(self.step + 1)
-        groups = (self.topo.dp, self.topo.tp, self.topo.pp)
+        return loss_sum
+
+    def _update(self, lr: float, loss_scale: float) -> tuple[torch.Tensor, float]:
+        """The optimizer step (clip, update, publish). Returns the global gradient norm as a float64 tensor (on the
+        device where the optimizer skips a non-finite step by itself, FlatAdamW's fused kernel: read with the
+        step's statistics, not here) and, on the host, the seconds its own collectives took (the norm's
+        all-reduce, ZeRO's gathers), which are moved from the optimizer's phase to comm. On a GPU those are read
+        after the exchange (_phases)."""
+        strategy, groups = self.strategy, (self.topo.dp, self.topo.tp, self.topo.pp)
         for group in groups:
-            group.tag = "update"  # the update's own collectives (the norm's all-reduce, ZeRO's gathers): comm time
-        with timer.phase("optimizer"):
-            # On the device where the optimizer can skip a non-finite step by itself (FlatAdamW's fused
-            # kernel): the norm is then read with the step's statistics below, not here (no host sync).
+            group.tag = "update"
+        with self.timer.phase("optimizer"):
             norm = (strategy.step_on_device(lr, loss_scale) if strategy.steps_on_device else
                     torch.tensor(strategy.step(lr, loss_scale), dtype=torch.float64))
         for group in groups:
             group.tag = None
-        on_device = self.topo.dp.clock.on_device
-        if not on_device:  # on the host, known now; on a GPU, once the statistics exchange below has synchronised
-            update_comm = sum(group.take_tagged("update") for group in groups)
-            timer.move(update_comm, "optimizer", "comm")
-            waited += update_comm
-        # This rank's busy seconds: host time since the last exchange less its waits; on a GPU, the step before's
-        # device time in its phases but comm (events are read after this step's exchange, the one host sync).
-        busy = self._device_busy if on_device else time.perf_counter() - since - waited
-        self.step += 1
-        self.tokens_seen += self.tokens_per_step
+        if self.topo.dp.clock.on_device:
+            return norm, 0.0
+        update_comm = sum(group.take_tagged("update") for group in groups)
+        self.timer.move(update_comm, "optimizer", "comm")
+        return norm, update_comm
 
-        held, peak = strategy.memory_bytes(), strategy.peak_memory_bytes()
-        peak["device"] = device_peak_bytes(self.topo.device)
-        host = torch.tensor([self._holds_loss()] + self._pipeline_measured()
-                            + [float(held[k]) for k in MEMORY_KINDS] + [float(peak[k]) for k in PEAK_KINDS]
-                            + self._boundary_flags() + [busy], dtype=torch.float64)
-        host = host.to(self.topo.device)
-        row = torch.cat([(loss_sum / cfg.grad_accum).reshape(1), host[:1], strategy.param_norm_tensor().reshape(1),
-                         norm.to(host).reshape(1), host[1:]])
-        # Every rank's row, on the host as Python lists (the step's one read of device values): [loss, holds
-        # loss, param norm, grad norm, bubble, in flight, 3 at rest, 5 peaks, 2 flags, busy seconds].
-        rows = self.topo.everyone.gather_rows(row).tolist()
+    def _exchange(self, loss_sum: torch.Tensor, norm: torch.Tensor, busy: float,
+                  requests: StepRequests) -> list[RankStats]:
+        """Every rank's RankStats (one gather_rows: the step's one read of device values)."""
+        held, peak = self.strategy.memory_bytes(), self.strategy.peak_memory_bytes()
+        peak["device"] = self.device_peak.bytes()
+        measured = self.pipeline.measured if self.pipeline is not None else {}
+        mine = RankStats(
+            loss=loss_sum / self.cfg.train.grad_accum, holds_loss=self._holds_loss(),
+            param_norm=self.strategy.param_norm_tensor(), grad_norm=norm,
+            bubble=measured.get("bubble", 0.0), in_flight=measured.get("peak_in_flight", 0),
+            at_rest=[held[k] for k in MEMORY_KINDS], peak=[peak[k] for k in PEAK_KINDS],
+            stop_signal=requests.stop_signal(), save_written=requests.save_written(), busy_s=busy)
+        rows = self.topo.everyone.gather_rows(mine.pack(self.topo.device)).tolist()
         self._last_exchange_end = time.perf_counter()
-        grad_norm = rows[0][3]  # global: the same on every rank
-        skipped = not math.isfinite(grad_norm)
-        if skipped and strategy.steps_on_device:
-            strategy.optimizer.unstep()  # the device skipped it: its bias correction must not count
-        overflow = self._check_skips(skipped)
-        kinds = len(MEMORY_KINDS)
-        at_rest = [[int(r[6 + i]) for r in rows] for i in range(kinds)]
-        peaks = [[int(r[6 + kinds + i]) for r in rows] for i in range(len(PEAK_KINDS))]
-        signals = [int(r[-3]) for r in rows]
-        self.agreed_stop = max(signals)
-        self.stop_ranks = [rank for rank, signum in enumerate(signals) if signum]
-        self.pending_save_written = all(r[-2] == 1 for r in rows)
-        elapsed = time.perf_counter() - start
+        return [RankStats.unpack(row) for row in rows]
+
+    def _phases(self, elapsed: float) -> dict:
+        """Where this rank's step went (step_timer.py). On a GPU the update's collectives are known only now, after
+        the exchange synchronised, and the busy seconds the next step reports are this step's device time."""
+        on_device = self.topo.dp.clock.on_device
         if on_device:
-            timer.move(sum(group.take_tagged("update") for group in groups), "optimizer", "comm")
-        phases = timer.finish(elapsed)
+            groups = (self.topo.dp, self.topo.tp, self.topo.pp)
+            self.timer.move(sum(group.take_tagged("update") for group in groups), "optimizer", "comm")
+        phases = self.timer.finish(elapsed)
         if on_device:
             self._device_busy = sum(phases[k] or 0.0 for k in ("data", "forward", "backward", "forward_backward",
                                                                 "optimizer"))
-        after = self._comm_totals()
-        return StepRecord(
-            step=self.step,
-            loss=sum(r[0] * r[1] for r in rows) / sum(r[1] for r in rows),  # over the ranks that compute it
-            grad_norm=grad_norm,
-            param_norm=rows[0][2],
-            lr=lr,
-            tokens=self.tokens_per_step,
-            tokens_seen=self.tokens_seen,
-            step_time_s=elapsed,
-            tokens_per_s=self.tokens_per_step / elapsed,
-            comm_time_s=after.seconds - before.seconds,
-            comm_bytes=after.bytes - before.bytes,
-            comm_calls=after.calls - before.calls,
-            param_norm_per_rank=[r[2] for r in rows],
-            memory=dict(zip(MEMORY_KINDS, at_rest)),
-            memory_peak=dict(zip(PEAK_KINDS, peaks)),
-            sync={**strategy.last_sync, **bracketed},
-            skipped=skipped,
-            loss_scale=loss_scale if self.loss_scaler else None,
-            overflow=overflow,
-            pipeline=self._pipeline_record([r[4:6] for r in rows]),
-            phases_s=phases,
-            busy_s_per_rank=[r[-1] for r in rows],
-        )
+        return phases
 
     def evaluate(self) -> float:
         """Collective: the mean loss over the held-out batches (data.EvalBatches: each data-parallel rank
@@ -322,11 +362,6 @@ class Trainer:
         """1 where this rank computes the loss (every rank, or a pipeline's last stage), else 0."""
         return float(self.pipeline is None or self.pipeline.last_stage)
 
-    def _pipeline_measured(self) -> list[float]:
-        """[bubble, peak in-flight micro-batches] of this rank's last schedule (0, 0 without a pipeline)."""
-        m = self.pipeline.measured if self.pipeline is not None else {}
-        return [m.get("bubble", 0.0), float(m.get("peak_in_flight", 0))]
-
     def _pipeline_record(self, measured: list[list[float]]) -> dict | None:
         """The step's pipeline figures per stage from every rank's [bubble, in flight] (a stage's ranks are
         consecutive, pp being outermost): its bubble (the mean over its ranks) and the most micro-batches
@@ -337,32 +372,6 @@ class Trainer:
         stages = [measured[i:i + per_stage] for i in range(0, len(measured), per_stage)]
         return {**self.pipeline.summary(), "bubble": [sum(r[0] for r in st) / len(st) for st in stages],
                 "peak_in_flight": [int(max(r[1] for r in st)) for st in stages]}
-
-    def _boundary_flags(self) -> list[float]:
-        """[signal received (its number, or 0), background save: 1 written, 0 still writing or none]."""
-        signum = self.stop_request.signum if self.stop_request else 0
-        written = self.pending_save is not None and self.pending_save.written
-        return [float(signum), float(written)]
-
-    def _check_skips(self, skipped: bool) -> bool:
-        """Count non-finite steps (called once the step is counted: self.step is its number); every rank
-        decides alike (the norm is global), so all abort together.
-        In fp16 an overflow at a loss scale above 1 is the scaler's to handle (halve, retry), not the guard's.
-        Returns whether the step was such an overflow."""
-        scaler = self.loss_scaler
-        if scaler is not None:
-            overflow = skipped and scaler.overflow_is_scalers()
-            scaler.update(overflowed=skipped)
-            if overflow:
-                self.overflow_steps += 1
-                return True
-        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
-        self.skipped_steps += skipped
-        if self.skipped_in_a_row > self.cfg.train.max_skipped_steps:
-            raise NonFiniteError(f"step {self.step}: gradients were NaN/Inf {self.skipped_in_a_row} steps in a "
-                                 f"row (more than --train.max_skipped_steps {self.cfg.train.max_skipped_steps}); "
-                                 "lower --lr, check the data, or resume from an earlier checkpoint")
-        return False
 
     def train_state(self) -> dict:
         if self._corpus_sha256 is None and self.topo.is_main:  # the manifest's copy is rank 0's

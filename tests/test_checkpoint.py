@@ -1,6 +1,7 @@
 import json
 import os
 import pickle
+import shutil
 from pathlib import Path
 
 import pytest
@@ -147,6 +148,27 @@ def test_checkpoint_from_two_zero1_ranks_loads_into_one_dp_process(tmp_path):
     single_losses = [single.train_step().loss for _ in range(3)]
     assert max(abs(a - b) for a, b in zip(losses, single_losses)) <= 1e-12
     assert (single.strategy.flat.data[:single.strategy.flat.numel] - params).abs().max().item() <= 1e-12
+
+
+@pytest.mark.parametrize("renamed", [False, True])
+def test_a_re_save_cut_short_is_settled_by_the_next_save(saved, renamed):
+    # A re-save moves the old copy aside (.old-step-N, `latest` naming it), renames the new one into place, then
+    # removes the old: cut off in between, the next save settles it. Not renamed yet: the old copy is the only one
+    # and returns to its name; renamed: the new one is complete, and the old goes.
+    root = saved.parent
+    old = root / f".old-{saved.name}"
+    if renamed:
+        shutil.copytree(saved, old)
+    else:
+        os.replace(saved, old)
+    (root / "latest").write_text(old.name + "\n")
+    trainer = Trainer(_config(1, zero=0), Topology.single())
+    trainer.load_checkpoint(root)  # `latest` naming the moved copy is read as it is
+    assert trainer.step == 2
+    trainer.train_step()
+    trainer.save_checkpoint(root)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", saved.name, "step-000003"]
+    checkpoint.verify(saved)
 
 
 def test_saving_a_step_again_replaces_it_and_keeps_latest_valid(saved):

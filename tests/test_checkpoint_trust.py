@@ -211,12 +211,12 @@ def _edit(manifest: dict, path: tuple, action: str, value) -> None:
 def _use_every_way(run: Path, step_dir: Path) -> None:
     """What a user can do with a checkpoint: verify, inspect, consolidate, check a resume, load it."""
     from minitrain.apps import ckpt as ckpt_tool
-    from minitrain.train.loop import check_resume
+    from minitrain.train.resume import check_resume
     from minitrain.runtime.topology import Topology
 
     checkpoint.verify(step_dir)
     ckpt_tool.inspect(str(step_dir))
-    ckpt_tool.consolidated_state_dict(str(step_dir))
+    checkpoint.consolidated_state_dict(str(step_dir))
     check_resume(run_config(cli_values={**SETTINGS, "ckpt.resume": str(step_dir), "out": str(run)}))
     one = run_config(cli_values={**SETTINGS, "dist.nproc": 1, "train.batch_size": 8})
     Trainer(one, Topology.single()).load_checkpoint(step_dir)  # resharded to one process
@@ -293,7 +293,7 @@ def test_a_random_state_of_the_wrong_length_is_refused(run, key, value):
 def _tiny_save(topo, root):
     import minitrain
 
-    minitrain.init_distributed()
+    minitrain.init_distributed(topology=topo)
     torch.manual_seed(0)
     model = torch.nn.Linear(1, 1)  # 2 parameters over 3 ranks: rank 2's shard is padding only
     model, opt = minitrain.prepare(model, lambda params: torch.optim.AdamW(params, lr=0.1), zero=1)

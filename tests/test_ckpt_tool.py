@@ -51,6 +51,10 @@ def test_verify_and_inspect(zero3_tied, tmp_path):
     for action in ("verify", "inspect"):
         bad = run_cli("ckpt", action, str(broken))
         assert bad.returncode == 1 and "rank-00001.safetensors is corrupt" in bad.stderr, bad.stderr
+    # 2 is a usage error, never a verdict on a checkpoint: a path that is not there, a missing argument.
+    missing = run_cli("ckpt", "verify", str(tmp_path / "no-such-run"))
+    assert missing.returncode == 2 and "no such file or directory" in missing.stderr, missing.stderr
+    assert run_cli("ckpt", "verify").returncode == 2
 
 
 def test_consolidate_refuses_a_bad_output_and_writes_nothing(zero3_tied, tmp_path):

@@ -99,7 +99,7 @@ def test_the_export_is_all_sample_needs_and_a_seed_gives_the_same_text(trained, 
     # The exported weights are the final checkpoint's parameters under MiniGPT's own keys.
     from safetensors.torch import load_file
 
-    from minitrain.apps.ckpt import consolidated_state_dict
+    from minitrain.checkpoint import consolidated_state_dict
 
     exported = load_file(str(alone / "model.safetensors"))
     saved = consolidated_state_dict(str(root / "run"))

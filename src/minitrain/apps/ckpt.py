@@ -2,8 +2,10 @@
 
 - inspect PATH: step, topology, strategy, model, files, and every stored tensor
   with the logical range it covers.
-- verify PATH: every file's size and sha256 against the manifest; exit 0, or 1
-  with the bad file named.
+- verify PATH: every file's size and sha256 against the manifest.
+
+Exit codes, for every action: 0 the checkpoint is valid (and the action done), 1 it is not (one line
+naming the bad file or field), 2 a usage error (no such PATH, a bad argument, an unusable OUT).
 - consolidate PATH OUT.safetensors: the model's own state_dict as one file:
   exactly its keys (trainable and frozen parameters, persistent buffers; tied
   weights under both names; no wrapper prefixes), so its load_state_dict(strict)
@@ -12,16 +14,16 @@
 """
 from __future__ import annotations
 
+import argparse
 import os
+import sys
 from pathlib import Path
 
-import torch
 from safetensors.torch import save_file
 
 from .. import checkpoint
 from ..config import ConfigError
 from ..train.metrics import format_table, human_bytes
-from ..parallel.placement import check_state
 
 
 def inspect(path: str) -> str:
@@ -65,33 +67,6 @@ def _training_state(state: dict) -> str:
     return line
 
 
-def consolidated_state_dict(path: str) -> dict[str, torch.Tensor]:
-    """The checkpoint's model as its own state_dict (each tensor its own copy), keys in the model's order."""
-    step_dir, manifest = checkpoint.verify(path)
-    params = checkpoint.assemble_flat(step_dir, manifest)["params"]
-    by_param = {}
-    for seg in manifest["flat"]["segments"]:
-        n = 1
-        for d in seg["shape"]:
-            n *= d
-        by_param[seg["name"]] = params[seg["offset"]:seg["offset"] + n].view(seg["shape"])
-    stored = {t["key"]: t["file"] for t in manifest["tensors"] if t["key"].startswith("model.")}
-    state = {}
-    for entry in manifest["state_dict"]:
-        key = entry["key"]
-        if "param" in entry and entry["param"] in by_param:
-            state[key] = by_param[entry["param"]].clone()  # tied weights: two keys, two copies (no aliases in files)
-        elif entry.get("tensor") in stored:
-            state[key] = checkpoint.read_tensor(step_dir / stored[entry["tensor"]], entry["tensor"])
-        else:
-            raise checkpoint.CheckpointError(f"checkpoint {step_dir} has no tensor for '{key}'")
-    # The result is checked against the model's own state_dict as the save recorded it (names, whole shapes,
-    # dtypes): a slice or a stray tensor is an error naming its key, never a file.
-    check_state(state, {e["key"]: (e["shape"], e["dtype"]) for e in manifest["state_dict"]},
-                f"checkpoint {step_dir} consolidated", checkpoint.CheckpointError)
-    return state
-
-
 def consolidate(path: str, out: str) -> str:
     target = Path(out)
     if target.suffix != ".safetensors":
@@ -101,9 +76,43 @@ def consolidate(path: str, out: str) -> str:
     step_dir = checkpoint.resolve(path)
     if target.resolve().parent == step_dir.resolve():
         raise ConfigError(f"output {target} is inside the checkpoint {step_dir}; write it elsewhere")
-    state = consolidated_state_dict(str(step_dir))  # the directory checked above, not `latest` read again
+    state = checkpoint.consolidated_state_dict(str(step_dir))  # the directory checked above, not `latest` read again
     tmp = target.with_name(target.name + ".tmp")
     save_file(state, str(tmp), metadata={"format": "pt"})  # the metadata Hugging Face's loader expects
     os.replace(tmp, target)  # never a half-written OUT
     numel = sum(t.numel() for t in state.values())
     return f"wrote {target}: {len(state)} tensors, {numel:,} values ({human_bytes(target.stat().st_size)})"
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    ckpt = sub.add_parser("ckpt", help="inspect, verify or consolidate a checkpoint",
+                          description="Look into a sharded checkpoint. PATH is a step directory, a checkpoints/ "
+                          "directory or a run directory (its `latest` is used). Exit 0 valid, 1 invalid (what is wrong named), 2 a "
+                          "usage error (no such PATH, a bad argument).")
+    ckpt_sub = ckpt.add_subparsers(dest="ckpt", required=True, parser_class=type(ckpt), metavar="ACTION")
+    for action, text in (("inspect", "step, topology, files and tensors"),
+                         ("verify", "every file's size and sha256 against the manifest")):
+        ckpt_sub.add_parser(action, help=text, description=text).add_argument("path", metavar="PATH")
+    merge = ckpt_sub.add_parser("consolidate", help="one plain state dict that MiniGPT.load_state_dict accepts",
+                                description="Write the parameters as one safetensors state dict, whatever world "
+                                "size and ZeRO stage saved them.")
+    merge.add_argument("path", metavar="PATH")
+    merge.add_argument("out", metavar="OUT.safetensors")
+
+    return ckpt
+
+
+def run(args) -> int:
+    if not os.path.lexists(args.path):  # a mistyped path is the caller's error, not an invalid checkpoint
+        raise ConfigError(f"no such file or directory: {args.path}")
+    try:
+        if args.ckpt == "inspect":
+            print(inspect(args.path))
+        elif args.ckpt == "verify":
+            print(verify(args.path))
+        else:
+            print(consolidate(args.path, args.out))
+    except checkpoint.CheckpointError as e:  # a failed check, not a usage error
+        print(f"minitrain ckpt {args.ckpt}: FAILED: {e}", file=sys.stderr)
+        return 1
+    return 0

@@ -2,7 +2,7 @@
 
 OUT holds what `minitrain sample` (or any loader of MiniGPT) needs, and nothing else:
 - model.safetensors: the consolidated parameters under MiniGPT's own state_dict keys, whatever
-  world size, ZeRO stage or dp x tp x pp layout saved them (ckpt_tool.consolidated_state_dict);
+  world size, ZeRO stage or dp x tp x pp layout saved them (checkpoint/consolidate.py);
 - config.json: the model's settings (MiniGPT(ModelConfig(**config["model"])) rebuilds it), the
   step, the checkpoint it came from and the tokenizer file's name;
 - tokenizer.json: the corpus's tokenizer (the run's copy, else the corpus directory's), when the
@@ -14,6 +14,7 @@ into place: never half-written.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -25,13 +26,12 @@ from safetensors.torch import save_file
 
 from ..version import __version__
 from .. import checkpoint
-from .ckpt import consolidated_state_dict
 from ..config import ModelConfig
 from ..errors import ConfigError
 from ..models.minigpt.model import MiniGPT
 from ..parallel.placement import check_state, dtype_name
 from ..train.metrics import human_bytes
-from ..train.loop import saved_run_config
+from ..train.resume import saved_run_config
 from ..train.run_files import TOKENIZER, copy_tokenizer
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
@@ -89,7 +89,7 @@ def export(source: str, out: str) -> str:
     check_out(target)
     step_dir, manifest = checkpoint.verify(step_dir)
     run_config = saved_run_config(step_dir, manifest["config"])  # refuses a checkpoint of the Python API
-    state = consolidated_state_dict(str(step_dir))
+    state = checkpoint.consolidated_state_dict(str(step_dir))
     _check_minigpt(state, run_config["model"], step_dir)
     config = {"format": FORMAT, "model_type": "minigpt", "minitrain_version": __version__,
               "model": run_config["model"], "step": manifest["step"], "source": str(step_dir.resolve()),
@@ -115,3 +115,22 @@ def export(source: str, out: str) -> str:
     # Values, not parameters: a tied weight is stored under both of its keys.
     return (f"wrote {target}: {WEIGHTS} ({numel:,} values, {human_bytes((target / WEIGHTS).stat().st_size)}) "
             f"from {step_dir} (step {manifest['step']}), {CONFIG}{tokenizer}")
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    parser = sub.add_parser("export", help="a run's newest checkpoint as a model directory: weights, config, tokenizer",
+                            description="Write OUT: model.safetensors (the consolidated parameters under the model's "
+                            "own keys, from any world size or layout), config.json and the corpus's tokenizer.json; "
+                            "`minitrain sample OUT` needs nothing else. RUN_OR_CKPT: a run directory (its newest "
+                            "checkpoint that verifies) or a checkpoint directory.",
+                            epilog="Example:\n  minitrain export runs/notes runs/notes/model",
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("source", metavar="RUN_OR_CKPT", help="a run directory, or a checkpoints/ or step-NNNNNN "
+                        "directory")
+    parser.add_argument("out", metavar="OUT", help="the directory to write (must not exist, or be empty)")
+    return parser
+
+
+def run(args) -> int:
+    print(export(args.source, args.out))
+    return 0

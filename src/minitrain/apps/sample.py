@@ -11,6 +11,7 @@ text, whatever else the process did.
 """
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -122,3 +123,28 @@ def _prompt_ids(prompt: str, tokenizer, vocab: int) -> list[int]:
     if max(ids) >= vocab or min(ids) < 0:
         raise ConfigError(f"the prompt holds token ids outside the model's vocabulary 0..{vocab - 1}")
     return ids
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    sampler = sub.add_parser("sample", help="generate text from an exported model",
+                             description="Load a directory `minitrain export` wrote and continue --prompt. The same "
+                             "--seed gives the same text. A model trained on a synthetic corpus has no tokenizer: "
+                             "its prompt and output are token ids.",
+                             epilog='Example:\n  minitrain sample runs/notes/model --prompt "The river" '
+                             "--max-new-tokens 80 --temperature 0.8 --top-k 40 --seed 1",
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+    sampler.add_argument("model_dir", metavar="DIR", help="a directory `minitrain export` wrote")
+    sampler.add_argument("--prompt", default="", help="text to continue ('' = start of a document)")
+    sampler.add_argument("--max-new-tokens", type=int, default=100, metavar="N", help="tokens to generate (default 100)")
+    sampler.add_argument("--temperature", type=float, default=1.0, metavar="T",
+                         help="divides the logits; lower is more predictable, 0 = always the most likely (default 1)")
+    sampler.add_argument("--top-k", type=int, default=40, metavar="K", help="draw from the K most likely tokens; "
+                         "0 = all (default 40)")
+    sampler.add_argument("--seed", type=int, default=0, metavar="S", help="the draw's seed (default 0)")
+
+    return sampler
+
+
+def run(args) -> int:
+    print(sample(args.model_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed))
+    return 0

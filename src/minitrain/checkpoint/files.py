@@ -16,8 +16,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..utils.progress import byte_bar
 
-from .format import (FORMAT, LATEST, MANIFEST, MANIFEST_SHA, WRITTEN_BY, CheckpointError, shard_file_name,  # noqa: F401
-                     step_dir_name, step_of, written_by)
+from .format import FORMAT, LATEST, MANIFEST, MANIFEST_SHA, CheckpointError, step_of
 from .schema import check_manifest, check_shard_header
 
 

@@ -13,8 +13,8 @@ from safetensors import SafetensorError, safe_open
 from ..parallel.flat import FlatStrategy
 from ..parallel.placement import Placement, dtype_name
 from ..runtime.topology import Topology
-from .files import (CUDA_RNG, RNG_KEYS, CheckpointError, read_manifest, read_tensor, resolve, set_rng_state, shard_file_name,
-                    verify_files)
+from .files import CUDA_RNG, RNG_KEYS, read_manifest, read_tensor, resolve, set_rng_state, verify_files
+from .format import CheckpointError, shard_file_name
 
 # --- load -------------------------------------------------------------------------------
 def assemble_flat(step_dir: Path, manifest: dict) -> dict[str, torch.Tensor]:

@@ -16,8 +16,9 @@ from ..parallel.flat import FlatStrategy
 from ..parallel.placement import dtype_name
 from ..parallel.tensor import gather_slices
 from ..runtime.topology import Topology
-from .files import (FORMAT, LATEST, MANIFEST, MANIFEST_SHA, WRITTEN_BY, CheckpointError, _fsync_dir, _fsync_file,
-                    _write_durably, rng_state, sha256_of, shard_file_name, step_dir_name, written_by)
+from .files import _fsync_dir, _fsync_file, _write_durably, rng_state, sha256_of
+from .format import (FORMAT, LATEST, MANIFEST, MANIFEST_SHA, WRITTEN_BY, CheckpointError, shard_file_name,
+                     step_dir_name, written_by)
 
 
 # --- save -------------------------------------------------------------------------------
@@ -152,6 +153,8 @@ def begin(root: str | os.PathLike, step: int, topo: Topology) -> None:
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob(".tmp-step-*"):  # left by saves that crashed: never checkpoints
             shutil.rmtree(stale, ignore_errors=True)
+        for moved in root.glob(".old-step-*"):
+            _settle_moved_aside(root, moved)
         tmp.mkdir()
     topo.everyone.barrier()
 
@@ -244,6 +247,19 @@ def _move_aside(root: Path, final: Path) -> Path:
     if (root / LATEST).exists() and (root / LATEST).read_text().strip() == final.name:
         _write_durably(root / LATEST, old.name + "\n")
     return old
+
+
+def _settle_moved_aside(root: Path, old: Path) -> None:
+    """A re-save interrupted after _move_aside left `old` (.old-step-N), and maybe `latest` naming it. If the new
+    copy was renamed into place, it is complete: `latest` goes back to it and the old copy is removed. If not, the
+    old copy is the only one: it returns to its name."""
+    final = root / old.name.removeprefix(".old-")
+    if not final.exists():
+        os.replace(old, final)
+        _fsync_dir(root)
+    if (root / LATEST).exists() and (root / LATEST).read_text().strip() == old.name:
+        _write_durably(root / LATEST, final.name + "\n")
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _manifest(step, topo, strategy, train_state, run_config, keys, rows, held, described) -> dict:

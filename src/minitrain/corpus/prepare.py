@@ -52,8 +52,8 @@ Examples:
 """
 
 
-def add_parser(sub) -> None:
-    """Add `data prepare` to the `minitrain` subcommands `sub`."""
+def add_parser(sub) -> argparse.ArgumentParser:
+    """Add `data prepare` to the `minitrain` subcommands `sub`; returns the `data` parser."""
     data = sub.add_parser("data", help="tokenize text files into a corpus directory",
                           description="Turn text into the token files `minitrain train --corpus DIR` reads.")
     # type(data) is the CLI's one-line-error parser class, without importing the CLI (which imports this module).
@@ -71,6 +71,7 @@ def add_parser(sub) -> None:
                          help=f"the share of tokens held out as val.bin, in (0, {MAX_VAL_FRACTION}] (default 0.1)")
     prepare.add_argument("--text-field", default="text", metavar="NAME",
                          help="the field of each .jsonl object that holds its text (default text)")
+    return data
 
 
 @dataclass

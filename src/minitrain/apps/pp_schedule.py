@@ -1,0 +1,34 @@
+"""`minitrain pp-schedule`: a pipeline schedule's timeline on an ideal clock, its bubble and the micro-batches
+each stage holds at once (the lists parallel/schedules.py gives the executor)."""
+from __future__ import annotations
+
+import argparse
+
+from ..errors import ConfigError
+from ..parallel.schedules import SCHEDULES, render_timeline
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    pipe = sub.add_parser("pp-schedule", help="a pipeline schedule's timeline, bubble and in-flight micro-batches",
+                          description="Print what each pipeline stage does at each tick of an ideal clock (a "
+                          "forward takes one tick, communication is free): F3 = forward of micro-batch 3, "
+                          "B3 its backward, . idle. Then each stage's bubble against (P-1)/(M+P-1) and the most "
+                          "micro-batches whose activations it holds at once. The executor runs the same lists.",
+                          epilog="Examples:\n  minitrain pp-schedule --pp 4 --microbatches 8 --schedule 1f1b\n"
+                          "  minitrain pp-schedule --pp 4 --microbatches 8 --schedule gpipe --backward-cost 2",
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    pipe.add_argument("--pp", type=int, default=4, metavar="P", help="pipeline stages (default 4)")
+    pipe.add_argument("--microbatches", type=int, default=8, metavar="M", help="micro-batches per step (default 8)")
+    pipe.add_argument("--schedule", choices=tuple(SCHEDULES), default="1f1b", help="default 1f1b")
+    pipe.add_argument("--backward-cost", type=int, default=1, metavar="TICKS",
+                      help="ticks a backward takes, a forward taking 1 (default 1; about 2 in practice)")
+
+    return pipe
+
+
+def run(args) -> int:
+    for flag, value in (("--pp", args.pp), ("--microbatches", args.microbatches), ("--backward-cost", args.backward_cost)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be at least 1, got {value}")
+    print(render_timeline(args.schedule, SCHEDULES[args.schedule](args.pp, args.microbatches), 1, args.backward_cost))
+    return 0

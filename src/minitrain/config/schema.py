@@ -209,72 +209,106 @@ class RunConfig:
     out: str = opt("runs/train", "directory for everything the run writes: metrics.jsonl, checkpoints/")
 
     def validate(self) -> "RunConfig":
-        m, t, d = self.model, self.train, self.dist
-        for key, kind, _, _ in field_specs():  # NaN passes every comparison below; inf overflows later
-            value = _get(self, key)
-            if kind is float and not math.isfinite(value):
-                raise ConfigError(f"{key} must be a finite number, got {value}")
-        check_model(m)
-        for name in ("steps", "batch_size", "grad_accum"):
-            _require_positive(f"train.{name}", getattr(t, name))
-        if d.nproc < 1:
-            raise ConfigError(f"world size must be at least 1 (got --nproc {d.nproc})")
-        _derive_batch_size(self)
-        if not 0 <= t.stop_at <= t.steps:
-            raise ConfigError(f"--stop-at {t.stop_at} must be between 0 (off) and --steps {t.steps}")
-        _require_choice("train.zero", t.zero, (0, 1, 2, 3))
-        _require_choice("ddp.mode", self.ddp.mode, ("bucketed", "naive", "torch"))
-        if t.zero and self.ddp.mode != "bucketed":
-            raise ConfigError(f"--dp {self.ddp.mode} applies to --zero 0; ZeRO-{t.zero} syncs gradients with its "
-                              "own reduce-scatter")
-        if not self.ddp.bucket_mb > 0:
-            raise ConfigError(f"ddp.bucket_mb must be > 0, got {self.ddp.bucket_mb}")
-        _require_choice("train.dtype", t.dtype, ("float32", "float64"))
-        _require_choice("train.precision", t.precision, ("fp32", "bf16", "fp16"))
-        _require_choice("train.reduce_dtype", t.reduce_dtype, ("fp32", "compute"))
-        if t.precision != "fp32" and t.dtype != "float32":
-            raise ConfigError(f"--precision {t.precision} keeps float32 master weights; use --dtype float32 "
-                              f"(float64 is for exact parity checks in full precision)")
-        if not t.loss_scale_init > 0:
-            raise ConfigError(f"train.loss_scale_init must be > 0, got {t.loss_scale_init}")
-        _require_positive("train.loss_scale_window", t.loss_scale_window)
-        _require_choice("train.activation_checkpointing", t.activation_checkpointing, ("none", "block", "selective"))
-        profile_range(t.profile_steps, t.steps)
-        _require_choice("dist.backend", d.backend, ("auto", "gloo", "nccl"))
-        _check_gpus(d)
-        if not t.lr > 0:
-            raise ConfigError(f"train.lr must be > 0, got {t.lr}")
-        if not 0 <= t.min_lr_ratio <= 1:
-            raise ConfigError(f"train.min_lr_ratio must lie in [0, 1], got {t.min_lr_ratio}")
-        for name in ("warmup_steps", "weight_decay", "grad_clip", "log_every", "max_skipped_steps"):
-            if getattr(t, name) < 0:
-                raise ConfigError(f"train.{name} must be >= 0, got {getattr(t, name)}")
-        if not (0 <= t.beta1 < 1 and 0 <= t.beta2 < 1) or t.eps <= 0:
-            raise ConfigError("Adam needs 0 <= beta1, beta2 < 1 and eps > 0")
-        if not d.timeout_s > 0:
-            raise ConfigError(f"dist.timeout_s must be > 0, got {d.timeout_s}")
-        _require_positive("dist.threads_per_rank", d.threads_per_rank)
-        _require_non_negative("dist.fingerprint_every", d.fingerprint_every)
-        _check_layout(self)
-        for name in ("every_steps", "every_minutes", "keep_last"):
-            if getattr(self.ckpt, name) < 0:
-                raise ConfigError(f"ckpt.{name} must be >= 0, got {getattr(self.ckpt, name)}")
-        if t.spike_factor and not t.spike_factor > 1:
-            raise ConfigError(f"train.spike_factor must be > 1 (or 0 to turn the check off), got {t.spike_factor}")
-        _require_positive("train.spike_window", t.spike_window)
-        if t.straggler_factor and not t.straggler_factor > 1:
-            raise ConfigError(f"train.straggler_factor must be > 1 (or 0 to turn it off), got {t.straggler_factor}")
-        _check_fault(self.fault, d.nproc)
-        check_seed("--seed", t.seed)
-        check_seed("--data.corpus_seed", self.data.corpus_seed)
-        if not self.out.strip():
-            raise ConfigError("--out is empty; name the directory the run writes to (e.g. --out runs/mine)")
-        _require_non_negative("eval.every", self.eval.every)
-        _require_positive("eval.batches", self.eval.batches)
+        """Every setting checked by what it says alone (the batch derived from --global-batch on the way);
+        ConfigError names the first that is wrong."""
+        _check_finite(self)
+        check_model(self.model)
+        _check_batch(self)
+        _check_sync(self)
+        _check_precision(self.train)
+        _check_optimizer(self.train)
+        _check_distributed(self)
+        _check_run(self)
         return self
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _check_finite(cfg: RunConfig) -> None:
+    for key, kind, _, _ in field_specs():  # NaN passes every comparison below; inf overflows later
+        value = _get(cfg, key)
+        if kind is float and not math.isfinite(value):
+            raise ConfigError(f"{key} must be a finite number, got {value}")
+
+
+def _check_batch(cfg: RunConfig) -> None:
+    t = cfg.train
+    for name in ("steps", "batch_size", "grad_accum"):
+        _require_positive(f"train.{name}", getattr(t, name))
+    if cfg.dist.nproc < 1:
+        raise ConfigError(f"world size must be at least 1 (got --nproc {cfg.dist.nproc})")
+    _derive_batch_size(cfg)
+    if not 0 <= t.stop_at <= t.steps:
+        raise ConfigError(f"--stop-at {t.stop_at} must be between 0 (off) and --steps {t.steps}")
+
+
+def _check_sync(cfg: RunConfig) -> None:
+    t, ddp = cfg.train, cfg.ddp
+    _require_choice("train.zero", t.zero, (0, 1, 2, 3))
+    _require_choice("ddp.mode", ddp.mode, ("bucketed", "naive", "torch"))
+    if t.zero and ddp.mode != "bucketed":
+        raise ConfigError(f"--dp {ddp.mode} applies to --zero 0; ZeRO-{t.zero} syncs gradients with its "
+                          "own reduce-scatter")
+    if not ddp.bucket_mb > 0:
+        raise ConfigError(f"ddp.bucket_mb must be > 0, got {ddp.bucket_mb}")
+
+
+def _check_precision(t: TrainConfig) -> None:
+    _require_choice("train.dtype", t.dtype, ("float32", "float64"))
+    _require_choice("train.precision", t.precision, ("fp32", "bf16", "fp16"))
+    _require_choice("train.reduce_dtype", t.reduce_dtype, ("fp32", "compute"))
+    if t.precision != "fp32" and t.dtype != "float32":
+        raise ConfigError(f"--precision {t.precision} keeps float32 master weights; use --dtype float32 "
+                          f"(float64 is for exact parity checks in full precision)")
+    if not t.loss_scale_init > 0:
+        raise ConfigError(f"train.loss_scale_init must be > 0, got {t.loss_scale_init}")
+    _require_positive("train.loss_scale_window", t.loss_scale_window)
+    _require_choice("train.activation_checkpointing", t.activation_checkpointing, ("none", "block", "selective"))
+
+
+def _check_optimizer(t: TrainConfig) -> None:
+    if not t.lr > 0:
+        raise ConfigError(f"train.lr must be > 0, got {t.lr}")
+    if not 0 <= t.min_lr_ratio <= 1:
+        raise ConfigError(f"train.min_lr_ratio must lie in [0, 1], got {t.min_lr_ratio}")
+    for name in ("warmup_steps", "weight_decay", "grad_clip", "log_every", "max_skipped_steps"):
+        if getattr(t, name) < 0:
+            raise ConfigError(f"train.{name} must be >= 0, got {getattr(t, name)}")
+    if not (0 <= t.beta1 < 1 and 0 <= t.beta2 < 1) or t.eps <= 0:
+        raise ConfigError("Adam needs 0 <= beta1, beta2 < 1 and eps > 0")
+
+
+def _check_distributed(cfg: RunConfig) -> None:
+    d = cfg.dist
+    _require_choice("dist.backend", d.backend, ("auto", "gloo", "nccl"))
+    _check_gpus(d)
+    if not d.timeout_s > 0:
+        raise ConfigError(f"dist.timeout_s must be > 0, got {d.timeout_s}")
+    _require_positive("dist.threads_per_rank", d.threads_per_rank)
+    _require_non_negative("dist.fingerprint_every", d.fingerprint_every)
+    _check_layout(cfg)
+
+
+def _check_run(cfg: RunConfig) -> None:
+    """What the run writes and watches: profiling, checkpoints, guards, faults, seeds, --out, evaluation."""
+    t = cfg.train
+    profile_range(t.profile_steps, t.steps)
+    for name in ("every_steps", "every_minutes", "keep_last"):
+        if getattr(cfg.ckpt, name) < 0:
+            raise ConfigError(f"ckpt.{name} must be >= 0, got {getattr(cfg.ckpt, name)}")
+    if t.spike_factor and not t.spike_factor > 1:
+        raise ConfigError(f"train.spike_factor must be > 1 (or 0 to turn the check off), got {t.spike_factor}")
+    _require_positive("train.spike_window", t.spike_window)
+    if t.straggler_factor and not t.straggler_factor > 1:
+        raise ConfigError(f"train.straggler_factor must be > 1 (or 0 to turn it off), got {t.straggler_factor}")
+    _check_fault(cfg.fault, cfg.dist.nproc)
+    check_seed("--seed", t.seed)
+    check_seed("--data.corpus_seed", cfg.data.corpus_seed)
+    if not cfg.out.strip():
+        raise ConfigError("--out is empty; name the directory the run writes to (e.g. --out runs/mine)")
+    _require_non_negative("eval.every", cfg.eval.every)
+    _require_positive("eval.batches", cfg.eval.batches)
 
 
 def check_model(m: ModelConfig) -> None:

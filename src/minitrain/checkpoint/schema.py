@@ -40,8 +40,8 @@ _name = {"type": "string", "minLength": 1, "maxLength": 4096}
 _shape = {"type": "array", "items": _count, "maxItems": 16}
 MANIFEST_SCHEMA = {
     "type": "object",
-    "required": ["format", "step", "world_size", "layout", "strategy", "zero", "flat", "state_dict", "files",
-                 "tensors", "train_state", "config"],
+    "required": ["format", "step", "world_size", "layout", "strategy", "zero", "model", "flat", "state_dict",
+                 "files", "tensors", "train_state", "config"],
     "properties": {
         "format": {"type": "string"},
         "step": _count,

@@ -74,11 +74,14 @@ def _flat(tensors) -> torch.Tensor:
 
 
 def plain_run(cfg: RunConfig, steps: int | None = None, loss_scale: float | None = None,
-              scale_window: int = 1000) -> ReferenceRun:
+              scale_window: int = 1000, never_seen: frozenset[int] = frozenset()) -> ReferenceRun:
     """Train `cfg`'s model and data in one process for `steps` steps (default cfg.train.steps) with the
     global batch cfg.train.batch_size * grad_accum * data-parallel ranks, in cfg.train.dtype.
     loss_scale: backward on loss * scale, gradients divided by it before anything reads them; an
-    overflow skips the step and halves the scale, `scale_window` clean steps double it."""
+    overflow skips the step and halves the scale, `scale_window` clean steps double it.
+    never_seen: steps whose batch is drawn and dropped unseen (a bad batch a skipped step discards): nothing
+    is computed from it, the optimizer does not count it, and the learning-rate schedule moves on past it;
+    the per-step lists leave it out."""
     t, d = cfg.train, cfg.dist
     dtype = getattr(torch, t.dtype)
     torch.manual_seed(t.seed)
@@ -94,6 +97,8 @@ def plain_run(cfg: RunConfig, steps: int | None = None, loss_scale: float | None
     num_examples = (len(tokens) - 1) // seq
     out, clean = ReferenceRun(initial_params=_flat(params).clone()), 0
     for step in range(t.steps if steps is None else steps):
+        if step in never_seen:
+            continue
         ids = torch.from_numpy(step_examples(num_examples, t.batch_size * data_parallel, t.grad_accum, t.seed, step))
         window = tokens[ids[:, None] * seq + torch.arange(seq + 1)]
         logits = model(window[:, :-1])

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import minitrain
 from minitrain import ddp
-from minitrain.data import make_shard
+from minitrain.data import LAB_EXAMPLES, LAB_SEQ_LEN, LAB_VOCAB, make_corpus, make_shard
 
 from tests.dist import run_cli  # this directory is no package: a `minitrain` package here would shadow the library
 
@@ -30,6 +31,17 @@ def test_make_shard_gives_each_rank_every_world_size_th_example_without_overlap(
             assert torch.equal(shard, everything[rank::world])  # index % world_size == rank
         rows = {tuple(row.tolist()) for shard in shards for row in shard}
         assert sum(len(s) for s in shards) == len(everything) == len(rows)  # no overlap, full coverage
+
+
+def test_make_shard_examples_are_the_corpus_windows_the_lab_names():
+    # Example i is tokens[i*T : i*T + T + 1]: inputs and targets overlap by all but one token, and each example's
+    # last token is the next one's first.
+    everything = make_shard(0, 1)
+    T = LAB_SEQ_LEN
+    tokens = torch.from_numpy(make_corpus(0, LAB_EXAMPLES * T + 1, LAB_VOCAB).astype(np.int64))
+    assert everything.shape == (LAB_EXAMPLES, T + 1)
+    for i in (0, 1, LAB_EXAMPLES // 2, LAB_EXAMPLES - 1):
+        assert torch.equal(everything[i], tokens[i * T:i * T + T + 1]), i
 
 
 def test_experiment_35_meets_the_labs_stop_conditions(tmp_path):

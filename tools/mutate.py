@@ -78,8 +78,15 @@ def stale_reason(m: dict, root: Path = ROOT) -> str | None:
     path = root / PACKAGE / m["file"]
     if not path.is_file():
         return f"{PACKAGE / m['file']} does not exist"
-    count = path.read_text().count(m["find"])
-    return None if count == 1 else f"`find` occurs {count} times in {PACKAGE / m['file']} (must be once)"
+    text = path.read_text()
+    count = text.count(m["find"])
+    if count != 1:
+        return f"`find` occurs {count} times in {PACKAGE / m['file']} (must be once)"
+    try:  # the source moved around the text (an indentation, a new enclosing block): the mutant would not compile
+        compile(text.replace(m["find"], m["replace"], 1), str(path), "exec")
+    except SyntaxError as e:
+        return f"the mutated {PACKAGE / m['file']} does not compile: {e.msg} (line {e.lineno})"
+    return None
 
 
 def repo_files() -> list[str]:
@@ -182,7 +189,7 @@ def mutate_one(m: dict, files: list[str], timeout: float) -> dict:
         try:  # a mutation that does not compile would be "caught" by any test: refuse it instead
             compile(text, str(target), "exec")
         except SyntaxError as e:
-            return {"id": m["id"], "verdict": "error", "seconds": 0.0, "failed": f"does not compile: {e}"}
+            return {"id": m["id"], "verdict": "error", "seconds": 0.0, "failed": f"does not compile: {e}", "output": ""}
         target.write_text(text)
         code, seconds, out = run_pytest(scratch, pytest_args(m["tests"]), timeout)
     finally:

@@ -27,11 +27,14 @@ def _check_partition(record):
 
 
 def test_one_process_step_splits_into_its_phases():
-    for record in _phases(Topology.single(), {}):
+    records = _phases(Topology.single(), {})
+    for record in records:
         _check_partition(record)
         p = record.phases_s
         assert p["forward_backward"] is None and min(p["data"], p["forward"], p["backward"], p["optimizer"]) > 0
-        assert p["backward"] > p["data"]
+    # Summed over the steps: one step's data phase preempted for a millisecond on a loaded machine outlasted a
+    # backward of the tiny model (once in many runs), the timer being right both times.
+    assert sum(r.phases_s["backward"] for r in records) > sum(r.phases_s["data"] for r in records)
 
 
 def test_a_pipelined_step_reports_its_passes_as_one_phase():

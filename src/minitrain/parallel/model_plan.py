@@ -4,7 +4,7 @@ The strategies (data parallel, ZeRO) work on any nn.Module. Splitting a model's 
 not: which linear layers are column- or row-parallel, where the pipeline may cut, what is cheap
 to recompute are facts about one architecture. A plan holds them as plain functions, so a model
 file stays free of parallelism (torchtitan's split between `parallelize_llama` and the model).
-MiniGPT's plan is minigpt_plan.py; a user's model brings its own, or runs without one (data
+MiniGPT's plan is models/minigpt/plan.py; a user's model brings its own, or runs without one (data
 parallel, ZeRO and block recomputation need none).
 """
 from __future__ import annotations

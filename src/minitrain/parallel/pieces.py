@@ -1,6 +1,6 @@
 """Pipeline stages of a model minitrain did not write, cut from an ordered list of its pieces.
 
-MiniGPT's forward runs whichever parts a stage kept (minigpt_plan.py). A Hugging Face model's does
+MiniGPT's forward runs whichever parts a stage kept (models/minigpt/plan.py). A Hugging Face model's does
 not, so a stage here runs the pieces itself, in the order the split lists them:
 
     PipelineSplit(["model.embed_tokens", "model.layers", "model.norm", "lm_head"])

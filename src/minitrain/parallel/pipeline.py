@@ -1,7 +1,7 @@
 """Pipeline parallelism: the model's blocks split into P contiguous stages, one per rank of the
 pipeline group, and every step's batch cut into M micro-batches that flow through them.
 
-A model's plan splits it into this rank's stage in place (MiniGPT's: minigpt_plan.py keeps the
+A model's plan splits it into this rank's stage in place (MiniGPT's: models/minigpt/plan.py keeps the
 blocks of the stage, `stage_blocks`, the embeddings too on the first, the final LayerNorm, head and
 loss on the last, and deletes the rest); the stage is still the model, whose forward runs the parts
 it has. Parameters keep their full-model names and their place in the whole model's logical vector

@@ -60,7 +60,7 @@ def targets(model: nn.Module, which: str | type) -> list[nn.Module]:
 
 def apply_activation_checkpointing(model: nn.Module, mode: str | type, plan=None) -> nn.Module:
     """mode: none | block | selective, a module-name pattern, or a module class. plan: the model's
-    ModelPlan (minigpt_plan.py has MiniGPT's), or None for a model without one."""
+    ModelPlan (models/minigpt/plan.py has MiniGPT's), or None for a model without one."""
     if isinstance(mode, type) or (isinstance(mode, str) and mode not in MODES and mode.strip()):
         if isinstance(mode, type) and not issubclass(mode, nn.Module):
             raise ValueError(f"activation_checkpointing={mode.__name__} is not an nn.Module class")

@@ -1,6 +1,6 @@
 """Tensor parallelism (Megatron-LM, Shoeybi et al. 2019): the layers that split a model's matrices
 across the tensor-parallel group. Which layer of a model becomes which is the model's plan
-(MiniGPT's: minigpt_plan.py); this file knows no model.
+(MiniGPT's: models/minigpt/plan.py); this file knows no model.
 
 Two conjugate operators carry all the communication (the paper's Figure 3):
   f  identity in forward, all-reduce in backward. Where a replicated activation enters a

@@ -13,11 +13,11 @@ Async collectives (`*_async`) book their
 callback on its future), not until someone waits for it. That is what tells
 how much communication hid behind computation.
 
-With a CollectiveWatch (collective_watch.py; a Comm of a process group always has one when Topology made it),
+With a CollectiveWatch (runtime/watch.py; a Comm of a process group always has one when Topology made it),
 every collective also gets a fingerprint (group, sequence number, op, shapes, dtype, call site), and the watch
 hears when this rank enters and leaves it: a hang is then diagnosed by naming the rank that is elsewhere, and
 a failing collective's error carries that diagnosis. Cost: 2.5-2.7 us per collective (measured:
-collective_watch.py).
+runtime/watch.py).
 
 Longer than our ~400 lines on purpose: every collective the project issues is here, one short method each, so
 that one file shows what crosses the network and the watch sees every op.

@@ -1,4 +1,4 @@
-"""The words of a hang diagnosis and of a fingerprint mismatch (collective_watch.py gathers the facts).
+"""The words of a hang diagnosis and of a fingerprint mismatch (runtime/watch.py gathers the facts).
 
 A fingerprint is (group, sequence number, op, shapes, dtype, call site); in the store it travels as JSON.
 """

@@ -8,7 +8,7 @@ Two ways in:
   and its traceback (shown once). A hard `timeout_s` turns a hang into
   `LaunchTimeoutError`. The test harness and `--nproc N` both use it. A collective
   stuck past `pg_timeout_s` ends every rank with one diagnosis naming the rank
-  that is elsewhere (collective_watch.py); that rank's report comes first.
+  that is elsewhere (runtime/watch.py); that rank's report comes first.
 - `run_under_torchrun(fn, ...)` runs `fn` in this process, as the rank that
   torchrun's environment names; torchrun itself tears down the other ranks.
 """

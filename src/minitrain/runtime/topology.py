@@ -140,7 +140,7 @@ class Topology:
     @classmethod
     def from_env(cls, backend: str = "auto", timeout_s: float = 300.0, report=None) -> "Topology":
         """Join the process group described by torchrun's environment variables. A collective stuck for
-        `timeout_s` ends every rank with a diagnosis (collective_watch.py), handed to `report(text, culprit)`
+        `timeout_s` ends every rank with a diagnosis (runtime/watch.py), handed to `report(text, culprit)`
         (default: stderr); the process group's own timeout is MARGIN_S later, so the diagnosis comes first."""
         missing = [v for v in TORCHRUN_VARS if v not in os.environ]
         if missing:

@@ -1,7 +1,7 @@
 """MiniGPT: a small GPT-style decoder. Knows nothing of parallelism.
 
 Parallel strategies act on this model from the outside (flattening its
-parameters, splitting its layers), following its plan (minigpt_plan.py), so
+parameters, splitting its layers), following its plan (models/minigpt/plan.py), so
 this file imports nothing from torch.distributed, reshapes heads with -1 (a
 tensor-parallel split may leave a rank fewer heads than the config says), keeps
 blocks in a ModuleDict so a pipeline split can drop blocks by name, and runs

@@ -100,6 +100,11 @@ class TrainConfig:
     activation_checkpointing: str = opt("none", "none | block (keep each block's input, recompute the block in "
                                         "backward) | selective (recompute only the attention core, the T^2 part)")
     prefetch: bool = opt(True, "ZeRO-3: gather the next block's parameters while the current one computes")
+    offload: str = opt("none", "where the optimizer's master weights and Adam state live: none (with the model) | cpu "
+                       "(host memory) | disk (memory-mapped files under --train.offload_dir, paged in as the step "
+                       "reaches them)")
+    offload_dir: str = opt("", "disk offload's directory (default OUT/offload); this rank's files are made fresh and "
+                           "removed at the end")
     memory_profile: bool = opt(False, "print per-rank memory (at rest and peak, measured and predicted) at the "
                                "end and write OUT/memory.json")
     max_skipped_steps: int = opt(3, "a step whose gradients hold NaN/Inf is skipped (parameters unchanged); "
@@ -265,6 +270,7 @@ def _check_precision(t: TrainConfig) -> None:
         raise ConfigError(f"train.loss_scale_init must be > 0, got {t.loss_scale_init}")
     _require_positive("train.loss_scale_window", t.loss_scale_window)
     _require_choice("train.activation_checkpointing", t.activation_checkpointing, ("none", "block", "selective"))
+    _require_choice("train.offload", t.offload, ("none", "cpu", "disk"))
 
 
 def _check_optimizer(t: TrainConfig) -> None:

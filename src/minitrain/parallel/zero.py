@@ -144,7 +144,8 @@ class Zero2(ShardedStrategy):
         plans = module_units(model)
         super().__init__(model, comm, pcfg, make_optimizer, units=unit_layout(plans), keep_grad=False, **kwargs)
         self.plans = plans
-        self.grad_shard = self.optimizer.master.new_zeros(self.optimizer.master.numel(), dtype=self.reduce_dtype)
+        # On the device the gradients are reduced on (the master may be offloaded to the host).
+        self.grad_shard = torch.zeros(self.optimizer.master.numel(), dtype=self.reduce_dtype, device=comm.device)
         self._shard_views = local_views(self.grad_shard, self.shard_ranges)  # one per unit
         for i, unit in enumerate(self.flat.units):
             for seg in unit.segments:

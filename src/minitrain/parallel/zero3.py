@@ -49,7 +49,9 @@ class Zero3(Zero2):
         # In full precision the parameter shard *is* the optimizer's master: both would hold the
         # same numbers, and nothing else needs them between steps (FSDP keeps one copy too). In
         # mixed precision the shard is 16-bit, a rounded copy of the float32 master.
-        self.master_is_params = self.optimizer.master.dtype == self.flat.dtype
+        # (Not when the optimizer keeps its master on another device: offloaded to the host.)
+        master = self.optimizer.master
+        self.master_is_params = master.dtype == self.flat.dtype and master.device == self.flat.data.device
         self.param_shard = self.optimizer.master if self.master_is_params else take(self.flat.data, self.shard_ranges)
         self._param_views = local_views(self.param_shard, self.shard_ranges)
         self._buffers_whole = [self.param_shard.new_empty(u.stop - u.start) for u in self.flat.units]

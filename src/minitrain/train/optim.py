@@ -14,6 +14,7 @@ import torch
 from torch.optim.adamw import adamw
 
 from ..config import TrainConfig
+from .offload import OffloadStore
 
 # Devices with PyTorch's fused (single-kernel) AdamW; elsewhere its multi-tensor (foreach) form.
 FUSED_DEVICES = ("cpu", "cuda")
@@ -49,11 +50,15 @@ class FlatAdamW:
     CHUNK = 1 << 20  # elements per kernel call: 4 MiB in float32, the most a mixed-precision step upcasts at once
 
     def __init__(self, master: torch.Tensor, decay_ranges: list[tuple[int, int]],
-                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1):
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
+                 store: OffloadStore | None = None):
+        """store: where the master and the state live (offload.py); None: where `master` is."""
         self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
-        self.master = master
-        self.exp_avg = torch.zeros_like(self.master)
-        self.exp_avg_sq = torch.zeros_like(self.master)
+        self.master = master if store is None else store.copy_of("master", master)
+        zeros = (lambda name: torch.zeros_like(self.master)) if store is None else (
+            lambda name: store.zeros(name, self.master.numel(), self.master.dtype))
+        self.exp_avg = zeros("exp_avg")
+        self.exp_avg_sq = zeros("exp_avg_sq")
         self.steps_taken = 0
         self.decay_ranges = list(decay_ranges)
         # The kernel counts steps in a tensor it increments itself (float32: exact to 2**24 steps).
@@ -84,9 +89,13 @@ class FlatAdamW:
             raise ValueError("FlatAdamW takes its learning rate from each step (the caller's schedule)")
         beta1, beta2 = self.betas
         self.steps_taken += 1
+        where = self.master.device  # the device's, or the host's when the state is offloaded
         decay = 1.0 - lr * self.weight_decay
         if found_inf is not None:  # the same double arithmetic, as a tensor: 1 when skipping
+            found_inf = found_inf.to(where)
             decay = (1.0 - (lr * self.weight_decay) * (1.0 - found_inf.double())).to(self.master.dtype)
+        if isinstance(grad_scale, torch.Tensor):
+            grad_scale = grad_scale.to(where)
         # Chunk by chunk, so what the weight decay and the scaling touch is still in cache when the
         # kernel reads it, and a mixed-precision step upcasts one chunk, not the whole gradient.
         for a in range(0, self.master.numel(), self.CHUNK):
@@ -96,7 +105,8 @@ class FlatAdamW:
                     if lo < b and hi > a:
                         self.master[max(lo, a):min(hi, b)].mul_(decay)
             w = self.master[a:b]
-            g = grad[a:b].to(w.dtype)  # a chunk-sized copy in mixed precision; the gradient itself in full precision
+            # A chunk-sized copy in mixed precision or when offloaded; the gradient itself otherwise.
+            g = grad[a:b].to(device=where, dtype=w.dtype)
             if isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0:
                 g.mul_(grad_scale)
             self._step.fill_(self.steps_taken - 1)  # the kernel adds the 1
@@ -125,11 +135,12 @@ class FlatAdamW:
         self.steps_taken = int(scalars["steps_taken"])
 
 
-def flat_adamw_factory(cfg: TrainConfig):
-    """The CLI's optimizer: FlatAdamW over the shard, decaying matrices and embeddings only (as GPT-2)."""
+def flat_adamw_factory(cfg: TrainConfig, store: OffloadStore | None = None):
+    """The CLI's optimizer: FlatAdamW over the shard, decaying matrices and embeddings only (as GPT-2), its master
+    and state in `store` when offloaded."""
 
     def make(master: torch.Tensor, flat, shard_ranges) -> FlatAdamW:
         decay = flat.local_ranges(flat.decay_ranges(), shard_ranges)
-        return FlatAdamW(master, decay, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay)
+        return FlatAdamW(master, decay, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay, store)
 
     return make

@@ -1,11 +1,12 @@
 """A run's configuration, checked against what is outside the settings too: the corpus on disk (its vocabulary,
 which the model takes unless one is given; its held-out split, for --eval-every) and the tracking packages the
---log switches need. The settings alone are config/'s; this is what `minitrain train` and the tests build runs
+--log switches need, disk offload's directory. The settings alone are config/'s; this is what `minitrain train` and the tests build runs
 from."""
 from __future__ import annotations
 
 from ..config import RunConfig, build_config
 from ..data import check_corpus, check_eval_split, corpus_vocab_size
+from .offload import check_offload_directory
 from .tracking import check_available
 
 
@@ -23,4 +24,5 @@ def check_run(cfg: RunConfig) -> RunConfig:
     if cfg.eval.every:
         check_eval_split(cfg)
     check_available(cfg.log)  # a sink switched on without its package: refused before the run
+    check_offload_directory(cfg)
     return cfg

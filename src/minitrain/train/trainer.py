@@ -35,6 +35,7 @@ from ..runtime.topology import Topology
 from .faults import Faults
 from .guards import NonFiniteGuard, SpikeGuard
 from .memory import DevicePeak
+from .offload import offload_store
 from .optim import flat_adamw_factory, lr_at
 from .precision import autocast, compute_dtype, make_loss_scaler, master_dtype, reduce_dtype
 from .step_stats import PEAK_KINDS, Agreed, RankStats, StepRequests
@@ -113,9 +114,10 @@ class Trainer:
         self.model = spec.build(cfg.model).to(device=topo.device, dtype=getattr(torch, cfg.train.dtype))
         cast_parameters(self.model, compute_dtype(cfg.train))
         self.loss_scaler = make_loss_scaler(cfg.train)
+        self.offload = offload_store(cfg, topo.rank)  # where the optimizer's master and state live, if offloaded
         # The same path minitrain.prepare takes, with the model's plan and the CLI's own optimizer.
         self.strategy, self.pipeline = parallelize(
-            self.model, topo, parallel_config(cfg), flat_adamw_factory(cfg.train), spec.plan,
+            self.model, topo, parallel_config(cfg), flat_adamw_factory(cfg.train, self.offload), spec.plan,
             cfg.train.activation_checkpointing, self._pipeline_builder(), compile=cfg.train.compile)
         # Data is split over data-parallel replicas only: a tensor-parallel group shares its batch.
         self._corpus_sha256: str | None = None  # computed at the first save (train_state)
@@ -150,6 +152,8 @@ class Trainer:
         """Take the strategy's hooks off the model: no further step, and nothing keeps the trainer alive."""
         self.strategy.close()
         self.device_peak.close()
+        if self.offload is not None:
+            self.offload.close()
 
     def __enter__(self) -> Trainer:
         return self

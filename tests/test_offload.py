@@ -1,0 +1,129 @@
+"""--train.offload: the optimizer's master weights and Adam state in host memory (cpu) or in memory-mapped files
+(disk). Every mode trains bit for bit as without offload at every ZeRO stage, checkpoints move between modes,
+disk offload's state is file pages (not the process's anonymous memory, as the OS counts it), its files go with
+the run, and a directory it cannot write is refused before anything starts."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from .dist import run_main, run_ranks
+
+STAGES = (0, 1, 2, 3)
+MODES = ("none", "cpu", "disk")
+STEPS = 4
+
+
+def _config(world: int, zero: int, offload: str, out: str, **extra):
+    from minitrain.train.run_config import run_config
+
+    return run_config(cli_values={"train.zero": zero, "dist.nproc": world, "train.steps": 2 * STEPS,
+                                  "train.log_every": 0, "train.offload": offload, "out": out, **extra})
+
+
+def _state(trainer) -> dict:
+    s = trainer.strategy
+    return {"snapshot": s.state_snapshot(), "scalars": s.optimizer.scalar_state()}
+
+
+def _every_mode(topo, out):
+    from minitrain.train.trainer import Trainer
+
+    got = {}
+    for dtype in ("float64", "float32"):
+        for zero in STAGES:
+            for mode in MODES:
+                root = f"{out}/{dtype}-{zero}-{mode}"
+                with Trainer(_config(topo.world_size, zero, mode, root, **{"train.dtype": dtype}), topo) as trainer:
+                    losses = [trainer.train_step().loss for _ in range(STEPS)]
+                    files = sorted(p.name for p in Path(root, "offload").glob(f"rank-{topo.rank:05d}-*.bin"))
+                    got[(dtype, zero, mode)] = {"losses": losses, "state": _state(trainer), "files": files,
+                                                "params": trainer.strategy.full_params()}
+                got[(dtype, zero, mode)]["left"] = sorted(p.name for p in Path(root, "offload").glob(f"rank-{topo.rank:05d}-*"))
+    return got
+
+
+def _bit_equal(a, b, where):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _bit_equal(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b), where
+    else:
+        assert a == b, where
+
+
+def test_every_offload_mode_trains_bit_for_bit_as_without_at_every_stage(tmp_path):
+    for rank, got in enumerate(run_ranks(_every_mode, 2, str(tmp_path))):
+        for dtype in ("float64", "float32"):
+            for zero in STAGES:
+                plain = got[(dtype, zero, "none")]
+                for mode in ("cpu", "disk"):
+                    ours, where = got[(dtype, zero, mode)], f"rank {rank} {dtype} ZeRO-{zero} offload {mode}"
+                    assert ours["losses"] == plain["losses"], where
+                    assert torch.equal(ours["params"], plain["params"]), where
+                    _bit_equal(ours["state"], plain["state"], where)
+                disk = got[(dtype, zero, "disk")]
+                assert disk["files"] == [f"rank-{rank:05d}-{name}.bin" for name in ("exp_avg", "exp_avg_sq", "master")]
+                assert disk["left"] == [], f"{disk['left']} left after the run"
+
+
+def _save_in_one_mode_resume_in_another(topo, out):
+    from minitrain.train.trainer import Trainer
+
+    results = {}
+    for zero in (1, 3):
+        for saved_with, resumed_with in (("disk", "none"), ("none", "disk"), ("cpu", "disk")):
+            root = f"{out}/{zero}-{saved_with}-{resumed_with}"
+            with Trainer(_config(topo.world_size, zero, saved_with, root), topo) as first:
+                for _ in range(STEPS):
+                    first.train_step()
+                path = first.save_checkpoint(Path(root) / "checkpoints")
+                straight = [first.train_step().loss for _ in range(STEPS)]
+                end = first.strategy.full_params()
+            with Trainer(_config(topo.world_size, zero, resumed_with, root), topo) as second:
+                second.load_checkpoint(path)
+                resumed = [second.train_step().loss for _ in range(STEPS)]
+                results[(zero, saved_with, resumed_with)] = (straight == resumed,
+                                                             torch.equal(end, second.strategy.full_params()))
+    return results
+
+
+def test_a_checkpoint_resumes_bit_identically_across_offload_modes(tmp_path):
+    for results in run_ranks(_save_in_one_mode_resume_in_another, 2, str(tmp_path)):
+        assert all(same_losses and same_params for same_losses, same_params in results.values()), results
+
+
+def _anonymous_bytes(topo, out, offload):
+    from minitrain.train.trainer import Trainer
+
+    with Trainer(_config(1, 0, offload, out, **{"model.preset": "small", "train.batch_size": 2}), topo) as trainer:
+        trainer.train_step()
+        trainer.train_step()
+        status = Path("/proc/self/status").read_text()
+        anon = int(status.split("RssAnon:")[1].split("kB")[0]) * 1024
+        return anon, trainer.strategy.optimizer.master.numel()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="RssAnon is read from Linux's /proc")
+def test_disk_offload_moves_the_optimizer_state_out_of_anonymous_memory(tmp_path):
+    # Each mode in a fresh process (one rank), two steps of the small preset: master, m and v are 12 bytes per
+    # parameter, 40 MB here; as file pages they leave the process's anonymous resident memory.
+    none, params = run_ranks(_anonymous_bytes, 1, str(tmp_path / "none"), "none")[0]
+    disk, _ = run_ranks(_anonymous_bytes, 1, str(tmp_path / "disk"), "disk")[0]
+    state = 12 * params
+    print(f"\nRssAnon after 2 steps: none {none / 2**20:.1f} MiB, disk {disk / 2**20:.1f} MiB, state {state / 2**20:.1f} MiB")
+    assert none - disk >= 0.8 * state, (none, disk, state)
+
+
+def test_an_offload_directory_that_cannot_be_written_is_refused_before_the_run(tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    proc = run_main("train", "--steps", "1", "--out", str(tmp_path / "run"), "--train.offload", "disk",
+                    "--train.offload_dir", str(blocked / "offload"))
+    assert proc.returncode == 2 and "--train.offload disk: cannot write" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()

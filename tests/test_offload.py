@@ -127,3 +127,42 @@ def test_an_offload_directory_that_cannot_be_written_is_refused_before_the_run(t
                     "--train.offload_dir", str(blocked / "offload"))
     assert proc.returncode == 2 and "--train.offload disk: cannot write" in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+def _hugging_face_through_prepare(topo, out):
+    import minitrain
+
+    from .hf_models import OPTIMIZERS, batches, lm_loss, make_model, param_groups
+
+    minitrain.init_distributed(topology=topo)
+    rank, world = minitrain.dp_rank(), minitrain.dp_world_size()
+    got = {}
+    for zero in STAGES:
+        for mode in MODES:
+            model = make_model("llama-tied")
+            model, optimizer = minitrain.prepare(model, OPTIMIZERS["adamw"], zero=zero, param_groups=param_groups(model),
+                                                 offload=mode, offload_dir=f"{out}/{zero}" if mode == "disk" else None)
+            for x in batches(3, 4):
+                lm_loss(model, x.chunk(world)[rank]).backward()
+                minitrain.clip_grad_norm_(model, 1.0)
+                optimizer.step()
+                optimizer.zero_grad()
+            files = sorted(p.name for p in Path(out, str(zero)).glob(f"rank-{topo.rank:05d}-*"))
+            got[(zero, mode)] = {"state": optimizer.state_dict(), "model": minitrain.full_state_dict(model),
+                                 "files": files}
+    minitrain.cleanup()
+    left = sorted(p.name for p in Path(out).rglob(f"rank-{topo.rank:05d}-*"))
+    return got, left
+
+
+def test_a_hugging_face_model_through_prepare_offloads_bit_for_bit(tmp_path):
+    for rank, (got, left) in enumerate(run_ranks(_hugging_face_through_prepare, 2, str(tmp_path))):
+        for zero in STAGES:
+            for mode in ("cpu", "disk"):
+                where = f"rank {rank} ZeRO-{zero} offload {mode}"
+                _bit_equal(got[(zero, mode)]["state"], got[(zero, "none")]["state"], f"{where}: optimizer")
+                _bit_equal(got[(zero, mode)]["model"], got[(zero, "none")]["model"], f"{where}: model")
+            # Disk: the master and AdamW's two moments, in this rank's files while the session lasts.
+            assert got[(zero, "disk")]["files"] == [f"rank-{rank:05d}-{name}.bin"
+                                                    for name in ("exp_avg", "exp_avg_sq", "master")], zero
+        assert left == [], left

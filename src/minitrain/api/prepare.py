@@ -12,6 +12,7 @@ from torch import nn
 from ..parallel import ModelPlan, cast_parameters, parallelize
 from ..parallel.config import ParallelConfig
 from ..parallel.loss_scale import COMPUTE_DTYPES
+from ..parallel.offload import OffloadStore
 from ..parallel.pieces import PipelineSplit, Stage, check_pieces, check_split, cross_stage_ties, split_model
 from ..parallel.pipeline import Pipeline
 from ..parallel.replica_state import refuse_batch_statistics
@@ -28,7 +29,7 @@ def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param
             precision: str = "fp32", reduce_dtype: str = "fp32", dp: str = "bucketed", bucket_mb: float = 25.0,
             prefetch: bool = True, activation_checkpointing: str | type = "none", tp: int = 1,
             tp_plan: dict | str | None = None, pp: int = 1, pp_split: PipelineSplit | list | str | None = None,
-            microbatches: int = 1, schedule: str = "1f1b",
+            microbatches: int = 1, schedule: str = "1f1b", offload: str = "none", offload_dir: str | None = None,
             plan: ModelPlan | None = None) -> tuple[nn.Module, PreparedOptimizer]:
     """Make `model` train data parallel over every rank (ZeRO stage `zero`), with the user's optimizer,
     and with tp > 1 its layers split over groups of tp adjacent ranks (tensor parallel, Megatron-style).
@@ -57,6 +58,9 @@ def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param
         stages by pp_split (a PipelineSplit, the ordered names of its pieces, or "auto" for a Hugging Face
         model's own pipeline plan) and trained by minitrain.pipeline_step(model, inputs, targets, loss_fn)
         instead of forward + backward; each batch is cut into `microbatches` run by `schedule` (1f1b | gpipe).
+    offload: none | cpu (the master weights and the optimizer's elementwise state in host memory) | disk (in
+        memory-mapped files under offload_dir, one per tensor and rank, removed by cleanup()); the same numbers
+        as without, bit for bit.
     Returns (model, optimizer): the same model object, and the optimizer to call step()/zero_grad() on.
     Every rank starts from rank 0's parameters."""
     session = current()
@@ -67,6 +71,10 @@ def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param
     if split is not None:
         plan = dataclasses.replace(plan or ModelPlan(),
                                    pipeline_split=lambda m, stage, stages: split_model(m, split, stage, stages))
+    if offload not in ("none", "cpu", "disk"):
+        raise ValueError(f"offload must be none, cpu or disk, got {offload!r}")
+    if offload == "disk" and not offload_dir:
+        raise ValueError("offload='disk' needs offload_dir: the directory for this rank's state files")
     groups = _named_groups(model, param_groups)
     if zero >= 1:
         for _, options in groups:
@@ -79,11 +87,13 @@ def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param
         cast_parameters(model, compute)
     # Full precision reduces in the parameters' own dtype; 16-bit in float32 or in the compute dtype.
     reduce = master if precision == "fp32" else torch.float32 if reduce_dtype == "fp32" else compute
+    # Offloaded, the master is a copy kept where the store keeps it, not the parameters themselves.
     pcfg = ParallelConfig(zero=zero, dp=dp, bucket_mb=bucket_mb, prefetch=prefetch, master_dtype=master,
-                          reduce_dtype=reduce, master_is_params=True, user_loop=True)
+                          reduce_dtype=reduce, master_is_params=offload == "none", user_loop=True)
+    store = None if offload == "none" else OffloadStore(offload, offload_dir or "", topo.rank)
 
     def make_optimizer(master_vec, flat, shard_ranges):
-        return TorchShardOptimizer(master_vec, flat, shard_ranges, zero >= 1, optimizer_fn, groups)
+        return TorchShardOptimizer(master_vec, flat, shard_ranges, zero >= 1, optimizer_fn, groups, store)
 
     layout = topo.with_layout(tp, pp)
     builder = None if split is None else functools.partial(
@@ -93,10 +103,11 @@ def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param
                                      None if builder is None else lambda s: builder(s.module, no_sync=s.no_sync))
     settings = {"zero": zero, "precision": precision, "reduce_dtype": reduce_dtype, "dp": dp, "bucket_mb": bucket_mb,
                 "prefetch": prefetch, "tp": tp, "pp": pp, "microbatches": microbatches, "schedule": schedule,
+                "offload": offload,
                 "activation_checkpointing": getattr(activation_checkpointing, "__name__", activation_checkpointing)}
     stage = None if split is None else Stage(model, split, layout.pp.rank, pp)
     state = Prepared(strategy, settings, layout, pipeline, stage, groups=[names for names, _ in groups],
-                     hooks=hooks + refuse_batch_statistics(model, layout.dp.world_size))
+                     hooks=hooks + refuse_batch_statistics(model, layout.dp.world_size), offload=store)
     if tp > 1 and split is None:  # a tensor-parallel group must be fed alike: checked at each step
         state.hooks.append(model.register_forward_pre_hook(
             lambda _m, args, kwargs: note_feed(state, (args, kwargs)), with_kwargs=True))

@@ -17,6 +17,7 @@ from torch import nn
 
 from ..checkpoint import CheckpointError
 from ..parallel import FlatStrategy
+from ..parallel.offload import OffloadStore
 from ..parallel.pieces import Stage
 from ..parallel.pipeline import Pipeline
 from ..runtime.topology import Topology, under_torchrun
@@ -39,13 +40,16 @@ class Prepared:
     groups: list[list[str]] = field(default_factory=list)  # the param groups' parameters, by canonical name
     hooks: list = field(default_factory=list, repr=False)  # handles of the hooks prepare put on the model itself
     feed: torch.Tensor | None = None  # tp/pp: the checksum of this step's inputs (replica_state.feed_checksum)
+    offload: OffloadStore | None = None  # where the optimizer's master and state live when offloaded
 
     def close(self) -> None:
-        """Every hook prepare and the strategy put on the model, removed."""
+        """Every hook prepare and the strategy put on the model, removed; offload files removed."""
         for handle in self.hooks:
             handle.remove()
         self.hooks.clear()
         self.strategy.close()
+        if self.offload is not None:
+            self.offload.close()
 
 
 class Session:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 
+from .offload import OffloadStore
 from .layout import FlatParameters, Ranges
 
 OptimizerFn = Callable[..., torch.optim.Optimizer]
@@ -110,8 +111,13 @@ class TorchShardOptimizer:
     local [start, stop) range."""
 
     def __init__(self, master: torch.Tensor, flat: FlatParameters, shard_ranges: Ranges, sharded: bool,
-                 optimizer_fn: OptimizerFn, groups: list[tuple[list[str], dict]]):
-        self.master, self.steps_taken = master, 0
+                 optimizer_fn: OptimizerFn, groups: list[tuple[list[str], dict]], store: OffloadStore | None = None):
+        """store: where the master and the optimizer's elementwise state live when offloaded (offload.py). The
+        torch optimizer makes its state at its first step, where the master is; it then moves into the store."""
+        self.store = store
+        self._stored: dict[str, torch.Tensor] = {}  # offloaded: each elementwise state, one vector over the master
+        self.master, self.steps_taken = (master if store is None else store.copy_of("master", master)), 0
+        master = self.master
         self.views: list[tuple[torch.Tensor, int, int]] = []
         param_groups = []
         if not sharded:  # every parameter whole, in its own shape: any optimizer works
@@ -156,6 +162,25 @@ class TorchShardOptimizer:
         for view, _, _ in self.views:
             view.grad = None
         self.steps_taken += 1
+        self._offload_state()
+
+    @torch.no_grad()
+    def _offload_state(self) -> None:
+        """Offloaded: put each elementwise state the optimizer made where it was (at its first step, or by a load)
+        into one vector of the store, the optimizer keeping views of it; the same values, elsewhere."""
+        if self.store is None:
+            return
+        for name in self._kinds()[0]:
+            for view, a, b in self.views:
+                value = self.inner.state.get(view, {}).get(name)
+                if value is None:
+                    continue
+                if name not in self._stored:
+                    self._stored[name] = self.store.zeros(name, self.master.numel(), value.dtype)
+                held = self._stored[name][a:b].view_as(value)
+                if value.data_ptr() != held.data_ptr():
+                    held.copy_(value)
+                    self.inner.state[view][name] = held
 
     # --- the param groups' options (lr, betas, momentum, weight decay, a scheduler's initial_lr) ----------------
     def group_options(self) -> list[dict]:
@@ -255,3 +280,4 @@ class TorchShardOptimizer:
                 else:  # a checkpoint is read on the host: the state goes where its parameter lives
                     state[name] = vec[a:b].to(device=view.device, dtype=self.master.dtype).view_as(view).clone()
         self.steps_taken = int(scalars.get("steps_taken", 0))
+        self._offload_state()

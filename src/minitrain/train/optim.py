@@ -14,7 +14,7 @@ import torch
 from torch.optim.adamw import adamw
 
 from ..config import TrainConfig
-from .offload import OffloadStore
+from ..parallel.offload import OffloadStore
 
 # Devices with PyTorch's fused (single-kernel) AdamW; elsewhere its multi-tensor (foreach) form.
 FUSED_DEVICES = ("cpu", "cuda")

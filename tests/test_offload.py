@@ -98,15 +98,20 @@ def test_a_checkpoint_resumes_bit_identically_across_offload_modes(tmp_path):
         assert all(same_losses and same_params for same_losses, same_params in results.values()), results
 
 
+def _rss_anon() -> int:
+    return int(Path("/proc/self/status").read_text().split("RssAnon:")[1].split("kB")[0]) * 1024
+
+
 def _anonymous_bytes(topo, out, offload):
+    """What the trainer adds to the process's anonymous resident memory by the end of its second step."""
     from minitrain.train.trainer import Trainer
 
-    with Trainer(_config(1, 0, offload, out, **{"model.preset": "small", "train.batch_size": 2}), topo) as trainer:
+    cfg = _config(1, 0, offload, out, **{"model.preset": "small", "train.batch_size": 2})
+    before = _rss_anon()  # the settings checked (disk offload's check builds the model on the meta device once)
+    with Trainer(cfg, topo) as trainer:
         trainer.train_step()
         trainer.train_step()
-        status = Path("/proc/self/status").read_text()
-        anon = int(status.split("RssAnon:")[1].split("kB")[0]) * 1024
-        return anon, trainer.strategy.optimizer.master.numel()
+        return _rss_anon() - before, trainer.strategy.optimizer.master.numel()
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="RssAnon is read from Linux's /proc")
@@ -116,7 +121,6 @@ def test_disk_offload_moves_the_optimizer_state_out_of_anonymous_memory(tmp_path
     none, params = run_ranks(_anonymous_bytes, 1, str(tmp_path / "none"), "none")[0]
     disk, _ = run_ranks(_anonymous_bytes, 1, str(tmp_path / "disk"), "disk")[0]
     state = 12 * params
-    print(f"\nRssAnon after 2 steps: none {none / 2**20:.1f} MiB, disk {disk / 2**20:.1f} MiB, state {state / 2**20:.1f} MiB")
     assert none - disk >= 0.8 * state, (none, disk, state)
 
 
@@ -166,3 +170,36 @@ def test_a_hugging_face_model_through_prepare_offloads_bit_for_bit(tmp_path):
             assert got[(zero, "disk")]["files"] == [f"rank-{rank:05d}-{name}.bin"
                                                     for name in ("exp_avg", "exp_avg_sq", "master")], zero
         assert left == [], left
+
+
+def test_too_little_space_for_the_state_is_refused_before_the_run(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    import minitrain.train.offload as offload
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(offload.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
+    proc = run_main("train", "--steps", "1", "--out", str(tmp_path / "run"), "--train.offload", "disk")
+    assert proc.returncode == 2 and "the optimizer state needs" in proc.stderr and "are free there" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+    assert shutil.disk_usage is not None
+
+
+def test_a_disk_that_fills_while_the_files_are_made_is_one_clear_error(tmp_path, monkeypatch):
+    # Reserved when made (not sparse): a full disk is an error naming the file then, not SIGBUS at the first write
+    # through the mapping, mid-step. What was made is removed.
+    import errno
+
+    from minitrain.parallel.offload import OffloadError, OffloadStore
+
+    store = OffloadStore("disk", tmp_path, rank=0)
+    store.zeros("exp_avg", 1000, torch.float32)
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(OffloadError, match=r"cannot reserve 8,000 bytes for .*rank-00000-exp_avg_sq.bin \(No space"):
+        store.zeros("exp_avg_sq", 1000, torch.float64)
+    assert list(tmp_path.iterdir()) == []

@@ -16,6 +16,10 @@ from pathlib import Path
 import torch
 
 
+class OffloadError(RuntimeError):
+    """The offload directory cannot hold the state (no space, no permission)."""
+
+
 class OffloadStore:
     def __init__(self, mode: str, directory: str | os.PathLike, rank: int):
         if mode not in ("cpu", "disk"):
@@ -30,9 +34,20 @@ class OffloadStore:
         if self.mode == "cpu":
             return torch.zeros(numel, dtype=dtype, pin_memory=torch.cuda.is_available())
         path = self.directory / f"rank-{self.rank:05d}-{name}.bin"
-        with open(path, "wb") as f:  # a fresh file (truncated if a crashed run left one): reads back as zeros
-            f.truncate(numel * torch.empty((), dtype=dtype).element_size())
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
         self.files.append(path)
+        try:
+            with open(path, "wb") as f:  # a fresh file (truncated if a crashed run left one): reads back as zeros
+                # Its blocks reserved now: a sparse file on a full disk would end the process with SIGBUS at the
+                # first write through the mapping, mid-step, instead of an error here.
+                if hasattr(os, "posix_fallocate") and nbytes:
+                    os.posix_fallocate(f.fileno(), 0, nbytes)
+                else:
+                    f.truncate(nbytes)
+        except OSError as e:
+            self.close()
+            raise OffloadError(f"offload: cannot reserve {nbytes:,} bytes for {path} ({e.strerror or e}); free "
+                               "space there or choose another offload directory") from None
         return torch.from_file(str(path), shared=True, size=numel, dtype=dtype)
 
     def copy_of(self, name: str, tensor: torch.Tensor) -> torch.Tensor:

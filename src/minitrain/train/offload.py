@@ -3,11 +3,14 @@ OUT/offload), checked before the run, and the run's OffloadStore (parallel/offlo
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 from ..config import RunConfig
 from ..errors import ConfigError
 from ..parallel.offload import OffloadStore
+from .estimate import model_params
+from .metrics import human_bytes
 
 
 def offload_directory(cfg: RunConfig) -> Path:
@@ -29,3 +32,18 @@ def check_offload_directory(cfg: RunConfig) -> None:
         what = "it" if existing == directory else f"{existing}, where it would be made,"
         raise ConfigError(f"--train.offload disk: cannot write {directory} ({what} is not a writable directory); "
                           "choose --train.offload_dir")
+    needed, free = offload_bytes(cfg), shutil.disk_usage(existing).free
+    if needed > free:
+        raise ConfigError(f"--train.offload disk: the optimizer state needs {human_bytes(needed)} in {directory} "
+                          f"and {human_bytes(free)} are free there; free space or choose --train.offload_dir")
+
+
+def offload_bytes(cfg: RunConfig) -> int:
+    """What the ranks of this machine write under the offload directory: master, m and v of each rank's part of
+    the parameters, in the master dtype (an upper bound: every rank counted as local, the data-parallel share
+    taken over the whole world)."""
+    t, d = cfg.train, cfg.dist
+    element = 8 if t.dtype == "float64" else 4
+    params = model_params(cfg.model) / (d.tp * d.pp)
+    share = params / max(1, d.nproc // (d.tp * d.pp)) if t.zero >= 1 else params
+    return int(3 * element * share * d.nproc)

@@ -138,6 +138,18 @@ def activation_checkpointing(docs: list[dict]) -> list[str]:
                   "<>>>>>>", rows)
 
 
+def offload(docs: list[dict]) -> list[str]:
+    rows = []
+    for preset, entry in docs[0]["results"].items():
+        state = f"{entry['state_bytes'] / 2**20:.1f} MiB"
+        for mode, figures in entry["modes"].items():
+            none = mode == "none"
+            rows.append([preset, mode, _ms(figures["step_ms"]), _ratio(figures["time_ratio"], none),
+                         _mib(figures["anon_bytes"]), "" if none else _mib(figures["anon_saved_bytes"]), state])
+    return _table(["preset", "offload", "step ms", "vs none", "anonymous memory added", "saved vs none",
+                   "optimizer state"], "<<>>>>>", rows)
+
+
 def tensor_parallel(docs: list[dict]) -> list[str]:
     rows = [[str(doc["tp"]), fmt_range(doc["results"]["minitrain"]["step_ms"], "{:.0f}"),
              fmt_range(doc["results"]["dtensor"]["step_ms"], "{:.0f}"), _ratio(doc["minitrain_over_dtensor"])]
@@ -262,6 +274,7 @@ TABLES = {
     "zero_stages": ("zero_stages.json", zero_stages),
     "ddp_modes": ("ddp_modes.json", ddp_modes),
     "activation_checkpointing": ("activation_checkpointing.json", activation_checkpointing),
+    "offload": ("offload.json", offload),
     "tensor_parallel": ("tensor_parallel_tp*.json", tensor_parallel),
     "tensor_parallel_llama": ("tensor_parallel_llama_tp*.json", tensor_parallel),
     "pipeline": ("pipeline_pp*_m*.json", pipeline),

@@ -137,3 +137,23 @@ def test_predicted_peak_is_within_15_percent_of_the_measured_tensor_peak(world):
             predicted = plan.plan(plan.PlanInput(model=model, params=plan.model_params(model), zero=zero,
                                                  micro_batch=8, precision=precision, dp=world))["bytes_per_rank"]
             assert abs(predicted["total"] - peak) <= 0.15 * peak, (rank, name, precision, zero, predicted, peak)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_offload_moves_the_optimizer_state_off_the_device_total(zero):
+    # Master, m and v (12 bytes per element of this rank's share, float32) leave the device's total for host
+    # memory or files. At ZeRO-3 in full precision the master, the parameter shard until now, becomes a copy of its
+    # own there: the device keeps the shard and loses m and v only.
+    model = run_config(cli_values=MODELS["mid"]).model
+    P = plan.model_params(model)
+
+    def bytes_per_rank(offload):
+        return plan.plan(plan.PlanInput(model=model, params=P, zero=zero, dp=4, offload=offload))["bytes_per_rank"]
+
+    none, cpu, disk = bytes_per_rank("none"), bytes_per_rank("cpu"), bytes_per_rank("disk")
+    share = plan.layout_params(plan.PlanInput(model=model, params=P, zero=zero, dp=4)) / (4 if zero else 1)
+    assert disk["disk"] == cpu["host"] == disk["optimizer"] == round(12 * share) and disk["host"] == cpu["disk"] == 0
+    assert none["host"] == none["disk"] == 0
+    assert none["optimizer"] == round((8 if zero == 3 else 12) * share)
+    assert none["total"] - disk["total"] == none["optimizer"]
+    assert disk["total"] == cpu["total"]

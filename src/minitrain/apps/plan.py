@@ -33,6 +33,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
         planner.add_argument(flag, type=int, default=1, help="parallel degree (default 1)")
     planner.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
     planner.add_argument("--activation-checkpointing", choices=("none", "block", "selective"), default="none")
+    planner.add_argument("--offload", choices=("none", "cpu", "disk"), default="none",
+                         help="the optimizer's master and state in host memory or files, off the device's total")
     planner.add_argument("--microbatches", type=int, default=1, help="pipeline micro-batches (default 1)")
     planner.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
     planner.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation assumed (default 0.4)")
@@ -69,7 +71,7 @@ def run(args) -> int:
     inp = plan.PlanInput(model=model, params=params, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
                          precision=args.precision, reduce_dtype=args.reduce_dtype, dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero,
                          activation_checkpointing=args.activation_checkpointing, microbatches=args.microbatches,
-                         schedule=args.schedule, mfu=args.mfu, hardware=hardware,
+                         schedule=args.schedule, mfu=args.mfu, hardware=hardware, offload=args.offload,
                          seq_len=args.model_seq_len or 1024)
     result = plan.plan(inp)
     print(json.dumps(result) if args.json else plan.render(result))

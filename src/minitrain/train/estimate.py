@@ -133,6 +133,7 @@ class PlanInput:
     activation_checkpointing: str = "none"
     microbatches: int = 1  # pipeline micro-batches per step
     schedule: str = "1f1b"
+    offload: str = "none"  # none | cpu | disk: where the optimizer's master and state live (train/offload.py)
     mfu: float = 0.4
     hardware: Hardware = field(default_factory=lambda: PRESETS["h100-sxm"])
 
@@ -185,8 +186,10 @@ def state_element_bytes(inp: PlanInput) -> dict[str, int]:
 def model_state_bytes(inp: PlanInput) -> dict[str, int]:
     mixed, P, elem = inp.precision != "fp32", layout_params(inp), state_element_bytes(inp)
     out = {}
-    # fp32 keeps a separate master except at ZeRO-3 (the shard is the master); mixed precision always does.
-    for kind, (count, sharded) in memory_terms(inp.zero, master_is_params=inp.zero == 3 and not mixed).items():
+    # fp32 keeps a separate master except at ZeRO-3 (the shard is the master); mixed precision always does, and so
+    # does offload (the master goes with the state, the shard stays with the model).
+    shard_is_master = inp.zero == 3 and not mixed and inp.offload == "none"
+    for kind, (count, sharded) in memory_terms(inp.zero, master_is_params=shard_is_master).items():
         out[kind] = round(count * elem[kind] * (P / inp.dp if sharded else P))
     return out
 
@@ -310,7 +313,9 @@ def plan(inp: PlanInput) -> dict:
     in_backward, in_update = update_transients(inp)
     # The peak is the larger of two moments: the end of forward (activations all alive) and the update.
     transient = max(gathered + acts + in_backward, in_update)
-    total = sum(state.values()) + transient
+    # Offloaded, the optimizer's master and state are in host memory or files, not on the device.
+    offloaded = state["optimizer"] if inp.offload != "none" else 0
+    total = sum(state.values()) - offloaded + transient
     hw = inp.hardware
     seq = inp.model.seq_len if inp.model else inp.seq_len
     tokens_rank = inp.micro_batch * seq * inp.grad_accum * max(1, inp.microbatches)
@@ -330,7 +335,9 @@ def plan(inp: PlanInput) -> dict:
         # total is the predicted peak: state at rest plus the larger of (ZeRO-3's gathered units, activations
         # and a float32 gradient copy, at the end of forward) and (the update's temporaries)
         "bytes_per_rank": {**state, "gathered": gathered, "activations": acts, "reduce_copy": in_backward,
-                           "update": in_update, "total": total},
+                           "update": in_update, "total": total,
+                           "host": offloaded if inp.offload == "cpu" else 0,
+                           "disk": offloaded if inp.offload == "disk" else 0},
         "device_memory_bytes": hw.memory_bytes,
         "fits": total <= hw.memory_bytes,
         "flops_per_token": model_fpt, "flops_per_token_with_recompute": hw_fpt,
@@ -348,6 +355,10 @@ def render(result: dict) -> str:
     inp, b = result["input"], result["bytes_per_rank"]
     kinds = ("params", "grads", "optimizer", "gathered", "activations", "reduce_copy", "update", "total")
     rows = [[kind, human_bytes(b[kind]), f"{b[kind] / GB:.3f}"] for kind in kinds]
+    if inp["offload"] != "none":  # the optimizer row is where the state lives, not in the device's total
+        rows[kinds.index("optimizer")][0] = f"optimizer ({inp['offload']})"
+        off = b["host"] + b["disk"]
+        rows.append([f"{inp['offload']}, off the device", human_bytes(off), f"{off / GB:.3f}"])
     memory = human_bytes(result["device_memory_bytes"])
     lines = [f"Plan: {result['world_size']} rank(s) = dp {inp['dp']} x tp {inp['tp']} x pp {inp['pp']}, ZeRO-{inp['zero']}, "
              f"{inp['precision']}, micro-batch {inp['micro_batch']}, activation checkpointing "

@@ -23,3 +23,21 @@ def key_bias_mask(numel: int) -> torch.Tensor:
             third = s.numel // 3
             mask[s.offset + third:s.offset + 2 * third] = True
     return mask
+
+
+def assert_bit_equal(a, b, where: str) -> None:
+    """Two states (dicts, lists, tuples, tensors and plain values, nested) equal bit for bit: the same keys and
+    lengths, each tensor of the same dtype and torch.equal, each other value ==; `where` names the first that
+    is not."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for key in a:
+            assert_bit_equal(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_bit_equal(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    else:
+        assert a == b, f"{where}: {a} != {b}"

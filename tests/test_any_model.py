@@ -21,6 +21,7 @@ import minitrain
 from minitrain.parallel.pieces import PipelineSplit, check_pieces, check_split
 
 from .dist import run_ranks
+from .numerics import assert_bit_equal
 
 V, D, T = 16, 8, 6
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
@@ -286,31 +287,16 @@ def two_ranks(tmp_path_factory):
     return run_ranks(_two_ranks, 2, list(MODELS), tmp_path_factory.mktemp("any"), timeout_s=180)
 
 
-def _bit_equal(a: dict, b: dict, where: str) -> None:
-    assert a.keys() == b.keys(), where
-    for key in a:
-        x, y = a[key], b[key]
-        if isinstance(x, dict):
-            _bit_equal(x, y, f"{where}: {key}")
-        elif isinstance(x, torch.Tensor):
-            assert x.dtype == y.dtype and torch.equal(x, y), f"{where}: {key}"
-        elif isinstance(x, list) and x and isinstance(x[0], dict):
-            for i, (p, q) in enumerate(zip(x, y)):
-                _bit_equal(p, q, f"{where}: {key}[{i}]")
-        else:
-            assert x == y, f"{where}: {key}"
-
-
 def test_fp16_skips_an_overflowed_step_exactly_and_its_scale_survives_a_checkpoint(two_ranks):
     for rank_out in two_ranks:
         for zero, ((seen, opt_a, state_a), (_, opt_b, state_b)) in rank_out[2].items():
             (before, after, scale), resumed_scale = seen
-            _bit_equal(after[0], before[0], f"ZeRO-{zero}: optimizer state across the skipped step")
-            _bit_equal(after[1], before[1], f"ZeRO-{zero}: parameters across the skipped step")
+            assert_bit_equal(after[0], before[0], f"ZeRO-{zero}: optimizer state across the skipped step")
+            assert_bit_equal(after[1], before[1], f"ZeRO-{zero}: parameters across the skipped step")
             assert scale == resumed_scale == 2.0 ** 9, zero
             assert all(v.dtype == torch.float16 for v in state_a.values())
-            _bit_equal(opt_a, opt_b, f"ZeRO-{zero}: optimizer, bad batch skipped vs never seen")
-            _bit_equal(state_a, state_b, f"ZeRO-{zero}: parameters, bad batch skipped vs never seen")
+            assert_bit_equal(opt_a, opt_b, f"ZeRO-{zero}: optimizer, bad batch skipped vs never seen")
+            assert_bit_equal(state_a, state_b, f"ZeRO-{zero}: parameters, bad batch skipped vs never seen")
 
 
 def test_model_zero_grad_an_empty_parameter_and_per_rank_statistics(two_ranks):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from .dist import run_main, run_ranks
+from .numerics import assert_bit_equal
 
 STAGES = (0, 1, 2, 3)
 MODES = ("none", "cpu", "disk")
@@ -46,17 +47,6 @@ def _every_mode(topo, out):
     return got
 
 
-def _bit_equal(a, b, where):
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            _bit_equal(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and torch.equal(a, b), where
-    else:
-        assert a == b, where
-
-
 def test_every_offload_mode_trains_bit_for_bit_as_without_at_every_stage(tmp_path):
     for rank, got in enumerate(run_ranks(_every_mode, 2, str(tmp_path))):
         for dtype in ("float64", "float32"):
@@ -66,7 +56,7 @@ def test_every_offload_mode_trains_bit_for_bit_as_without_at_every_stage(tmp_pat
                     ours, where = got[(dtype, zero, mode)], f"rank {rank} {dtype} ZeRO-{zero} offload {mode}"
                     assert ours["losses"] == plain["losses"], where
                     assert torch.equal(ours["params"], plain["params"]), where
-                    _bit_equal(ours["state"], plain["state"], where)
+                    assert_bit_equal(ours["state"], plain["state"], where)
                 disk = got[(dtype, zero, "disk")]
                 assert disk["files"] == [f"rank-{rank:05d}-{name}.bin" for name in ("exp_avg", "exp_avg_sq", "master")]
                 assert disk["left"] == [], f"{disk['left']} left after the run"
@@ -164,8 +154,8 @@ def test_a_hugging_face_model_through_prepare_offloads_bit_for_bit(tmp_path):
         for zero in STAGES:
             for mode in ("cpu", "disk"):
                 where = f"rank {rank} ZeRO-{zero} offload {mode}"
-                _bit_equal(got[(zero, mode)]["state"], got[(zero, "none")]["state"], f"{where}: optimizer")
-                _bit_equal(got[(zero, mode)]["model"], got[(zero, "none")]["model"], f"{where}: model")
+                assert_bit_equal(got[(zero, mode)]["state"], got[(zero, "none")]["state"], f"{where}: optimizer")
+                assert_bit_equal(got[(zero, mode)]["model"], got[(zero, "none")]["model"], f"{where}: model")
             # Disk: the master and AdamW's two moments, in this rank's files while the session lasts.
             assert got[(zero, "disk")]["files"] == [f"rank-{rank:05d}-{name}.bin"
                                                     for name in ("exp_avg", "exp_avg_sq", "master")], zero

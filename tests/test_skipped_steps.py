@@ -12,6 +12,7 @@ import math
 import torch
 
 from .dist import run_ranks
+from .numerics import assert_bit_equal
 from .reference import plain_run
 
 STAGES = (0, 1, 2, 3)
@@ -122,21 +123,6 @@ def _plain_api() -> tuple[dict, dict]:
     return optimizer.state_dict(), model.state_dict()
 
 
-def _bit_equal(a, b, where: str) -> None:
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            _bit_equal(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _bit_equal(x, y, f"{where}[{i}]")
-    elif isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and torch.equal(a, b), where
-    else:
-        assert a == b, f"{where}: {a} != {b}"
-
-
 def _close(a, b, where: str) -> None:
     """Two torch-format state dicts (or plain tensors) equal within TOL, key by key."""
     if isinstance(a, dict):
@@ -160,8 +146,8 @@ def test_a_skipped_step_changes_nothing_later_steps_read_and_training_goes_on_as
         for (zero, precision), got in out["cli"].items():
             where = f"trainer ZeRO-{zero} {precision}"
             assert got["skipped"] == [s == BAD for s in range(STEPS)], where
-            _bit_equal(got["after"]["tensors"], got["before"]["tensors"], f"{where}: parameters and moments")
-            _bit_equal(got["after"]["scalars"], got["before"]["scalars"], f"{where}: optimizer step counters")
+            assert_bit_equal(got["after"]["tensors"], got["before"]["tensors"], f"{where}: parameters and moments")
+            assert_bit_equal(got["after"]["scalars"], got["before"]["scalars"], f"{where}: optimizer step counters")
             if precision == "fp16":  # what a skip is meant to change, and only that
                 assert got["after"]["scaler"] == {"scale": got["before"]["scaler"]["scale"] / 2, "clean_steps": 0}
                 continue
@@ -173,7 +159,7 @@ def test_a_skipped_step_changes_nothing_later_steps_read_and_training_goes_on_as
         for zero, got in out["api"].items():
             where = f"prepare ZeRO-{zero}"
             assert math.isnan(got["norms"][BAD]) and all(math.isfinite(n) for i, n in enumerate(got["norms"]) if i != BAD)
-            _bit_equal(got["after"], got["before"], f"{where}: optimizer state_dict and model across the skip")
+            assert_bit_equal(got["after"], got["before"], f"{where}: optimizer state_dict and model across the skip")
             optimizer_state, model_state, steps = got["final"]
             assert got["before"][2]["steps_taken"] == BAD and steps["steps_taken"] == STEPS - 1, where
             _close(optimizer_state["state"], plain_optimizer["state"], f"{where}: optimizer state")

@@ -117,3 +117,22 @@ def test_an_async_snapshot_goes_to_pinned_host_memory(tmp_path):
     job = ShardWrite(tmp_path, 1, trainer.topo, trainer.strategy, {}, {}, copy=True)
     assert all(t.is_pinned() for k, t in job.shards.items() if not k.startswith("rng."))
     job._arrived.synchronize()
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+@pytest.mark.parametrize("offload", ["cpu", "disk"])
+def test_offload_keeps_the_state_on_the_host_and_trains_as_without(zero, offload, tmp_path):
+    # The model on the GPU, the master and Adam state (and at ZeRO-2/3 the gradient shard) on the host: the same
+    # numbers as without offload (one rank, so the order of operations is the same on both sides).
+    def run(mode):
+        values = {"train.precision": "bf16", "train.zero": zero, "train.offload": mode, "out": str(tmp_path / mode)}
+        with _trainer(**values) as trainer:
+            losses = [trainer.train_step().loss for _ in range(3)]
+            s = trainer.strategy
+            where = {"params": s.held_params().device.type, "master": s.optimizer.master.device.type,
+                     "grads": s.held_grads().device.type}
+            return losses, s.full_params().cpu(), where
+
+    plain, ours = run("none"), run(offload)
+    assert ours[0] == plain[0] and torch.equal(ours[1], plain[1])
+    assert ours[2] == {"params": "cuda", "master": "cpu", "grads": "cpu" if zero >= 2 else "cuda"}, ours[2]

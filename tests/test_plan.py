@@ -152,8 +152,41 @@ def test_offload_moves_the_optimizer_state_off_the_device_total(zero):
 
     none, cpu, disk = bytes_per_rank("none"), bytes_per_rank("cpu"), bytes_per_rank("disk")
     share = plan.layout_params(plan.PlanInput(model=model, params=P, zero=zero, dp=4)) / (4 if zero else 1)
-    assert disk["disk"] == cpu["host"] == disk["optimizer"] == round(12 * share) and disk["host"] == cpu["disk"] == 0
+    # At ZeRO-2/3 the gradient shard (float32 here) goes to host memory with them, as ZeRO-Offload keeps it.
+    grads = round(4 * share) if zero >= 2 else 0
+    assert disk["disk"] == disk["optimizer"] == round(12 * share) and cpu["host"] == round(12 * share) + grads
+    assert disk["host"] == grads and cpu["disk"] == 0
     assert none["host"] == none["disk"] == 0
     assert none["optimizer"] == round((8 if zero == 3 else 12) * share)
-    assert none["total"] - disk["total"] == none["optimizer"]
+    # (less the device chunk each unit's reduce-scatter lands in before its copy to the host)
+    landing = disk["reduce_copy"] - none["reduce_copy"]
+    assert (landing > 0) == (zero >= 2)
+    assert none["total"] - disk["total"] == none["optimizer"] + grads - landing
     assert disk["total"] == cpu["total"]
+
+
+def test_the_plan_reproduces_zero_offloads_headline_13b_on_one_32gb_v100():
+    # ZeRO-Offload (Ren et al. 2021): a 13B-parameter GPT trains on one 32 GB V100 with fp16 parameters on the GPU
+    # and gradients, fp32 master weights and Adam state in host memory; without offload the same GPU holds about
+    # 1.4B (16 bytes per parameter and activations). The shape is the paper's 13B one (40 layers, hidden 5120).
+    from minitrain.config import ModelConfig
+
+    model = ModelConfig(n_layer=40, n_head=40, d_model=5120, seq_len=1024, vocab_size=50257)
+    P = plan.model_params(model)
+    assert 12.5e9 < P < 13.5e9
+
+    def run(offload, model=model, params=P):
+        return plan.plan(plan.PlanInput(model=model, params=params, zero=2, precision="fp16", reduce_dtype="compute",
+                                        activation_checkpointing="block", offload=offload,
+                                        hardware=plan.PRESETS["v100-32g"]))
+
+    offloaded, plain = run("cpu"), run("none")
+    b = offloaded["bytes_per_rank"]
+    assert offloaded["fits"] and not plain["fits"]
+    assert 2 * P <= b["total"] <= 32 * 2**30  # the fp16 parameters, activations and buffers on the device
+    assert b["host"] == 12 * P + 2 * P  # master, m and v in fp32, the fp16 gradient
+    # Without offload, about 1.4B fits (the paper's PyTorch figure); 2B does not.
+    small = ModelConfig(n_layer=24, n_head=16, d_model=2048, seq_len=1024, vocab_size=50257)
+    assert run("none", small, plan.model_params(small))["fits"]
+    bigger = ModelConfig(n_layer=40, n_head=16, d_model=2048, seq_len=1024, vocab_size=50257)
+    assert not run("none", bigger, plan.model_params(bigger))["fits"]

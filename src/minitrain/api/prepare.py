@@ -89,7 +89,8 @@ def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param
     reduce = master if precision == "fp32" else torch.float32 if reduce_dtype == "fp32" else compute
     # Offloaded, the master is a copy kept where the store keeps it, not the parameters themselves.
     pcfg = ParallelConfig(zero=zero, dp=dp, bucket_mb=bucket_mb, prefetch=prefetch, master_dtype=master,
-                          reduce_dtype=reduce, master_is_params=offload == "none", user_loop=True)
+                          reduce_dtype=reduce, master_is_params=offload == "none", user_loop=True,
+                          offload=offload)
     store = None if offload == "none" else OffloadStore(offload, offload_dir or "", topo.rank)
 
     def make_optimizer(master_vec, flat, shard_ranges):

@@ -34,11 +34,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     planner.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
     planner.add_argument("--activation-checkpointing", choices=("none", "block", "selective"), default="none")
     planner.add_argument("--offload", choices=("none", "cpu", "disk"), default="none",
-                         help="the optimizer's master and state in host memory or files, off the device's total")
+                         help="the optimizer's master and state in host memory (cpu) or files (disk), and at ZeRO-2/3 "
+                         "the gradient shard in host memory: off the device's total")
     planner.add_argument("--microbatches", type=int, default=1, help="pipeline micro-batches (default 1)")
     planner.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
     planner.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation assumed (default 0.4)")
-    planner.add_argument("--hardware", choices=("a100-80g", "h100-sxm", "cpu-here"), default="h100-sxm")
+    planner.add_argument("--hardware", choices=("v100-32g", "a100-80g", "h100-sxm", "cpu-here"), default="h100-sxm")
     planner.add_argument("--comm-json", default="runs/bench-comm/comm.json",
                          help="cpu-here: `minitrain bench comm` output to fit alpha and beta from")
     planner.add_argument("--json", action="store_true", help="print one JSON object instead of text")

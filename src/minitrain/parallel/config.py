@@ -19,6 +19,10 @@ class ParallelConfig:
     master_dtype: torch.dtype = torch.float32  # the optimizer's master weights and state
     reduce_dtype: torch.dtype = torch.float32  # what gradients are summed across ranks in
     grad_clip: float = 0.0  # clip the global gradient norm to this at every step (0: only when asked)
+    # Where the optimizer's master and state live (none | cpu | disk: offload.py, the optimizer's store); offloaded
+    # at ZeRO-2/3 the gradient shard, which the optimizer reads on the host, lives in host memory too (as
+    # ZeRO-Offload's), each unit's reduce-scatter landing on the device and copied out.
+    offload: str = "none"
     # Full precision at ZeRO-0/1: the optimizer updates the parameters this rank holds in place, as plain PyTorch
     # does, instead of a master copy holding the same numbers (4 bytes per parameter, or per shard element,
     # saved). The CLI keeps the copy (its memory profile and demo count K = 12 bytes of optimizer state).
@@ -40,5 +44,7 @@ class ParallelConfig:
             raise ValueError(f"dp must be one of {', '.join(DP_MODES)}; got {self.dp!r}")
         if self.zero and self.dp != "bucketed":
             raise ValueError(f"dp={self.dp!r} applies to zero=0; ZeRO-{self.zero} syncs with its own reduce-scatter")
+        if self.offload not in ("none", "cpu", "disk"):
+            raise ValueError(f"offload must be none, cpu or disk; got {self.offload!r}")
         if not self.bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")

@@ -20,6 +20,11 @@ class OffloadError(RuntimeError):
     """The offload directory cannot hold the state (no space, no permission)."""
 
 
+def host_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Zeros in host memory, pinned when a GPU is present (copies to and from the device can then overlap)."""
+    return torch.zeros(numel, dtype=dtype, pin_memory=torch.cuda.is_available())
+
+
 class OffloadStore:
     def __init__(self, mode: str, directory: str | os.PathLike, rank: int):
         if mode not in ("cpu", "disk"):
@@ -32,7 +37,7 @@ class OffloadStore:
     def zeros(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A zeroed 1-D tensor of `numel` elements, held where the store keeps state."""
         if self.mode == "cpu":
-            return torch.zeros(numel, dtype=dtype, pin_memory=torch.cuda.is_available())
+            return host_zeros(numel, dtype)
         path = self.directory / f"rank-{self.rank:05d}-{name}.bin"
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         self.files.append(path)

@@ -38,6 +38,7 @@ from .buckets import GradientToReduce, OverlappedAllReduce
 from .config import ParallelConfig
 from .flat import FlatStrategy, OptimizerFactory
 from .layout import Segment, local_views, missing_gradients
+from .offload import host_zeros
 from .units import module_units, unit_layout
 from .visible_grads import ShardedGradient
 
@@ -55,7 +56,10 @@ class ShardedStrategy(FlatStrategy):
         """Make the updated master shard the parameters every rank computes with (in mixed
         precision, gathering the master rounded to the parameters' dtype: half the bytes)."""
         master = self.optimizer.master  # at ZeRO-1 it may be this rank's chunk of flat.data: gathered in place
-        source = master if master.dtype == self.flat.dtype else master.to(self.flat.dtype)
+        # From the device the collective runs on: an offloaded master is on the host.
+        data = self.flat.data
+        source = master if (master.dtype, master.device) == (data.dtype, data.device) else master.to(
+            device=data.device, dtype=data.dtype)
         if source is not master:
             self.ledger.hold("params", source)
         views = local_views(source, self.shard_ranges)
@@ -144,8 +148,12 @@ class Zero2(ShardedStrategy):
         plans = module_units(model)
         super().__init__(model, comm, pcfg, make_optimizer, units=unit_layout(plans), keep_grad=False, **kwargs)
         self.plans = plans
-        # On the device the gradients are reduced on (the master may be offloaded to the host).
-        self.grad_shard = torch.zeros(self.optimizer.master.numel(), dtype=self.reduce_dtype, device=comm.device)
+        # Offloaded, in host memory beside the master (ZeRO-Offload): each unit's reduce-scatter lands on the device
+        # and is copied out. Otherwise on the device the gradients are reduced on.
+        self.grad_offloaded = pcfg.offload != "none"
+        numel = self.optimizer.master.numel()
+        self.grad_shard = (host_zeros(numel, self.reduce_dtype) if self.grad_offloaded else
+                           torch.zeros(numel, dtype=self.reduce_dtype, device=comm.device))
         self._shard_views = local_views(self.grad_shard, self.shard_ranges)  # one per unit
         for i, unit in enumerate(self.flat.units):
             for seg in unit.segments:
@@ -172,7 +180,7 @@ class Zero2(ShardedStrategy):
     def zero_grad(self, release: bool = False) -> None:
         for name in self._sharded_grads:
             self.flat.param_named(name).grad = None
-        if release:  # the shard's storage goes back; the first reduction of the next backward brings it again
+        if release and not self.grad_offloaded:  # the storage goes back; the next backward's first reduction brings it
             self.grad_shard.untyped_storage().resize_(0)
         else:
             self.grad_shard.zero_()
@@ -231,13 +239,14 @@ class Zero2(ShardedStrategy):
             self._retire_oldest()
         buffer = self._buffers.pop(i)
         self._ensure_grad_shard()
-        if i in self._reduced:  # a later micro-batch: reduce beside the shard, then add
-            chunk = torch.empty_like(self._shard_views[i])
+        adds = i in self._reduced  # a later micro-batch: reduce beside the shard, then add
+        if adds or self.grad_offloaded:  # (offloaded, the reduction lands on the device first)
+            chunk = torch.empty(self._shard_views[i].shape, dtype=self.reduce_dtype, device=buffer.device)
             self.ledger.hold("grads", chunk)
         else:  # the shard still holds zero_grad's zeros: reduce straight into it
             chunk = None
         target = self._shard_views[i] if chunk is None else chunk
-        self._inflight.append((i, self.comm.reduce_scatter_sum_async(target, buffer), chunk, buffer))
+        self._inflight.append((i, self.comm.reduce_scatter_sum_async(target, buffer), chunk, buffer, adds))
         self._reduced.add(i)
         self._unit_reduced(i)
 
@@ -245,12 +254,16 @@ class Zero2(ShardedStrategy):
         """Called once unit i's gradient reduction has started (ZeRO-3 frees its parameters)."""
 
     def _retire_oldest(self) -> None:
-        i, pending, chunk, buffer = self._inflight.popleft()
+        i, pending, chunk, buffer, adds = self._inflight.popleft()
         self._intervals.append(pending.wait())
         if self._averaged_in_sync:  # the shard holds averages: each backward's sum is divided as it lands
             (self._shard_views[i] if chunk is None else chunk).div_(self.comm.world_size)
         if chunk is not None:
-            self._shard_views[i].add_(chunk)
+            shard = self._shard_views[i]
+            if adds:  # on the shard's side (the host's, offloaded), as the step reads it
+                shard.add_(chunk.to(shard.device))
+            else:
+                shard.copy_(chunk)
             self.ledger.drop("grads", chunk)
         self.ledger.drop("grads", buffer)
 

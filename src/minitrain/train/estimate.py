@@ -74,6 +74,10 @@ PRESETS = {
     "a100-80g": Hardware("a100-80g", 80 * 2**30, {"fp32": 19.5e12, "bf16": 312e12, "fp16": 312e12},
                          _links(15e-6, 230 * GB), _links(30e-6, 22 * GB),
                          source="A100 SXM 80GB datasheet; NVLink 3, HDR InfiniBand"),
+    # ZeRO-Offload's machine (Ren et al. 2021): no bf16 units, so bf16 gets the fp32 rate at best.
+    "v100-32g": Hardware("v100-32g", 32 * 2**30, {"fp32": 15.7e12, "bf16": 15.7e12, "fp16": 125e12},
+                         _links(15e-6, 130 * GB), _links(30e-6, 11 * GB),
+                         source="V100 SXM2 32GB datasheet; NVLink 2, EDR InfiniBand"),
     "h100-sxm": Hardware("h100-sxm", 80 * 2**30, {"fp32": 67e12, "bf16": 989e12, "fp16": 989e12},
                          _links(15e-6, 360 * GB), _links(30e-6, 45 * GB),
                          source="H100 SXM5 datasheet; NVLink 4, NDR InfiniBand"),
@@ -213,13 +217,18 @@ def gathered_bytes(inp: PlanInput) -> int:
 def update_transients(inp: PlanInput) -> tuple[int, int]:
     """(bytes held beside the activations in backward, bytes held beside the state during the update).
     Backward: ZeRO-0/1 in mixed precision reducing in fp32 sum a float32 copy of the whole gradient
-    (started by the first bucket, held through the update). Update: that copy, and in mixed precision
+    (started by the first bucket, held through the update); offloaded at ZeRO-2/3, the device chunk a unit's
+    reduce-scatter lands in. Update: that copy, and in mixed precision
     the optimizer's upcast gradient chunk (its fused kernel needs no other temporary)."""
     mixed, P = inp.precision != "fp32", layout_params(inp)
     wide = 4 * P if inp.zero <= 1 and mixed and reduce_bytes(inp) == 4 else 0
+    landing = 0
+    if inp.offload != "none" and inp.zero >= 2 and inp.model is not None:
+        # The gradient shard is on the host: each unit's reduce-scatter lands in a device chunk first.
+        landing = round(reduce_bytes(inp) * max(model_units(inp.model).values()) / (inp.dp * inp.tp))
     shard = P if inp.zero == 0 else P / inp.dp
     update = wide + (4 * min(shard, FlatAdamW.CHUNK) if mixed else 0)
-    return wide, round(update)
+    return wide + landing, round(update)
 
 
 def layer_activation_bytes(cfg: ModelConfig, b: int, elem: int, mode: str) -> int:
@@ -307,15 +316,26 @@ def _row(what: str, links: dict[str, Link], op: str, factor: float, size: float,
             times * collective_time(link, factor, size, calls), "calls": times * calls}
 
 
+def offloaded_bytes(inp: PlanInput, state: dict[str, int]) -> tuple[int, int]:
+    """(host bytes, disk bytes) of the model state kept off the device: offloaded, the optimizer's master and state
+    in host memory (cpu) or files (disk), and at ZeRO-2/3 the gradient shard in host memory (ZeRO-Offload's
+    layout; parallel/config.py)."""
+    if inp.offload == "none":
+        return 0, 0
+    grads = state["grads"] if inp.zero >= 2 else 0
+    if inp.offload == "cpu":
+        return state["optimizer"] + grads, 0
+    return grads, state["optimizer"]
+
+
 def plan(inp: PlanInput) -> dict:
     state = model_state_bytes(inp)
     acts, gathered = activation_bytes(inp), gathered_bytes(inp)
     in_backward, in_update = update_transients(inp)
     # The peak is the larger of two moments: the end of forward (activations all alive) and the update.
     transient = max(gathered + acts + in_backward, in_update)
-    # Offloaded, the optimizer's master and state are in host memory or files, not on the device.
-    offloaded = state["optimizer"] if inp.offload != "none" else 0
-    total = sum(state.values()) - offloaded + transient
+    host, disk = offloaded_bytes(inp, state)
+    total = sum(state.values()) - host - disk + transient
     hw = inp.hardware
     seq = inp.model.seq_len if inp.model else inp.seq_len
     tokens_rank = inp.micro_batch * seq * inp.grad_accum * max(1, inp.microbatches)
@@ -336,8 +356,7 @@ def plan(inp: PlanInput) -> dict:
         # and a float32 gradient copy, at the end of forward) and (the update's temporaries)
         "bytes_per_rank": {**state, "gathered": gathered, "activations": acts, "reduce_copy": in_backward,
                            "update": in_update, "total": total,
-                           "host": offloaded if inp.offload == "cpu" else 0,
-                           "disk": offloaded if inp.offload == "disk" else 0},
+                           "host": host, "disk": disk},
         "device_memory_bytes": hw.memory_bytes,
         "fits": total <= hw.memory_bytes,
         "flops_per_token": model_fpt, "flops_per_token_with_recompute": hw_fpt,
@@ -355,10 +374,12 @@ def render(result: dict) -> str:
     inp, b = result["input"], result["bytes_per_rank"]
     kinds = ("params", "grads", "optimizer", "gathered", "activations", "reduce_copy", "update", "total")
     rows = [[kind, human_bytes(b[kind]), f"{b[kind] / GB:.3f}"] for kind in kinds]
-    if inp["offload"] != "none":  # the optimizer row is where the state lives, not in the device's total
-        rows[kinds.index("optimizer")][0] = f"optimizer ({inp['offload']})"
-        off = b["host"] + b["disk"]
-        rows.append([f"{inp['offload']}, off the device", human_bytes(off), f"{off / GB:.3f}"])
+    if inp["offload"] != "none":  # rows of state off the device say where it is, and are not in the device's total
+        rows[kinds.index("optimizer")][0] = f"optimizer ({'host' if inp['offload'] == 'cpu' else 'disk'})"
+        if inp["zero"] >= 2:
+            rows[kinds.index("grads")][0] = "grads (host)"
+        rows += [[f"{where}, off the device", human_bytes(b[where]), f"{b[where] / GB:.3f}"]
+                 for where in ("host", "disk") if b[where]]
     memory = human_bytes(result["device_memory_bytes"])
     lines = [f"Plan: {result['world_size']} rank(s) = dp {inp['dp']} x tp {inp['tp']} x pp {inp['pp']}, ZeRO-{inp['zero']}, "
              f"{inp['precision']}, micro-batch {inp['micro_batch']}, activation checkpointing "

@@ -54,7 +54,8 @@ def parallel_config(cfg: RunConfig) -> ParallelConfig:
     """What the strategies need of the run's settings."""
     t = cfg.train
     return ParallelConfig(zero=t.zero, dp=cfg.ddp.mode, bucket_mb=cfg.ddp.bucket_mb, prefetch=t.prefetch,
-                          master_dtype=master_dtype(t), reduce_dtype=reduce_dtype(t), grad_clip=t.grad_clip)
+                          master_dtype=master_dtype(t), reduce_dtype=reduce_dtype(t), grad_clip=t.grad_clip,
+                          offload=t.offload)
 
 
 @dataclass

@@ -151,3 +151,24 @@ def test_async_save_writes_the_same_checkpoints_as_a_blocking_save(tmp_path, ref
         manifest = json.loads((out / "checkpoints" / checkpoint.step_dir_name(step) / "manifest.json").read_text())
         assert manifest["config"]["ckpt"]["async_save"] is True
     assert _latest(out) == "step-000020"
+
+
+def test_an_offload_file_truncated_mid_run_stops_it_in_one_line_and_resume_is_bit_identical(tmp_path, reference):
+    # Rank 1's disk-offload files are cut to half as step 7 starts (another program in the offload directory):
+    # reading them through their mapping would end the process with SIGBUS; the step says which file, exit 2, one
+    # line. The step-5 checkpoint is untouched, no offload file is left, and the resumed run (offload on again,
+    # its files made fresh) ends bit-identical to the uninterrupted run without offload.
+    out = tmp_path / "run"
+    offload = ("--train.offload", "disk")
+    cut = run_cli(*RUN, *offload, "--nproc", "2", "--out", str(out), "--fault.kind", "truncate-offload",
+                  "--fault.step", "7", "--fault.rank", "1")
+    assert cut.returncode == 2, cut.stderr
+    lines = cut.stderr.strip().splitlines()
+    assert len(lines) == 1 and "rank 1: offload:" in lines[0] and "rank-00001-" in lines[0], cut.stderr
+    assert "was truncated to" in lines[0] and "resume from the last checkpoint" in lines[0]
+    assert _latest(out) == "step-000005" and checkpoint.find_latest(out) == out / "checkpoints" / "step-000005"
+    assert not (out / "offload").exists()
+
+    resumed = _ok(run_cli(*RUN, *offload, "--nproc", "2", "--out", str(out), "--resume", "auto"))
+    assert "step-000005 at step 5" in resumed.stdout
+    assert _shards(out) == reference[20]

@@ -5,6 +5,8 @@ the run, and a directory it cannot write is refused before anything starts."""
 from __future__ import annotations
 
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -88,6 +90,42 @@ def test_a_checkpoint_resumes_bit_identically_across_offload_modes(tmp_path):
         assert all(same_losses and same_params for same_losses, same_params in results.values()), results
 
 
+def _save_sharded(topo, out):
+    from minitrain.train.trainer import Trainer
+
+    with Trainer(_config(topo.world_size, 2, "disk", out, **{"train.batch_size": 2}), topo) as trainer:
+        for _ in range(STEPS):
+            trainer.train_step()
+        return str(trainer.save_checkpoint(Path(out) / "checkpoints")), trainer.strategy.full_params()
+
+
+def _load_resharded(topo, out, path):
+    from minitrain.train.trainer import Trainer
+
+    got = {}
+    for zero, mode in ((0, "none"), (1, "disk"), (3, "cpu")):
+        cfg = _config(topo.world_size, zero, mode, f"{out}/{zero}-{mode}", **{"train.batch_size": 4})  # the same 4 a step
+        with Trainer(cfg, topo) as trainer:
+            trainer.load_checkpoint(path)
+            loaded = trainer.strategy.full_params()
+            state = {k: trainer.strategy.flat.to_logical(v) for k, v in trainer.strategy.optimizer.state_tensors().items()}
+            got[mode] = {"loaded": loaded, "state": state, "losses": [trainer.train_step().loss for _ in range(STEPS)],
+                         "end": trainer.strategy.full_params()}
+    return got
+
+
+def test_an_offloaded_checkpoint_reshards_into_any_layout_with_or_without_offload(tmp_path):
+    # Saved by 2 ranks at ZeRO-2 with disk offload; loaded by 1 rank at ZeRO-0 without offload, ZeRO-1 with disk and
+    # ZeRO-3 with cpu: every load holds the saved parameters and the same optimizer state, and trains alike.
+    path, saved = run_ranks(_save_sharded, 2, str(tmp_path / "saved"))[0]
+    got = run_ranks(_load_resharded, 1, str(tmp_path / "loaded"), path)[0]
+    plain = got["none"]
+    for mode in ("none", "disk", "cpu"):
+        assert torch.equal(got[mode]["loaded"], saved), mode
+        assert_bit_equal(got[mode]["state"], plain["state"], mode)
+        assert got[mode]["losses"] == plain["losses"] and torch.equal(got[mode]["end"], plain["end"]), mode
+
+
 def _rss_anon() -> int:
     return int(Path("/proc/self/status").read_text().split("RssAnon:")[1].split("kB")[0]) * 1024
 
@@ -112,6 +150,102 @@ def test_disk_offload_moves_the_optimizer_state_out_of_anonymous_memory(tmp_path
     disk, _ = run_ranks(_anonymous_bytes, 1, str(tmp_path / "disk"), "disk")[0]
     state = 12 * params
     assert none - disk >= 0.8 * state, (none, disk, state)
+
+
+def _offload_pages_resident() -> int:
+    """Bytes of this process's offload files resident in its memory now (their mappings' Rss in /proc/self/smaps)."""
+    total, ours = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        first = line.split(maxsplit=1)[0]
+        if "-" in first and not first.endswith(":"):  # a mapping's header line: address range ... path
+            ours = "/offload/rank-" in line
+        elif ours and first == "Rss:":
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+def _resident_while_stepping(topo, out):
+    from minitrain.train.trainer import Trainer
+
+    cfg = _config(1, 0, "disk", out, **{"model.preset": "small", "train.batch_size": 2,
+                                         "train.offload_chunk_mb": 1})
+    with Trainer(cfg, topo) as trainer:
+        store, seen = trainer.offload, []
+        release = store.release
+
+        def noting(tensor=None):
+            if tensor is not None:  # a chunk just stepped (the whole release comes after publishing the master)
+                seen.append(_offload_pages_resident())
+            release(tensor)
+
+        store.release = noting
+        for _ in range(2):
+            trainer.train_step()
+        return max(seen), len(seen), _offload_pages_resident(), trainer.strategy.optimizer.master.numel()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="resident pages are read from Linux's /proc")
+def test_disk_offload_steps_one_chunk_at_a_time_and_keeps_no_state_resident(tmp_path):
+    # --train.offload_chunk_mb 1: the optimizer steps 1 MiB of the master (and of m and v) at a time, and gives each
+    # chunk's pages back once stepped, so no more than one chunk of each is ever resident; after the step (the master
+    # published) none is. The files hold the state (the bit-for-bit test above).
+    most, chunks, after, params = run_ranks(_resident_while_stepping, 1, str(tmp_path))[0]
+    page, chunk = os.sysconf("SC_PAGE_SIZE"), 2**20
+    assert chunks >= 2 * 3 * (4 * params // chunk), chunks  # two steps of master, m and v, chunk by chunk
+    assert most <= 3 * (chunk + 2 * page), most
+    assert after <= 3 * page, after
+
+
+class AnonymousPeak:
+    """The most RssAnon rose above its value at the start while the block ran, sampled by a thread every 0.5 ms
+    (the OS's count; what a checkpoint holds lives for the whole write, many samples)."""
+
+    def __enter__(self):
+        self.base = self.peak = _rss_anon()
+        self._running = True
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while self._running:
+            self.peak = max(self.peak, _rss_anon())
+            time.sleep(0.0005)
+
+    def __exit__(self, *exc):
+        self._running = False
+        self._thread.join()
+        self.rise = max(self.peak, _rss_anon()) - self.base
+
+
+def _checkpoint_memory(topo, out):
+    from minitrain.train.trainer import Trainer
+
+    got = {}
+    for mode in ("none", "disk"):
+        root = Path(out, mode)
+        with Trainer(_config(1, 0, mode, str(root), **{"model.preset": "small", "train.batch_size": 1}), topo) as trainer:
+            trainer.train_step()
+            with AnonymousPeak() as save:
+                path = trainer.save_checkpoint(root / "checkpoints")
+            with AnonymousPeak() as background:
+                trainer.start_async_save(root / "background").commit()
+            with AnonymousPeak() as load:
+                trainer.load_checkpoint(path)
+            got[mode] = {"save": save.rise, "async save": background.rise, "load": load.rise,
+                         "state": 12 * trainer.strategy.optimizer.master.numel()}
+    return got
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="RssAnon is read from Linux's /proc")
+def test_checkpoints_of_disk_offloaded_state_never_hold_it_in_memory(tmp_path):
+    # A save writes from the state's own files; a background save's copy and a load's reads go to files of their
+    # own, a vector at a time: the process's anonymous memory does not grow by the state (40 MB here). Without
+    # offload the background copy is in memory, which shows the measurement sees such a copy.
+    got = run_ranks(_checkpoint_memory, 1, str(tmp_path))[0]
+    state = got["disk"]["state"]
+    assert got["none"]["async save"] >= 0.8 * state, got
+    assert all(rise <= 0.15 * state for what, rise in got["disk"].items() if what != "state"), got
 
 
 def test_an_offload_directory_that_cannot_be_written_is_refused_before_the_run(tmp_path):
@@ -192,4 +326,20 @@ def test_a_disk_that_fills_while_the_files_are_made_is_one_clear_error(tmp_path,
     monkeypatch.setattr(os, "posix_fallocate", full)
     with pytest.raises(OffloadError, match=r"cannot reserve 8,000 bytes for .*rank-00000-exp_avg_sq.bin \(No space"):
         store.zeros("exp_avg_sq", 1000, torch.float64)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_files_a_crashed_run_left_are_made_afresh(tmp_path):
+    # A run killed outright (the whole machine) leaves its files, maybe cut short or holding old state: the next run
+    # on the directory (a resume, which takes the state from its checkpoint) makes each one anew, zeroed, full size.
+    from minitrain.parallel.offload import OffloadStore
+
+    (tmp_path / "rank-00000-master.bin").write_bytes(b"\x7f" * 10)
+    (tmp_path / "rank-00000-exp_avg.bin").write_bytes(b"\x7f" * 100_000)
+    store = OffloadStore("disk", tmp_path, rank=0)
+    master, exp_avg = store.zeros("master", 1000, torch.float32), store.zeros("exp_avg", 1000, torch.float32)
+    assert master.count_nonzero() == exp_avg.count_nonzero() == 0
+    assert all(p.stat().st_size == 4000 for p in tmp_path.iterdir())
+    store.check()
+    store.close()
     assert list(tmp_path.iterdir()) == []

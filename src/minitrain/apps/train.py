@@ -15,6 +15,7 @@ from ..data import corpus_vocab_size
 from ..runtime.launch import check_local_ranks, launch, run_under_torchrun
 from ..runtime.topology import under_torchrun
 from ..train.metrics import clock, perplexity, phase_line, straggler_line
+from ..train.offload import remove_offload_files
 from ..train.run_config import check_run
 from .out_dir import lock_out_dir, prepare_out_dir, refuse_a_used_out_dir
 
@@ -142,8 +143,11 @@ def _train_and_report(cfg: RunConfig, train_worker) -> int:
         if int(os.environ["RANK"]) != 0:
             return 0
     else:
-        result = launch(train_worker, cfg.dist.nproc, cfg, backend=cfg.dist.backend, pg_timeout_s=cfg.dist.timeout_s,
-                        threads_per_rank=cfg.dist.threads_per_rank)[0]
+        try:
+            result = launch(train_worker, cfg.dist.nproc, cfg, backend=cfg.dist.backend,
+                            pg_timeout_s=cfg.dist.timeout_s, threads_per_rank=cfg.dist.threads_per_rank)[0]
+        finally:
+            remove_offload_files(cfg)
     if cfg.ddp.measure_sync and result["sync"]:
         parts = [f"{name} mean {d['mean']:.3g} / p50 {d['p50']:.3g} / p95 {d['p95']:.3g}"
                  for name, d in result["sync"].items()]

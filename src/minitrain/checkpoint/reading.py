@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 from bisect import bisect_right
 from collections import defaultdict
+from collections.abc import Callable, Mapping
 from itertools import accumulate
 from pathlib import Path
 
@@ -58,13 +59,21 @@ def plan_reads(manifest: dict, key: str, wanted: list[list[int]]) -> dict[str, l
     return reads
 
 
+READ_BLOCK = 1 << 22  # elements read from a file at once: a piece as large as a whole state is not read whole
+
+
 def read_local(step_dir: Path, manifest: dict, key: str, reads: dict[str, list[tuple[int, int, int]]],
-               wanted: list[list[int]], length: int) -> torch.Tensor:
+               wanted: list[list[int]], length: int,
+               scratch: Callable[[str, int, torch.dtype], torch.Tensor | None] | None = None) -> torch.Tensor:
     """This rank's local vector of `key` (params, optim.*), read piece by piece as `reads` (plan_reads) says:
-    only the elements it holds are read. Padding stays zero; an uncovered element is an error."""
+    only the elements it holds are read, a block at a time. Padding stays zero; an uncovered element is an error.
+    `scratch(key, numel, dtype)`, where given, says where the vector goes (disk offload: a file of its own; None:
+    host memory)."""
     entry = next(t for t in manifest["tensors"] if t["key"] == key)
-    out = torch.zeros(length, dtype=getattr(torch, entry["dtype"]))
-    covered = torch.zeros(length, dtype=torch.bool)
+    dtype = getattr(torch, entry["dtype"])
+    out = None if scratch is None else scratch(key, length, dtype)
+    out = torch.zeros(length, dtype=dtype) if out is None else out
+    covered: list[tuple[int, int]] = []
     for file, copies in reads.items():
         try:
             with safe_open(str(step_dir / file), framework="pt") as f:
@@ -73,15 +82,47 @@ def read_local(step_dir: Path, manifest: dict, key: str, reads: dict[str, list[t
                 for at, local_at, n in copies:
                     if at + n > size:
                         raise CheckpointError(f"checkpoint {step_dir}: a piece of '{key}' lies outside {file}")
-                    out[local_at:local_at + n] = stored[at:at + n]
-                    covered[local_at:local_at + n] = True
+                    for i in range(0, n, READ_BLOCK):
+                        m = min(READ_BLOCK, n - i)
+                        out[local_at + i:local_at + i + m] = stored[at + i:at + i + m]
+                    covered.append((local_at, local_at + n))
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"cannot read '{key}' from {step_dir / file}: {e}") from None
-    needed = sum(hi - lo for _, lo, hi in wanted)
-    if int(covered.sum()) != needed:
-        raise CheckpointError(f"checkpoint {step_dir} covers {int(covered.sum())} of the {needed} elements of "
+    needed, filled = sum(hi - lo for _, lo, hi in wanted), _union_length(covered)
+    if filled != needed:
+        raise CheckpointError(f"checkpoint {step_dir} covers {filled} of the {needed} elements of "
                               f"'{key}' this rank holds")
     return out
+
+
+def _union_length(intervals: list[tuple[int, int]]) -> int:
+    """How many elements the [start, stop) intervals cover together (overlaps once)."""
+    total, reach = 0, None
+    for start, stop in sorted(intervals):
+        if reach is None or start >= reach:
+            total, reach = total + stop - start, stop
+        elif stop > reach:
+            total, reach = total + stop - reach, stop
+    return total
+
+
+class ReadWhenAsked(Mapping):
+    """A rank's local vectors by name, each read from the checkpoint when asked for and not kept: a load holds one
+    at a time (with offloaded state, never the whole state in memory)."""
+
+    def __init__(self, names: list[str], read: Callable[[str], torch.Tensor]):
+        self._names, self._read = list(names), read
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        return self._read(name)
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 def _check_same_model(step_dir: Path, manifest: dict, strategy: FlatStrategy) -> None:
@@ -148,9 +189,15 @@ def load(path: str | os.PathLike, topo: Topology, strategy: FlatStrategy) -> dic
             raise CheckpointError(f"checkpoint {step_dir} stores {key} in {theirs}, this run keeps them in "
                                   f"{dtype_name(dtype)} (resume with the dtype and precision it "
                                   "was saved with)")
-    local = {key: read_local(step_dir, manifest, key, reads[key], wanted, length) for key in keys}
+    store = strategy.optimizer.store  # offloaded to disk, what is read goes to files too
+
+    def read(key: str) -> torch.Tensor:
+        return read_local(step_dir, manifest, key, reads[key], wanted, length, None if store is None else store.scratch)
+
     train_state = manifest["train_state"]
-    strategy.load_local(local, train_state["optimizer_scalars"])
+    optimizer_state = ReadWhenAsked([k.removeprefix("optim.") for k in keys if k.startswith("optim.")],
+                                    lambda name: read(f"optim.{name}"))
+    strategy.load_local(read("params"), optimizer_state, train_state["optimizer_scalars"])
     values = strategy.model.state_dict(keep_vars=True)
     with torch.no_grad():
         for p in extras:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import threading
@@ -57,14 +58,17 @@ def model_entries(strategy: FlatStrategy, topo: Topology) -> tuple[list[dict], d
     return entries, tensors
 
 
-def host_snapshot(pieces: dict[str, list[torch.Tensor]], copy: bool) -> tuple[dict[str, torch.Tensor], object]:
+def host_snapshot(pieces: dict[str, list[torch.Tensor]], copy: bool,
+                  scratch: Callable[[str, int, torch.dtype], torch.Tensor | None] | None = None
+                  ) -> tuple[dict[str, torch.Tensor], object]:
     """Each key's pieces laid end to end, in host memory, and an event that fires once a device's copies have
     arrived (None if nothing came from a device). From a GPU the pieces go straight into pinned host memory with
     non-blocking copies queued on the stream (the step is not held up, and no second copy of the state is made on
     the device; the stream's order keeps the next step from changing them first). Host pieces are copied only
     with `copy` (a background write, while training goes on changing them); else a lone piece is used as it is,
     unless another key's tensor shares its memory (the parameters are the master at ZeRO-3), which safetensors
-    refuses to write twice."""
+    refuses to write twice. `scratch(key, numel, dtype)`, where given, says where a host copy goes (disk offload:
+    a file of its own, so a snapshot of state that does not fit in memory needs none; None: host memory)."""
     out, device_copies, used = {}, False, set()
     for key, parts in pieces.items():
         first = parts[0]
@@ -75,9 +79,14 @@ def host_snapshot(pieces: dict[str, list[torch.Tensor]], copy: bool) -> tuple[di
             used.add(storage)
             continue
         pinned = first.device.type == "cuda"
+        shape = first.shape if len(parts) == 1 else (sum(p.numel() for p in parts),)
+        host = None if scratch is None else scratch(key, math.prod(shape), first.dtype)
+        if host is None:
+            host = torch.empty(shape, dtype=first.dtype, pin_memory=pinned)
+        else:  # a file's pages: the device's copies into them are not queued but done here
+            pinned = False
         device_copies |= pinned
-        host = torch.empty(first.shape if len(parts) == 1 else (sum(p.numel() for p in parts),), dtype=first.dtype,
-                           pin_memory=pinned)
+        host = host.view(shape)
         flat, at = host.view(-1), 0
         for part in parts:
             flat[at:at + part.numel()].copy_(part.detach().reshape(-1), non_blocking=pinned)
@@ -88,6 +97,13 @@ def host_snapshot(pieces: dict[str, list[torch.Tensor]], copy: bool) -> tuple[di
     arrived = torch.cuda.Event()
     arrived.record()
     return out, arrived
+
+
+def all_finite(t: torch.Tensor, block: int = 1 << 18) -> bool:
+    """No NaN or Inf in t, checked a block at a time: isfinite makes temporaries of its input's size (|x|, masks),
+    so a whole state is never copied for it."""
+    flat = t.reshape(-1)
+    return all(bool(torch.isfinite(flat[i:i + block]).all()) for i in range(0, flat.numel(), block))
 
 
 class ShardWrite:
@@ -101,8 +117,9 @@ class ShardWrite:
         self.path = self.tmp / shard_file_name(topo.rank)
         # A background write needs a copy: training goes on changing the live buffers.
         self.state_dict_map, extras = model_entries(strategy, topo)
+        store = self._store = strategy.optimizer.store  # offloaded to disk, a copy of the state goes to files too
         shards, self._arrived = host_snapshot({**strategy.state_pieces(), **{k: [v] for k, v in extras.items()}},
-                                              copy)
+                                              copy, None if store is None else store.scratch)
         self.shards = {**shards, **rng_state()}
         self.keys = list(self.shards)
         # The flat vectors this rank's file holds and their dtypes: ranks may differ (a rank whose shard is all
@@ -121,7 +138,7 @@ class ShardWrite:
             # (on every rank, at commit) rather than become the checkpoint `latest` names. Buffers may hold
             # infinities on purpose (a -inf attention mask), so only the flat state is checked.
             bad = next((key for key, t in self.shards.items() if key.startswith(("params", "optim."))
-                        and t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
+                        and t.is_floating_point() and not all_finite(t)), None)
             if bad is not None:
                 raise ValueError(f"'{bad}' holds NaN or Inf values; a checkpoint of them would resume nothing "
                                  "(lower --lr, or resume from an earlier checkpoint)")
@@ -139,6 +156,8 @@ class ShardWrite:
             self.error = f"{type(e).__name__}: {e}"
         finally:
             self.shards = {}  # the snapshot's memory goes back as soon as it is on disk
+            if self._store is not None:  # and offloaded state read for the write goes back to its files
+                self._store.release()
 
     @property
     def written(self) -> bool:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from ..errors import ConfigError
 
 # The deliberate failures train/faults.py knows (--fault.kind).
-FAULT_KINDS = ("", "sigkill", "sigterm", "kill-in-save", "save-error", "lr-spike", "slow")
+FAULT_KINDS = ("", "sigkill", "sigterm", "kill-in-save", "save-error", "lr-spike", "slow", "truncate-offload")
 
 
 def opt(default, help: str):
@@ -103,6 +103,9 @@ class TrainConfig:
     offload: str = opt("none", "where the optimizer's master weights and Adam state live: none (with the model) | cpu "
                        "(host memory) | disk (memory-mapped files under --train.offload_dir, paged in as the step "
                        "reaches them)")
+    offload_chunk_mb: float = opt(4.0, "offloaded: MiB of the master the optimizer steps at a time; with disk, each "
+                                  "chunk's pages go back to the kernel once stepped, so the process holds one "
+                                  "chunk of master, m and v, not all of it")
     offload_dir: str = opt("", "disk offload's directory (default OUT/offload); this rank's files are made fresh and "
                            "removed at the end")
     memory_profile: bool = opt(False, "print per-rank memory (at rest and peak, measured and predicted) at the "
@@ -192,7 +195,8 @@ class CheckpointConfig:
 class FaultConfig:
     """Deliberate failures for testing fault tolerance (see minitrain/faults.py)."""
 
-    kind: str = opt("", "'' = none | sigkill | sigterm | kill-in-save | save-error | lr-spike | slow; fires once "
+    kind: str = opt("", "'' = none | sigkill | sigterm | kill-in-save | save-error | lr-spike | slow | "
+                    "truncate-offload; fires once "
                     "(slow: every step from fault.step), never in a resumed run")
     step: int = opt(0, "the step at which the fault fires")
     rank: int = opt(0, "the rank it fires on (lr-spike applies on every rank)")
@@ -271,6 +275,8 @@ def _check_precision(t: TrainConfig) -> None:
     _require_positive("train.loss_scale_window", t.loss_scale_window)
     _require_choice("train.activation_checkpointing", t.activation_checkpointing, ("none", "block", "selective"))
     _require_choice("train.offload", t.offload, ("none", "cpu", "disk"))
+    if not t.offload_chunk_mb > 0:
+        raise ConfigError(f"train.offload_chunk_mb must be > 0, got {t.offload_chunk_mb}")
 
 
 def _check_optimizer(t: TrainConfig) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn as nn
@@ -329,6 +329,7 @@ class FlatStrategy:
             clip = self.pcfg.grad_clip if max_norm is None else max_norm
             self.optimizer.step(self._averaged_grad(), lr, clip_coefficient(norm, clip) / loss_scale)
             self._publish()
+            self.optimizer.release_pages()
         # else skip: parameters and optimizer state unchanged
         self._norm = None
         self._end_step()
@@ -350,6 +351,7 @@ class FlatStrategy:
         scale = clip_coefficient_tensor(norm, self.pcfg.grad_clip) / loss_scale
         self.optimizer.step(self._averaged_grad(), lr, scale, found_inf=found_inf)
         self._publish()  # a skipped step publishes the unchanged master: the same parameters
+        self.optimizer.release_pages()
         self._norm = None
         self._end_step()
         return norm
@@ -455,9 +457,9 @@ class FlatStrategy:
             self.flat.data[a:b].copy_(view)
 
     @torch.no_grad()
-    def load_local(self, local: dict[str, torch.Tensor], scalars: dict) -> None:
-        """Restore from this rank's own local vectors (over shard_ranges) keyed like state_pieces(), and the
-        optimizer's scalar state. Collective at ZeRO-1/2 (the parameters are gathered)."""
-        self._load_params(local["params"])
-        self.optimizer.load_state({k.removeprefix("optim."): v for k, v in local.items() if k.startswith("optim.")},
-                                  scalars)
+    def load_local(self, params: torch.Tensor, optimizer_state: Mapping[str, torch.Tensor], scalars: dict) -> None:
+        """Restore from this rank's own local vectors (over shard_ranges): its parameters, the optimizer's state by
+        name (master, exp_avg, ...; a checkpoint's are read as the optimizer asks for them) and scalar state.
+        Collective at ZeRO-1/2 (the parameters are gathered)."""
+        self._load_params(params)
+        self.optimizer.load_state(optimizer_state, scalars)

@@ -10,14 +10,17 @@ store opens (a crashed run's are replaced) and removed when it closes.
 """
 from __future__ import annotations
 
+import mmap
 import os
 from pathlib import Path
 
 import torch
 
+from ..errors import ConfigError
 
-class OffloadError(RuntimeError):
-    """The offload directory cannot hold the state (no space, no permission)."""
+
+class OffloadError(ConfigError):
+    """The offload directory cannot hold the state (no space, no permission), or a file of it went missing."""
 
 
 def host_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -30,7 +33,8 @@ class OffloadStore:
         if mode not in ("cpu", "disk"):
             raise ValueError(f"offload is cpu or disk, got {mode!r}")
         self.mode, self.directory, self.rank = mode, Path(directory), rank
-        self.files: list[Path] = []
+        self.files: list[Path] = []  # each file this rank made
+        self._maps: list[tuple[Path, int, int, mmap.mmap]] = []  # (file, address, bytes, mapping) of each mapped one
         if mode == "disk":
             self.directory.mkdir(parents=True, exist_ok=True)
 
@@ -38,30 +42,82 @@ class OffloadStore:
         """A zeroed 1-D tensor of `numel` elements, held where the store keeps state."""
         if self.mode == "cpu":
             return host_zeros(numel, dtype)
-        path = self.directory / f"rank-{self.rank:05d}-{name}.bin"
+        return self._mapped(self.directory / f"rank-{self.rank:05d}-{name}.bin", numel, dtype)
+
+    def scratch(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """Disk: a zeroed tensor for a transient copy of state (a checkpoint's snapshot or what a load reads) in a
+        file of its own, removed from the directory at once: its pages are the kernel's to drop, and it is gone
+        when the tensor is (or when the process ends, however it ends). None for cpu: host memory as usual."""
+        if self.mode == "cpu":
+            return None
+        path = self.directory / f"rank-{self.rank:05d}-scratch-{name}.bin"
+        tensor = self._mapped(path, numel, dtype, keep=False)
+        path.unlink()
+        return tensor
+
+    def _mapped(self, path: Path, numel: int, dtype: torch.dtype, keep: bool = True) -> torch.Tensor:
+        """A fresh file of numel elements, its blocks reserved, mapped as a tensor; `keep`: it is the store's (removed
+        by close(), checked and released with the others)."""
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        self.files.append(path)
+        if keep:
+            self.files.append(path)
         try:
-            with open(path, "wb") as f:  # a fresh file (truncated if a crashed run left one): reads back as zeros
+            with open(path, "wb+") as f:  # a fresh file (truncated if a crashed run left one): reads back as zeros
                 # Its blocks reserved now: a sparse file on a full disk would end the process with SIGBUS at the
                 # first write through the mapping, mid-step, instead of an error here.
                 if hasattr(os, "posix_fallocate") and nbytes:
                     os.posix_fallocate(f.fileno(), 0, nbytes)
                 else:
                     f.truncate(nbytes)
+                if not nbytes:  # nothing to map
+                    return torch.zeros(0, dtype=dtype)
+                mapping = mmap.mmap(f.fileno(), nbytes, mmap.MAP_SHARED)
         except OSError as e:
-            self.close()
+            path.unlink(missing_ok=True)
+            if keep:
+                self.close()
             raise OffloadError(f"offload: cannot reserve {nbytes:,} bytes for {path} ({e.strerror or e}); free "
                                "space there or choose another offload directory") from None
-        return torch.from_file(str(path), shared=True, size=numel, dtype=dtype)
+        tensor = torch.frombuffer(mapping, dtype=dtype)  # the tensor keeps the mapping alive
+        if keep:
+            self._maps.append((path, tensor.data_ptr(), nbytes, mapping))
+        return tensor
 
     def copy_of(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         held = self.zeros(name, tensor.numel(), tensor.dtype)
         held.copy_(tensor.reshape(-1))
+        self.release(held)  # written: in the file now, not in the process's memory
         return held
+
+    def release(self, tensor: torch.Tensor | None = None) -> None:
+        """Disk: give the pages of `tensor` (a view of a stored tensor; None: every one) back to the kernel. Their
+        values stay in the file (a shared mapping's dirty pages are written back, not lost) and are paged in again
+        when next touched, so the process holds only the chunk the optimizer is stepping, not the whole state in
+        its resident memory. Nothing to do for cpu."""
+        for _, address, nbytes, mapping in self._maps:
+            if tensor is None:
+                mapping.madvise(mmap.MADV_DONTNEED)
+                continue
+            start = tensor.data_ptr() - address
+            if 0 <= start < nbytes:
+                first = start - start % mmap.PAGESIZE  # madvise wants a page-aligned start
+                mapping.madvise(mmap.MADV_DONTNEED, first,
+                                min(nbytes, start + tensor.numel() * tensor.element_size()) - first)
+
+    def check(self) -> None:
+        """Disk: every file still at its size (OffloadError naming it if not). A file truncated under its mapping
+        would end the process with SIGBUS at the next access; this says which file and why instead. (A file
+        removed is no loss: the mapping keeps it until the run ends.)"""
+        for path, _, nbytes, mapping in self._maps:
+            size = mapping.size()  # the mapped file's own size, whatever its name now points at
+            if size < nbytes:
+                raise OffloadError(f"offload: {path} was truncated to {size:,} of {nbytes:,} bytes during the run; "
+                                   "the optimizer state in it is lost: resume from the last checkpoint (and keep "
+                                   "other programs out of the offload directory)")
 
     def close(self) -> None:
         """Remove this rank's files (the tensors mapping them stay readable until dropped)."""
         for path in self.files:
             path.unlink(missing_ok=True)
         self.files.clear()
+        self._maps.clear()

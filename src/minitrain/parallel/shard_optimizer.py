@@ -150,6 +150,8 @@ class TorchShardOptimizer:
     @torch.no_grad()
     def step(self, grad: torch.Tensor, lr: float | None, grad_scale: float = 1.0) -> None:
         """Update the master from `grad` (local layout) times grad_scale (clipping, unscaling)."""
+        if self.store is not None:
+            self.store.check()  # a file truncated under its mapping: one clear error, not SIGBUS below
         g = grad if grad.dtype == self.master.dtype else grad.to(self.master.dtype)  # mixed precision: widen
         if grad_scale != 1.0:
             g.mul_(grad_scale)  # in place: the caller is done with its gradient buffer
@@ -163,6 +165,12 @@ class TorchShardOptimizer:
             view.grad = None
         self.steps_taken += 1
         self._offload_state()
+
+    def release_pages(self) -> None:
+        """Disk offload: once the strategy has published the master, the state's pages go back to the kernel (the
+        files keep them). A torch optimizer steps all its tensors in one call: they are resident during it."""
+        if self.store is not None:
+            self.store.release()
 
     @torch.no_grad()
     def _offload_state(self) -> None:
@@ -230,7 +238,13 @@ class TorchShardOptimizer:
         rank of any layout finds the value of the parameters it holds."""
         elementwise, scalar = self._kinds()
         out = {"master": self.master}
+        if self.store is not None:
+            self.store.check()
         for name in [*elementwise, *scalar]:
+            stored = self._stored.get(name)
+            if stored is not None and stored.dtype == self.master.dtype:  # offloaded: that vector, not a copy
+                out[name] = stored
+                continue
             vec = torch.zeros(self.master.numel(), dtype=self.master.dtype if name in elementwise else torch.float64,
                               device=self.master.device)
             for view, a, b in self.views:
@@ -266,18 +280,22 @@ class TorchShardOptimizer:
     def load_state(self, tensors: dict[str, torch.Tensor], scalars: dict) -> None:
         self.master.copy_(tensors["master"])
         dtypes = scalars.get("scalars", {})
-        for (view, a, b), at in zip(self.views, self._scalar_at):
-            if at is None:
-                continue  # an empty piece of a group, or padding only: it holds no state
-            state = self.inner.state[view]
-            for name, vec in tensors.items():
-                if name == "master":
-                    continue
+        for name in tensors:  # each vector read once (a checkpoint's are read when asked for, one at a time)
+            if name == "master":
+                continue
+            vec = tensors[name]
+            for (view, a, b), at in zip(self.views, self._scalar_at):
+                if at is None:
+                    continue  # an empty piece of a group, or padding only: it holds no state
+                state = self.inner.state[view]
                 if name in dtypes:
                     value = float(vec[at])
                     state[name] = torch.tensor(value, dtype=getattr(torch, dtypes[name]),
                                                device=self._scalar_device(view)) if dtypes[name] else value
                 else:  # a checkpoint is read on the host: the state goes where its parameter lives
                     state[name] = vec[a:b].to(device=view.device, dtype=self.master.dtype).view_as(view).clone()
+            del vec
+            self._offload_state()  # offloaded: into the store before the next vector is read
         self.steps_taken = int(scalars.get("steps_taken", 0))
         self._offload_state()
+        self.release_pages()

@@ -47,6 +47,7 @@ class RankFailure:
     # True when the rank failed because a collective broke, i.e. most likely because a peer
     # died: such a failure is the root cause only if nothing else failed.
     collective: bool = False
+    refusal: str | None = None  # a ConfigError's message: the rank refused what it was given (exit 2, one line)
 
 
 class RankFailedError(RuntimeError):
@@ -146,7 +147,8 @@ def _rank_main(fn, args, rank, nproc, port, backend, pg_timeout_s, threads, conn
             _send(conn, ("ok", result))
     except BaseException as e:  # noqa: BLE001 - every failure must reach the launcher
         with pipe:
-            _send(conn, ("error", traceback.format_exc(), time.time(), _secondary(e)))
+            _send(conn, ("error", traceback.format_exc(), time.time(), _secondary(e),
+                         str(e) if isinstance(e, ConfigError) else None))
         conn.close()
         os._exit(1)  # skip teardown that could block on dead peers; the launcher reaps us
     if topo is not None:
@@ -265,7 +267,7 @@ def _supervise(procs, conns: dict, timeout_s: float | None) -> list:
         if msg[0] == "ok":
             results[rank] = msg[1]
         else:
-            failures.append(RankFailure(rank, msg[1], msg[2], msg[3]))
+            failures.append(RankFailure(rank, *msg[1:]))
 
     while len(results) < nproc:
         now = time.monotonic()
@@ -293,6 +295,8 @@ def _supervise(procs, conns: dict, timeout_s: float | None) -> list:
         # A rank that died silently is stamped when the launcher noticed, which can be after
         # its peers' broken collectives: so prefer failures that are not collective breakage.
         root = min(failures, key=lambda f: (f.collective, f.when))
+        if root.refusal is not None:  # something to fix, said in one line (the CLI exits 2)
+            raise ConfigError(f"rank {root.rank}: {root.refusal}")
         raise RankFailedError(root, sorted(f.rank for f in failures if f is not root))
     return [results[r] for r in range(nproc)]
 
@@ -329,6 +333,9 @@ def run_under_torchrun(fn, *args, backend: str = "auto", pg_timeout_s: float = 3
     topo = Topology.from_env(backend, pg_timeout_s, report)
     try:
         return fn(topo, *args)
+    except ConfigError as e:  # something to fix, in one line
+        print(f"[rank {topo.rank}] error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     except Exception:
         # Shown once here; torchrun reports the exit code and ends the other ranks.
         print(f"[rank {topo.rank}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)

@@ -10,19 +10,23 @@ checkpoint: the restarted or resumed run must get through. Kinds:
   lr-spike      every rank multiplies that step's learning rate by --fault.lr_multiplier
   slow          rank --fault.rank sleeps --fault.slow_s seconds at the start of every step from --fault.step on
                 (a straggler: the one kind that fires more than once)
+  truncate-offload  rank --fault.rank's disk-offload files are cut to half their size as the step starts (another
+                program clobbering the offload directory)
 """
 from __future__ import annotations
 
 import os
 import signal
 import time
+from pathlib import Path
 
 from ..config import FaultConfig  # its kind is one of config.FAULT_KINDS, the ones listed above
 
 
 class Faults:
-    def __init__(self, cfg: FaultConfig, rank: int, resumed: bool):
-        self.cfg = cfg
+    def __init__(self, cfg: FaultConfig, rank: int, resumed: bool, offload_files: Path | None = None):
+        """offload_files: the directory of this run's disk-offload files (truncate-offload), if any."""
+        self.cfg, self.rank, self.offload_files = cfg, rank, offload_files
         on_this_rank = cfg.kind == "lr-spike" or rank == cfg.rank  # a learning rate must agree everywhere
         self.armed = bool(cfg.kind) and on_this_rank and not resumed
 
@@ -39,6 +43,9 @@ class Faults:
             os.kill(os.getpid(), signal.SIGKILL)
         if self._fires(("sigterm",), step):
             os.kill(os.getpid(), signal.SIGTERM)
+        if self._fires(("truncate-offload",), step) and self.offload_files is not None:
+            for path in self.offload_files.glob(f"rank-{self.rank:05d}-*.bin"):
+                os.truncate(path, path.stat().st_size // 2)
 
     def lr_factor(self, step: int) -> float:
         return self.cfg.lr_multiplier if self._fires(("lr-spike",), step) else 1.0

@@ -22,6 +22,18 @@ def offload_store(cfg: RunConfig, rank: int) -> OffloadStore | None:
     return None if cfg.train.offload == "none" else OffloadStore(cfg.train.offload, offload_directory(cfg), rank)
 
 
+def remove_offload_files(cfg: RunConfig) -> None:
+    """After the launcher's ranks are gone, however they ended: their disk-offload files (a rank killed while
+    another failed had no chance to remove its own), and the default directory if that leaves it empty."""
+    if cfg.train.offload != "disk":
+        return
+    directory = offload_directory(cfg)
+    for path in directory.glob("rank-[0-9]*-*.bin"):
+        path.unlink(missing_ok=True)
+    if not cfg.train.offload_dir and directory.is_dir() and not any(directory.iterdir()):
+        directory.rmdir()
+
+
 def check_offload_directory(cfg: RunConfig) -> None:
     """Disk offload: its directory must be one this process can create and write (ConfigError before the run)."""
     if cfg.train.offload != "disk":

@@ -7,6 +7,7 @@ gradients arrive and parameters leave, which is what the parity tests check.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 
@@ -51,9 +52,11 @@ class FlatAdamW:
 
     def __init__(self, master: torch.Tensor, decay_ranges: list[tuple[int, int]],
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
-                 store: OffloadStore | None = None):
-        """store: where the master and the state live (offload.py); None: where `master` is."""
+                 store: OffloadStore | None = None, chunk: int = CHUNK):
+        """store: where the master and the state live (offload.py); None: where `master` is. chunk: elements
+        stepped per kernel call (--train.offload_chunk_mb when offloaded: with disk, what is resident at once)."""
         self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
+        self.store, self.chunk = store, chunk
         self.master = master if store is None else store.copy_of("master", master)
         zeros = (lambda name: torch.zeros_like(self.master)) if store is None else (
             lambda name: store.zeros(name, self.master.numel(), self.master.dtype))
@@ -88,6 +91,8 @@ class FlatAdamW:
         if lr is None:
             raise ValueError("FlatAdamW takes its learning rate from each step (the caller's schedule)")
         beta1, beta2 = self.betas
+        if self.store is not None:
+            self.store.check()  # a file truncated under its mapping: one clear error, not SIGBUS below
         self.steps_taken += 1
         where = self.master.device  # the device's, or the host's when the state is offloaded
         decay = 1.0 - lr * self.weight_decay
@@ -98,8 +103,8 @@ class FlatAdamW:
             grad_scale = grad_scale.to(where)
         # Chunk by chunk, so what the weight decay and the scaling touch is still in cache when the
         # kernel reads it, and a mixed-precision step upcasts one chunk, not the whole gradient.
-        for a in range(0, self.master.numel(), self.CHUNK):
-            b = min(a + self.CHUNK, self.master.numel())
+        for a in range(0, self.master.numel(), self.chunk):
+            b = min(a + self.chunk, self.master.numel())
             if self.weight_decay:
                 for lo, hi in self.decay_ranges:
                     if lo < b and hi > a:
@@ -113,8 +118,18 @@ class FlatAdamW:
             adamw([w], [g], [self.exp_avg[a:b]], [self.exp_avg_sq[a:b]], [], [self._step], amsgrad=False,
                   beta1=beta1, beta2=beta2, lr=lr, weight_decay=0.0, eps=self.eps, maximize=False,
                   found_inf=found_inf, **self._kernel)
+            if self.store is not None:  # disk: this chunk's pages go back to the kernel, the file keeps them
+                for t in (w, self.exp_avg[a:b], self.exp_avg_sq[a:b]):
+                    self.store.release(t)
+
+    def release_pages(self) -> None:
+        """Disk offload: after the strategy has published the master, its pages go back to the kernel too."""
+        if self.store is not None:
+            self.store.release()
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
+        if self.store is not None:
+            self.store.check()
         return {name: getattr(self, name) for name in self.STATE_NAMES}
 
     def elementwise_states(self) -> int:
@@ -129,9 +144,12 @@ class FlatAdamW:
         return {"steps_taken": self.steps_taken}
 
     @torch.no_grad()
-    def load_state(self, tensors: dict[str, torch.Tensor], scalars: dict) -> None:
+    def load_state(self, tensors: Mapping[str, torch.Tensor], scalars: dict) -> None:
+        """tensors: each state by name (a checkpoint's are read when asked for: one at a time here)."""
         for name, t in self.state_tensors().items():
             t.copy_(tensors[name])
+            if self.store is not None:
+                self.store.release(t)  # in the file now
         self.steps_taken = int(scalars["steps_taken"])
 
 
@@ -141,6 +159,7 @@ def flat_adamw_factory(cfg: TrainConfig, store: OffloadStore | None = None):
 
     def make(master: torch.Tensor, flat, shard_ranges) -> FlatAdamW:
         decay = flat.local_ranges(flat.decay_ranges(), shard_ranges)
-        return FlatAdamW(master, decay, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay, store)
+        chunk = FlatAdamW.CHUNK if store is None else max(1, int(cfg.offload_chunk_mb * 2**20) // master.element_size())
+        return FlatAdamW(master, decay, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay, store, chunk)
 
     return make

@@ -35,7 +35,7 @@ from ..runtime.topology import Topology
 from .faults import Faults
 from .guards import NonFiniteGuard, SpikeGuard
 from .memory import DevicePeak
-from .offload import offload_store
+from .offload import offload_directory, offload_store
 from .optim import flat_adamw_factory, lr_at
 from .precision import autocast, compute_dtype, make_loss_scaler, master_dtype, reduce_dtype
 from .step_stats import PEAK_KINDS, Agreed, RankStats, StepRequests
@@ -134,7 +134,8 @@ class Trainer:
         self.spikes = SpikeGuard(t.spike_factor, t.spike_window)
         self.timer = StepTimer(topo.device)
         self.device_peak = DevicePeak(topo.device)
-        self.faults = Faults(cfg.fault, topo.rank, resumed=False)
+        self.faults = Faults(cfg.fault, topo.rank, resumed=False,
+                             offload_files=offload_directory(cfg) if cfg.train.offload == "disk" else None)
         self.agreed = Agreed()  # what the ranks agreed on at the last step boundary (step_stats.py)
         self._last_exchange_end: float | None = None  # when this rank's last statistics exchange returned
         self._device_busy = 0.0  # on a GPU: the last step's busy seconds, from its events (train_step)

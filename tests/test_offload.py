@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .dist import run_main, run_ranks
+from .dist import run_cli, run_main, run_ranks
 from .numerics import assert_bit_equal
 
 STAGES = (0, 1, 2, 3)
@@ -343,3 +343,22 @@ def test_files_a_crashed_run_left_are_made_afresh(tmp_path):
     store.check()
     store.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_memory_profile_books_offloaded_state_off_the_device(tmp_path):
+    # --memory-profile at ZeRO-2 with cpu offload: the optimizer row says it is in host memory and so does the
+    # gradient shard's; the device's total leaves both out. The at-rest bytes still equal the formula.
+    import json
+
+    out = tmp_path / "run"
+    proc = run_cli("train", "--nproc", "2", "--zero", "2", "--steps", "2", "--train.offload", "cpu",
+                   "--memory-profile", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((out / "memory.json").read_text())
+    assert report["off_device"] == {"optimizer": "host", "grads": "host"}
+    assert all(r["at_rest_equals_formula"] for r in report["ranks"])
+    rank0 = report["ranks"][0]["at_rest"]
+    lines = proc.stdout.splitlines()
+    total = next(line for line in lines if "total on the device" in line)
+    assert f" {rank0['params']} " in total, total
+    assert any("optimizer (host)" in line for line in lines) and any("grads (host)" in line for line in lines)

@@ -154,19 +154,31 @@ def profile(strategy: FlatStrategy, records: list, device: torch.device, expecta
         "units": [{"name": u.name, "padded_numel": u.stop - u.start} for u in flat.units],
         "formula": strategy.memory_formula(), "expected_at_rest": strategy.expected_memory_bytes(),
         "device_peak_source": device_peak_source(device), "ranks": ranks,
+        "off_device": off_device(strategy.pcfg.offload, strategy.stage),
     }
+
+
+def off_device(offload: str, stage: int) -> dict[str, str]:
+    """The kinds of model state that offload keeps off the device, and where: the optimizer's master and state in
+    host memory (cpu) or files (disk), at ZeRO-2/3 the gradient shard in host memory (parallel/config.py)."""
+    if offload == "none":
+        return {}
+    return {"optimizer": "host" if offload == "cpu" else "disk", **({"grads": "host"} if stage >= 2 else {})}
 
 
 def render(report: dict) -> str:
     P = report["padded_params"]
-    rows = []
+    rows, away = [], report.get("off_device", {})
     for rank in report["ranks"]:
         for k in MEMORY_KINDS:
             got, want = rank["at_rest"][k], rank["expected_at_rest"][k]
-            rows.append([rank["rank"], k, got, f"{report['formula'][k]} = {want}", "yes" if got == want else "NO",
-                         rank["peak_in_step"][k]])
-        rows.append([rank["rank"], "total", sum(rank["at_rest"].values()), "", "",
-                     f"{rank['peak_in_step']['total']}  (device {human_bytes(rank['device_peak_bytes'])})"])
+            rows.append([rank["rank"], k if k not in away else f"{k} ({away[k]})", got,
+                         f"{report['formula'][k]} = {want}", "yes" if got == want else "NO", rank["peak_in_step"][k]])
+        # Offloaded kinds are not the device's: its total leaves them out (at rest, and from the step's peak).
+        elsewhere = sum(rank["at_rest"][k] for k in away)
+        rows.append([rank["rank"], "total" if not away else "total on the device",
+                     sum(rank["at_rest"].values()) - elsewhere, "", "",
+                     f"{rank['peak_in_step']['total'] - elsewhere}  (device {human_bytes(rank['device_peak_bytes'])})"])
     E = report["element_sizes"]
     sizes = sorted({rank["padded_params"] for rank in report["ranks"]})
     model = (f"P = {P} padded params ({report['params']} + {report['padding']} padding over {len(report['units'])} "

@@ -142,12 +142,14 @@ def offload(docs: list[dict]) -> list[str]:
     rows = []
     for preset, entry in docs[0]["results"].items():
         state = f"{entry['state_bytes'] / 2**20:.1f} MiB"
+        planned = entry.get("plan_disk_bytes")
         for mode, figures in entry["modes"].items():
             none = mode == "none"
+            plan = f"{planned / 2**20:.1f} MiB" if mode == "disk" and planned is not None else ""
             rows.append([preset, mode, _ms(figures["step_ms"]), _ratio(figures["time_ratio"], none),
-                         _mib(figures["anon_bytes"]), "" if none else _mib(figures["anon_saved_bytes"]), state])
+                         _mib(figures["anon_bytes"]), "" if none else _mib(figures["anon_saved_bytes"]), state, plan])
     return _table(["preset", "offload", "step ms", "vs none", "anonymous memory added", "saved vs none",
-                   "optimizer state"], "<<>>>>>", rows)
+                   "optimizer state", "plan: off the device"], "<<>>>>>>", rows)
 
 
 def tensor_parallel(docs: list[dict]) -> list[str]:

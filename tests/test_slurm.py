@@ -291,7 +291,8 @@ def test_the_time_limit_warning_saves_requeues_and_resumes(slurm, tmp_path):
                       output)
     log = _read(output)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), log
-    stopped = re.search(r"SIGUSR1 received by rank \[0, 1\]: stopped after step (\d+)", log)
+    # The signal reaches each rank when it does: whichever had it by a step's exchange are named; all stop there.
+    stopped = re.search(r"SIGUSR1 received by rank \[[0-9, ]+\]: stopped after step (\d+)", log)
     assert stopped, log
     step = int(stopped.group(1))
     assert 10 <= step < 200, log

@@ -101,10 +101,9 @@ def plain_run(cfg: RunConfig, steps: int | None = None, loss_scale: float | None
             continue
         ids = torch.from_numpy(step_examples(num_examples, t.batch_size * data_parallel, t.grad_accum, t.seed, step))
         window = tokens[ids[:, None] * seq + torch.arange(seq + 1)]
-        logits = model(window[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), window[:, 1:].reshape(-1))
+        loss, aux = _loss_and_aux(model, window, t.batch_size * data_parallel, data_parallel, cfg.model.moe_experts)
         optimizer.zero_grad()
-        (loss * loss_scale if loss_scale else loss).backward()
+        ((loss + aux) * loss_scale if loss_scale else loss + aux).backward()
         if loss_scale:
             for p in params:
                 p.grad.div_(loss_scale)
@@ -135,6 +134,23 @@ def plain_run(cfg: RunConfig, steps: int | None = None, loss_scale: float | None
     out.exp_avg = _flat(optimizer.state[p]["exp_avg"] for p in params)
     out.exp_avg_sq = _flat(optimizer.state[p]["exp_avg_sq"] for p in params)
     return out
+
+
+def _loss_and_aux(model, window: torch.Tensor, micro_global: int, data_parallel: int, experts: int):
+    """(the mean token cross-entropy, the auxiliary losses) of a step's examples. A dense model takes the whole
+    batch at once. A mixture of experts' load-balancing loss depends on which tokens are routed together, so each
+    rank's share of each micro-batch (position p of a micro-batch goes to rank p % ranks, data.py) is a forward
+    of its own, as the ranks compute it, and the losses are the mean over those shares."""
+    if not experts:
+        logits = model(window[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), window[:, 1:].reshape(-1)), 0.0
+    shares = [micro[r::data_parallel] for micro in window.split(micro_global) for r in range(data_parallel)]
+    loss, aux = 0.0, 0.0
+    for share in shares:
+        logits = model(share[:, :-1])
+        loss = loss + F.cross_entropy(logits.reshape(-1, logits.size(-1)), share[:, 1:].reshape(-1)) / len(shares)
+        aux = aux + sum(m.aux_loss for m in model.moe_layers()) / len(shares)
+    return loss, aux
 
 
 def worst_differences(ref: ReferenceRun, *, losses=None, grad_norms=None, param_norms=None,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from .report_data import MULTI_RUN_OUT, check_out_dir, metrics_path, read_run, summary_text, unique_labels
-from .report_plots import PANELS, write_plots
+from .report_plots import write_plots
 
 DESCRIPTION = ("Plot and summarise training runs from the metrics.jsonl that `minitrain train --out RUN_DIR` "
                "writes. Several runs share each plot, one line per run, and get a comparison table.")
@@ -74,9 +74,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"cannot write the report to {out}: {e.strerror or e}; choose another --out") from None
 
     (out / "summary.txt").write_text(text)
-    empty = write_plots(runs, out)
+    drawn, empty = write_plots(runs, out)
     print(text, end="")
-    drawn = [f"{name}.png" for name in PANELS if name not in empty] + ["report.png", "summary.txt"]
+    drawn = [f"{name}.png" for name in drawn] + ["report.png", "summary.txt"]
     print(f"\nwrote {out}/: {' '.join(drawn)}")
     if empty:
         print(f"left out for lack of data: {', '.join(f'{name}.png' for name in empty)}")

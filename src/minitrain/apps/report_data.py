@@ -97,6 +97,9 @@ FIELD_SHAPES = {
     "param_norm_per_rank": lambda v: isinstance(v, list) and all(map(_is_number, v)),
     "sync": lambda v: isinstance(v, dict),
     "pipeline": lambda v: isinstance(v, dict),
+    # per MoE layer: each expert's slots, then the slots dropped
+    "expert_load": lambda v: isinstance(v, list) and all(isinstance(x, list) and len(x) >= 2 and all(map(_is_number, x))
+                                                         for x in v),
 }
 FIELD_SHAPES["memory_peak"] = FIELD_SHAPES["memory"]
 

@@ -69,6 +69,24 @@ def draw_comm_share(ax, runs: list[Run]) -> bool:
     return drew
 
 
+def draw_expert_load(ax, runs: list[Run]) -> bool:
+    """A mixture of experts' balance: each step's busiest expert against the mean, at each MoE layer (1 is
+    perfectly balanced)."""
+    drew = False
+    for i, run in enumerate(runs):
+        layers = max((len(s.get("expert_load") or []) for s in run.steps), default=0)
+        for layer in range(layers):
+            ratio = []
+            for s in run.steps:
+                load = (s.get("expert_load") or [])[layer][:-1] if layer < len(s.get("expert_load") or []) else []
+                ratio.append(max(load) * len(load) / sum(load) if load and sum(load) else math.nan)
+            label = f"{run.label} layer {layer}" if layers <= 6 else (run.label if layer == 0 else None)
+            drew |= _plot(ax, run.values("step"), ratio, color=f"C{i}", linestyle=("-", "--", ":", "-.")[layer % 4],
+                          label=label)
+    ax.set(title="expert load: busiest / mean", xlabel="step", ylabel="max / mean")
+    return drew
+
+
 PANELS = {  # file stem -> drawer, in report.png's order
     "loss": draw_loss,
     "lr": _per_step("lr", "learning rate", "lr"),
@@ -76,11 +94,18 @@ PANELS = {  # file stem -> drawer, in report.png's order
     "tokens_per_s": _per_step("tokens_per_s", "throughput", "tokens/s"),
     "memory": draw_memory,
     "comm_share": draw_comm_share,
+    "expert_load": draw_expert_load,
 }
 
 
-def write_plots(runs: list[Run], out: Path) -> list[str]:
-    """One PNG per panel and report.png with all of them; returns the panels left out for lack of data."""
+# Panels of what only some runs record (a mixture of experts' load): a report of runs without it leaves them out
+# without a word.
+OPTIONAL = {"expert_load"}
+
+
+def write_plots(runs: list[Run], out: Path) -> tuple[list[str], list[str]]:
+    """One PNG per panel and report.png with all of them; returns (the panels drawn, those left out for lack of
+    data). An optional panel no run recorded is in neither."""
     # The Agg canvas directly, not pyplot: no global backend switch, no figure registry to leak into.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -91,8 +116,10 @@ def write_plots(runs: list[Run], out: Path) -> list[str]:
         return fig
 
     # Fixed margins rather than a tight layout: laying out twice doubles the drawing time.
+    panels = {name: draw for name, draw in PANELS.items()
+              if name not in OPTIONAL or any(s.get(name) for run in runs for s in run.steps)}
     empty = []
-    for name, draw in PANELS.items():
+    for name, draw in panels.items():
         fig = new_figure(figsize=(6, 4), dpi=110)
         fig.subplots_adjust(left=0.15, right=0.97, bottom=0.13, top=0.91)
         ax = fig.subplots()
@@ -104,9 +131,13 @@ def write_plots(runs: list[Run], out: Path) -> list[str]:
             empty.append(name)
             (out / f"{name}.png").unlink(missing_ok=True)  # not a stale plot from an earlier report
 
-    fig = new_figure(figsize=(16, 9), dpi=90)
+    rows = math.ceil(len(panels) / 3)
+    fig = new_figure(figsize=(16, 4.5 * rows), dpi=90)
     fig.subplots_adjust(left=0.06, right=0.98, bottom=0.07, top=0.91, wspace=0.25, hspace=0.3)
-    for ax, (name, draw) in zip(fig.subplots(2, 3).flat, PANELS.items()):
+    axes = list(fig.subplots(rows, 3).flat)
+    for ax in axes[len(panels):]:
+        ax.set_visible(False)
+    for ax, (name, draw) in zip(axes, panels.items()):
         if draw(ax, runs):
             ax.grid(alpha=0.3)
             ax.legend(fontsize="x-small")
@@ -114,4 +145,4 @@ def write_plots(runs: list[Run], out: Path) -> list[str]:
             ax.text(0.5, 0.5, "not recorded", ha="center", va="center", transform=ax.transAxes)
     fig.suptitle(" vs ".join(run.label for run in runs))
     fig.savefig(out / "report.png")
-    return empty
+    return [name for name in panels if name not in empty], empty

@@ -38,6 +38,17 @@ class ModelConfig:
     tie_weights: bool = opt(False, "share the token embedding with the LM head")
     attention: str = opt("sdpa", "sdpa (PyTorch's fused scaled_dot_product_attention: flash attention where "
                          "available) | explicit (the scores, mask and softmax spelled out: for teaching)")
+    moe_experts: int = opt(0, "mixture of experts: this many expert MLPs per block, a router picking moe_top_k "
+                           "of them for each token (0: one dense MLP)")
+    moe_top_k: int = opt(2, "experts each token is sent to (their outputs weighted by the router's renormalised "
+                         "probabilities)")
+    moe_capacity_factor: float = opt(0.0, "0: dropless (every token reaches its experts); else each expert takes "
+                                     "at most ceil(factor x tokens x top_k / experts) per forward, the first in "
+                                     "token order, the rest dropped (counted)")
+    moe_aux_loss_coef: float = opt(0.01, "weight of the load-balancing loss (Switch/GShard: experts x sum of "
+                                   "token fraction x mean router probability; 1 when balanced)")
+    moe_z_loss_coef: float = opt(0.0, "weight of the router z-loss (ST-MoE: mean squared log-sum-exp of the "
+                                 "router logits), 0 to leave it out")
 
     @property
     def ffn_dim(self) -> int:
@@ -338,6 +349,24 @@ def check_model(m: ModelConfig) -> None:
     if not isinstance(m.d_ff, int) or m.d_ff < 0:
         raise ConfigError(f"model.d_ff must be >= 0 (0 means 4 * d_model), got {m.d_ff}")
     _require_choice("model.attention", m.attention, ("sdpa", "explicit"))
+    _check_experts(m)
+
+
+def _check_experts(m: ModelConfig) -> None:
+    for name in ("moe_experts", "moe_top_k"):
+        value = getattr(m, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ConfigError(f"model.{name} must be an integer >= 0, got {value!r}")
+    if not m.moe_experts:
+        return
+    if not 1 <= m.moe_top_k <= m.moe_experts:
+        raise ConfigError(f"model.moe_top_k={m.moe_top_k} must lie in [1, model.moe_experts={m.moe_experts}]: "
+                          "each token goes to that many different experts")
+    if m.moe_capacity_factor < 0:
+        raise ConfigError(f"model.moe_capacity_factor must be >= 0 (0: dropless), got {m.moe_capacity_factor}")
+    for name in ("moe_aux_loss_coef", "moe_z_loss_coef"):
+        if getattr(m, name) < 0:
+            raise ConfigError(f"model.{name} must be >= 0, got {getattr(m, name)}")
 
 
 def _check_gpus(d: DistConfig) -> None:
@@ -382,6 +411,10 @@ def _check_layout(cfg: RunConfig) -> None:
     if d.nproc % (d.tp * d.pp):
         raise ConfigError(f"world size {d.nproc} is not divisible by --tp {d.tp} x --pp {d.pp}; the data-parallel "
                           "degree is world / (tp x pp), so pick degrees whose product divides the number of ranks")
+    if m.moe_experts and (d.tp > 1 or d.pp > 1):
+        raise ConfigError(f"--model.moe_experts {m.moe_experts} with --tp {d.tp} --pp {d.pp}: a mixture of experts "
+                          "trains with data parallelism and ZeRO for now (its experts are not split by tensor "
+                          "parallelism, and a pipeline stage does not yet carry the load-balancing loss)")
     if d.tp > 1:
         for name, value in (("model.n_head", m.n_head), ("the MLP width (model.d_ff, 0 = 4 x d_model)", m.ffn_dim),
                             ("model.vocab_size", m.vocab_size)):

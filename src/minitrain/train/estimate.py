@@ -264,9 +264,20 @@ def activation_bytes(inp: PlanInput) -> int:
     return in_flight * per_microbatch + ends + replay
 
 
+def active_params(inp: PlanInput) -> float:
+    """Parameters one token's forward multiplies by: every one for a dense model; in a mixture of experts its k
+    experts' of each layer's E (their up and down matrices and biases), not all of them."""
+    m = inp.model
+    if m is None or not m.moe_experts:
+        return inp.params
+    per_expert = 2 * m.d_model * m.ffn_dim + m.ffn_dim + m.d_model
+    return inp.params - m.n_layer * (m.moe_experts - m.moe_top_k) * per_expert
+
+
 def flops_per_token(inp: PlanInput) -> tuple[float, float]:
-    """(model FLOPs, FLOPs including recomputation) per token, whole model."""
-    N = inp.params
+    """(model FLOPs, FLOPs including recomputation) per token, whole model. A mixture of experts counts the
+    parameters a token meets: all but the experts, and top_k of each layer's experts."""
+    N = active_params(inp)
     L, h, s = (inp.model.n_layer, inp.model.d_model, inp.model.seq_len) if inp.model else (0, 0, 0)
     model = 6 * N + 12 * L * h * s
     extra = {"none": 0, "block": 2 * N + 4 * L * h * s, "selective": 4 * L * h * s}[inp.activation_checkpointing]

@@ -284,6 +284,16 @@ def pipeline_line(p: dict) -> str:
     return line
 
 
+def expert_load_text(layers: list[list[float]]) -> str:
+    """The busiest expert's load against the mean, at the worst layer (1.00 is perfectly balanced), and the share
+    of slots dropped over capacity."""
+    worst = max(max(layer[:-1]) / (sum(layer[:-1]) / len(layer[:-1])) if sum(layer[:-1]) else 0.0
+                for layer in layers)
+    slots = sum(sum(layer[:-1]) for layer in layers)
+    dropped = sum(layer[-1] for layer in layers) / slots if slots else 0.0
+    return f"experts max/mean {worst:.2f} dropped {dropped:.1%}"
+
+
 def progress_line(r: StepRecord, total: int, eta_s: float | None = None) -> str:
     width = len(str(total))
     scale = "" if r.loss_scale is None else f"  scale {r.loss_scale:g}"
@@ -292,6 +302,7 @@ def progress_line(r: StepRecord, total: int, eta_s: float | None = None) -> str:
     else:
         skipped = "  SKIPPED (NaN/Inf gradients, parameters unchanged)" if r.skipped else ""
     bubble = "" if r.pipeline is None else f"  bubble {max(r.pipeline['bubble']):.0%}"
+    bubble += "" if r.expert_load is None else f"  {expert_load_text(r.expert_load)}"
     val = "" if r.val_loss is None else f"  val {r.val_loss:.4f} (ppl {perplexity(r.val_loss)})"
     elapsed = "" if r.elapsed_s is None else f"  {clock(r.elapsed_s)}"
     eta = "" if eta_s is None else f" eta {clock(eta_s)}"

@@ -35,6 +35,9 @@ class RankStats:
     stop_signal: float  # a stop signal this rank received (its number), else 0
     save_written: float  # 1 when this rank's background save has finished writing, else 0 (none, or writing)
     busy_s: float  # this rank's busy seconds in the step (trainer.py: a straggler's is the largest)
+    # A mixture of experts: per MoE layer, the slots each expert received on this rank and the slots dropped
+    # (E + 1 values a layer); empty for a dense model. Last: it takes the rest of the row.
+    expert_load: list[float] = dataclasses.field(default_factory=list)
 
     WIDTHS = {"at_rest": len(MEMORY_KINDS), "peak": len(PEAK_KINDS)}  # the list fields' lengths
 
@@ -46,6 +49,8 @@ class RankStats:
             if isinstance(value, torch.Tensor):
                 on_device.append((len(host), value))
                 host.append(0.0)
+            elif f.name == "expert_load":
+                host.extend(float(v) for v in value)
             elif f.name in self.WIDTHS:
                 if len(value) != self.WIDTHS[f.name]:
                     raise ValueError(f"RankStats.{f.name} has {len(value)} values, not {self.WIDTHS[f.name]}")
@@ -62,6 +67,9 @@ class RankStats:
         """The fields of a row pack() made, by name."""
         values, at = {}, 0
         for f in dataclasses.fields(cls):
+            if f.name == "expert_load":
+                values[f.name], at = list(row[at:]), len(row)
+                continue
             width = cls.WIDTHS.get(f.name)
             values[f.name] = row[at] if width is None else list(row[at:at + width])
             at += 1 if width is None else width

@@ -28,6 +28,7 @@ from ..runtime.comm import CollectiveError, OpStats
 from ..config import RunConfig
 from ..data import EvalBatches, ShardedLoader, corpus_fingerprint, load_corpus, load_val
 from ..models import ModelSpec, spec_for
+from ..models.minigpt.moe import MoEMLP
 from ..parallel import Pipeline, cast_parameters, parallelize
 from ..parallel.config import ParallelConfig
 from ..parallel.memory_math import MEMORY_KINDS
@@ -99,6 +100,9 @@ class StepRecord:
     # (eval.every), else None.
     val_loss: float | None = None
     val_ppl: float | None = None
+    # A mixture of experts: per MoE layer, the slots each expert received this step over every rank (token x
+    # choice pairs), then the slots dropped over capacity; None for a dense model.
+    expert_load: list[list[float]] | None = None
 
 
 class Trainer:
@@ -134,6 +138,7 @@ class Trainer:
         self.spikes = SpikeGuard(t.spike_factor, t.spike_window)
         self.timer = StepTimer(topo.device)
         self.device_peak = DevicePeak(topo.device)
+        self._moe_layers = [m for m in self.model.modules() if isinstance(m, MoEMLP)]  # their load, every step
         self.faults = Faults(cfg.fault, topo.rank, resumed=False,
                              offload_files=offload_directory(cfg) if cfg.train.offload == "disk" else None)
         self.agreed = Agreed()  # what the ranks agreed on at the last step boundary (step_stats.py)
@@ -251,7 +256,16 @@ class Trainer:
             pipeline=self._pipeline_record([[r.bubble, r.in_flight] for r in rows]),
             phases_s=phases,
             busy_s_per_rank=[r.busy_s for r in rows],
+            expert_load=self._expert_load(rows),
         )
+
+    def _expert_load(self, rows: list[RankStats]) -> list[list[float]] | None:
+        """Per MoE layer, the slots each expert received over every rank this step, then the slots dropped."""
+        if not self._moe_layers:
+            return None
+        width = self._moe_layers[0].experts + 1
+        total = [sum(values) for values in zip(*(r.expert_load for r in rows))]
+        return [total[i:i + width] for i in range(0, len(total), width)]
 
     def _forward_backward(self, loss_scale: float) -> torch.Tensor:
         """Forward and backward of every micro-batch of the step, the gradient sync launched in the last backward.
@@ -312,7 +326,9 @@ class Trainer:
             param_norm=self.strategy.param_norm_tensor(), grad_norm=norm,
             bubble=measured.get("bubble", 0.0), in_flight=measured.get("peak_in_flight", 0),
             at_rest=[held[k] for k in MEMORY_KINDS], peak=[peak[k] for k in PEAK_KINDS],
-            stop_signal=requests.stop_signal(), save_written=requests.save_written(), busy_s=busy)
+            stop_signal=requests.stop_signal(), save_written=requests.save_written(), busy_s=busy,
+            expert_load=[v for layer in self._moe_layers for load, dropped in [layer.take_load()]
+                         for v in (*load, dropped)])
         rows = self.topo.everyone.gather_rows(mine.pack(self.topo.device)).tolist()
         self._last_exchange_end = time.perf_counter()
         return [RankStats.unpack(row) for row in rows]

@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ...config import ModelConfig
+from .moe import MoEMLP
 
 
 class CausalSelfAttention(nn.Module):
@@ -73,7 +74,7 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = MLP(cfg)
+        self.mlp = MoEMLP(cfg) if cfg.moe_experts else MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -129,7 +130,18 @@ class MiniGPT(nn.Module):
         logits = self.head(self.ln_f(x))
         if targets is None:
             return logits
-        return self.criterion(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        loss = self.criterion(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        # A mixture of experts' auxiliary losses (moe.py) count in the gradient, not in the value: the loss reads
+        # as the language model's (x - x is exactly 0), and is scaled and averaged as it is.
+        aux = [m.aux_loss for m in self.moe_layers() if m.aux_loss is not None]
+        if aux and torch.is_grad_enabled():
+            total = torch.stack(aux).sum().to(loss.dtype)
+            loss = loss + (total - total.detach())
+        return loss
+
+    def moe_layers(self) -> list[MoEMLP]:
+        """The blocks' mixture-of-experts layers (none in a dense model)."""
+        return [b.mlp for b in self.blocks.values() if isinstance(b.mlp, MoEMLP)]
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

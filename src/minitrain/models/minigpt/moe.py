@@ -1,0 +1,117 @@
+"""A mixture of experts in place of a block's MLP (`--model.moe_experts E --model.moe_top_k k`).
+
+A router (a linear map to E logits, no bias) scores every token; each token goes to its k most probable
+experts, whose outputs are summed with the router's top-k probabilities renormalised to sum to 1 (Mixtral;
+with k = 1 the probability itself, as Switch). An expert is MiniGPT's MLP (up, GELU, down). The experts' weights
+are 3-D tensors with the expert first, `up` (E, F, D) and `down` (E, D, F), as Hugging Face stores Mixtral's and
+Qwen-MoE's: expert parallelism splits them along that first dimension.
+
+Routing, step by step, in an order that does not depend on where the experts run:
+- every (token, choice) pair is a slot, numbered token-major (token t's j-th choice is slot t*k + j);
+- the slots are grouped by expert, in slot order within an expert (a stable sort): an expert computes its tokens
+  in one batch;
+- with a capacity factor c, an expert takes at most C = ceil(c * tokens * k / E) slots, the first C in slot
+  order; the others are dropped (they add nothing: the token keeps its residual stream) and counted. 0 is
+  dropless (every slot is computed);
+- the outputs go back to their slots, and each token sums its k slots in choice order, weighted.
+
+Two losses keep the router honest, added to the model's loss (MiniGPT.output) with their coefficients:
+- load balancing (Switch Transformer, Fedus et al. 2021; GShard): E * sum_e f_e * P_e, where f_e is the fraction
+  of slots routed to expert e (before any drop) and P_e the mean router probability of e. It is 1 when both are
+  uniform and grows as the router favours a few experts;
+- z-loss (ST-MoE, Zoph et al. 2022): the mean over tokens of logsumexp(logits)^2, keeping the logits small.
+
+The layer also counts, per forward, the slots each expert received and the slots dropped, in buffers the trainer
+reads and clears after each step (`take_load`). A forward that activation checkpointing replays inside backward
+computes the same routing again but counts nothing: the step's figures are its forward's, once.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ...config import ModelConfig
+
+
+def in_backward() -> bool:
+    """True while autograd runs a backward pass: a forward now is activation checkpointing's recomputation."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def widened(logits: torch.Tensor) -> torch.Tensor:
+    """The router's logits in float32 at least: a 16-bit softmax would round the routing weights coarsely."""
+    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+
+
+class MoEMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E, D, Fd = cfg.moe_experts, cfg.d_model, cfg.ffn_dim
+        self.experts, self.top_k, self.capacity_factor = E, cfg.moe_top_k, cfg.moe_capacity_factor
+        self.aux_coef, self.z_coef = cfg.moe_aux_loss_coef, cfg.moe_z_loss_coef
+        self.router = nn.Linear(D, E, bias=False)
+        self.up = nn.Parameter(torch.empty(E, Fd, D))
+        self.up_bias = nn.Parameter(torch.zeros(E, Fd))
+        self.down = nn.Parameter(torch.empty(E, D, Fd))
+        self.down_bias = nn.Parameter(torch.zeros(E, D))
+        nn.init.normal_(self.up, mean=0.0, std=0.02)
+        nn.init.normal_(self.down, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))  # writes into the residual
+        # Not part of the model's state (persistent=False): this step's counts, per expert, and the dropped slots.
+        self.register_buffer("load", torch.zeros(E, dtype=torch.float64), persistent=False)
+        self.register_buffer("dropped", torch.zeros((), dtype=torch.float64), persistent=False)
+        self.aux_loss: torch.Tensor | None = None  # the last forward's weighted auxiliary losses (MiniGPT.output)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        N, E, k = tokens.size(0), self.experts, self.top_k
+        logits = self.router(tokens)  # (N, E)
+        probs = widened(logits).softmax(dim=-1)
+        weights, chosen = probs.topk(k, dim=-1)  # (N, k), most probable first
+        if k > 1:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        slot_expert = chosen.reshape(-1)  # (N*k,) token-major
+        order = torch.argsort(slot_expert, stable=True)  # slots grouped by expert, in slot order within each
+        counts = torch.bincount(slot_expert, minlength=E)
+        keep = self._within_capacity(slot_expert[order], counts, N)
+        kept_order = order[keep] if keep is not None else order
+        kept_counts = counts if keep is None else torch.bincount(slot_expert[kept_order], minlength=E)
+        outputs = tokens.new_zeros(N * k, shape[-1])
+        for e, slots in enumerate(kept_order.split(kept_counts.tolist())):  # an expert with none runs on nothing
+            h = F.gelu(F.linear(tokens[slots // k], self.up[e], self.up_bias[e]))
+            outputs[slots] = F.linear(h, self.down[e], self.down_bias[e])
+        mixed = (outputs.view(N, k, -1) * weights.to(outputs.dtype).unsqueeze(-1)).sum(dim=1)
+        self.aux_loss = self._aux_losses(logits, probs, counts, N)
+        if not in_backward():
+            with torch.no_grad():
+                self.load += counts.to(self.load.dtype)
+                self.dropped += float(N * k) - float(kept_order.numel()) if keep is not None else 0.0
+        return mixed.view(shape)
+
+    def _within_capacity(self, sorted_experts: torch.Tensor, counts: torch.Tensor, N: int) -> torch.Tensor | None:
+        """Which of the expert-sorted slots an expert takes: the first C of each (None: all, dropless)."""
+        if not self.capacity_factor:
+            return None
+        capacity = math.ceil(self.capacity_factor * N * self.top_k / self.experts)
+        starts = torch.cumsum(counts, dim=0) - counts  # where each expert's slots begin in the sorted order
+        position = torch.arange(sorted_experts.numel(), device=counts.device) - starts[sorted_experts]
+        return position < capacity
+
+    def _aux_losses(self, logits: torch.Tensor, probs: torch.Tensor, counts: torch.Tensor, N: int) -> torch.Tensor:
+        fraction = counts.to(probs.dtype) / (N * self.top_k)  # f_e: routed slots (no gradient)
+        balance = self.experts * (fraction * probs.mean(dim=0)).sum()
+        loss = self.aux_coef * balance
+        if self.z_coef:
+            loss = loss + self.z_coef * torch.logsumexp(widened(logits), dim=-1).pow(2).mean()
+        return loss
+
+    @torch.no_grad()
+    def take_load(self) -> tuple[list[float], float]:
+        """(slots each expert received, slots dropped) since the last call, and the counters cleared."""
+        load, dropped = self.load.tolist(), float(self.dropped)
+        self.load.zero_()
+        self.dropped.zero_()
+        return load, dropped

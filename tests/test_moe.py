@@ -1,0 +1,203 @@
+"""MiniGPT's mixture of experts (models/minigpt/moe.py): routing as written out token by token, the capacity drop,
+the auxiliary losses in the gradient and not in the logged loss, load counted once under activation
+checkpointing, and data parallel / ZeRO 0-3 equal to plain PyTorch in one process."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minitrain.config import ModelConfig
+from minitrain.models.minigpt.model import MiniGPT
+from minitrain.models.minigpt.moe import MoEMLP
+
+from .dist import run_main, run_ranks
+from .reference import assert_close_to, plain_run
+
+E, K = 4, 2
+
+
+def _layer(top_k=K, capacity=0.0, aux=0.01, z=0.0, experts=E) -> MoEMLP:
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=8, d_ff=16, n_head=2, moe_experts=experts, moe_top_k=top_k,
+                      moe_capacity_factor=capacity, moe_aux_loss_coef=aux, moe_z_loss_coef=z)
+    return MoEMLP(cfg).double()
+
+
+def _by_hand(layer: MoEMLP, x: torch.Tensor, capacity: int | None = None) -> torch.Tensor:
+    """Each token through its top-k experts one at a time, weighted; with a capacity, an expert's slots past the
+    first `capacity` (token-major order: token t's j-th choice before token t+1's) add nothing."""
+    tokens = x.reshape(-1, x.size(-1))
+    taken = [0] * layer.experts
+    out = torch.zeros_like(tokens)
+    for t, token in enumerate(tokens):
+        probs = F.softmax(token @ layer.router.weight.T, dim=-1)
+        weights, chosen = probs.topk(layer.top_k)
+        weights = weights / weights.sum() if layer.top_k > 1 else weights
+        for w, e in zip(weights, chosen.tolist()):
+            taken[e] += 1
+            if capacity is not None and taken[e] > capacity:
+                continue
+            h = F.gelu(layer.up[e] @ token + layer.up_bias[e])
+            out[t] += w * (layer.down[e] @ h + layer.down_bias[e])
+    return out.view_as(x)
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 4])
+def test_routing_equals_each_token_through_its_experts_by_hand(top_k):
+    layer = _layer(top_k=top_k)
+    x = torch.randn(3, 5, 8, dtype=torch.float64)
+    assert (layer(x) - _by_hand(layer, x)).abs().max() <= 1e-12
+    load, dropped = layer.take_load()
+    assert sum(load) == 15 * top_k and dropped == 0  # dropless: every slot computed
+    assert layer.take_load() == ([0.0] * E, 0.0)  # taken: the counters start over
+
+
+def test_a_capacity_drops_the_later_slots_of_a_full_expert_and_counts_them():
+    layer = _layer(capacity=0.5)
+    x = torch.randn(2, 8, 8, dtype=torch.float64)
+    capacity = math.ceil(0.5 * 16 * K / E)  # 4 slots per expert
+    assert (layer(x) - _by_hand(layer, x, capacity)).abs().max() <= 1e-12
+    load, dropped = layer.take_load()
+    assert sum(load) == 16 * K and dropped == sum(max(0, n - capacity) for n in load) > 0
+
+
+def test_an_expert_no_token_chooses_gets_a_zero_gradient_not_none():
+    layer = _layer()
+    with torch.no_grad():
+        layer.router.weight[3] = -100.0  # for positive inputs expert 3 is never among the top 2
+    x = torch.rand(4, 8, dtype=torch.float64)
+    layer(x).sum().backward()
+    assert layer.take_load()[0][3] == 0
+    assert layer.up.grad is not None and layer.up.grad[3].abs().max() == 0 and layer.up.grad[:3].abs().max() > 0
+
+
+def _model(**moe) -> MiniGPT:
+    torch.manual_seed(0)
+    return MiniGPT(ModelConfig(moe_experts=E, moe_top_k=K, **moe)).double()
+
+
+def test_the_auxiliary_losses_count_in_the_gradient_not_in_the_logged_loss():
+    model = _model(moe_aux_loss_coef=0.05, moe_z_loss_coef=0.001)
+    x, y = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    loss = model(x, y)
+    loss.backward()
+    ours = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    # By hand: the cross-entropy, plus each layer's balance and z-loss as the papers write them.
+    logits = model(x)
+    ce = F.cross_entropy(logits.reshape(-1, 64), y.reshape(-1))
+    extra = 0.0
+    hidden = model.embed(x)
+    for block in model.blocks.values():
+        mid = hidden + block.attn(block.ln1(hidden))
+        tokens = block.ln2(mid).reshape(-1, 32)
+        router_logits = block.mlp.router(tokens)
+        probs = router_logits.softmax(-1)
+        counts = torch.bincount(probs.topk(K, dim=-1).indices.reshape(-1), minlength=E).double()
+        balance = E * ((counts / counts.sum()) * probs.mean(0)).sum()
+        z = torch.logsumexp(router_logits, -1).pow(2).mean()
+        extra = extra + 0.05 * balance + 0.001 * z
+        hidden = mid + block.mlp(block.ln2(mid))
+    assert loss.item() == ce.item()  # the value is the language model's
+    (ce + extra).backward()
+    assert all((ours[n] - p.grad).abs().max() <= 1e-12 for n, p in model.named_parameters())
+
+
+def test_activation_checkpointing_counts_the_load_once_and_changes_no_gradient():
+    from minitrain.parallel.recompute import apply_activation_checkpointing
+
+    x, y = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    got = {}
+    for mode in ("none", "block"):
+        model = apply_activation_checkpointing(_model(), mode)
+        model(x, y).backward()
+        got[mode] = ([m.take_load() for m in model.moe_layers()], {n: p.grad for n, p in model.named_parameters()})
+    assert got["block"][0] == got["none"][0] and all(sum(load) == 32 * K for load, _ in got["none"][0])
+    assert all(torch.equal(got["block"][1][n], g) for n, g in got["none"][1].items())
+
+
+STEPS = 4
+
+
+def _config(world: int, zero: int, accum: int = 1):
+    from minitrain.train.run_config import run_config
+
+    return run_config(cli_values={
+        "model.moe_experts": E, "model.moe_top_k": K, "model.moe_aux_loss_coef": 0.05, "model.moe_z_loss_coef": 0.001,
+        "train.zero": zero, "train.dtype": "float64", "train.steps": STEPS, "train.batch_size": 2,
+        "train.grad_accum": accum, "dist.nproc": world, "train.lr": 1e-2, "train.log_every": 0,
+        "train.grad_clip": 1.5})
+
+
+def _train(topo, accum):
+    from minitrain.train.trainer import Trainer
+
+    got = {}
+    for zero in (0, 1, 2, 3):
+        with Trainer(_config(topo.world_size, zero, accum), topo) as trainer:
+            records = [trainer.train_step() for _ in range(STEPS)]
+            got[zero] = {"losses": [r.loss for r in records], "grad_norms": [r.grad_norm for r in records],
+                         "params": trainer.strategy.full_params(), "load": [r.expert_load for r in records]}
+    return got
+
+
+@pytest.mark.parametrize("world,accum", [(2, 1), (2, 2)])
+def test_data_parallel_and_zero_train_a_mixture_of_experts_as_one_process_does(world, accum):
+    # Each rank's balancing loss is over its own tokens (as Megatron and DeepSpeed compute it): the reference
+    # computes it per rank share too, in one process, with torch.optim.AdamW (tests/reference.py).
+    ref = plain_run(_config(world, 0, accum), STEPS)
+    ranks = run_ranks(_train, world, accum)
+    for zero in (0, 1, 2, 3):
+        ours = ranks[0][zero]
+        assert_close_to(ref, 1e-12, f"MoE ZeRO-{zero} at {world} ranks, accumulation {accum}",
+                        losses=ours["losses"], grad_norms=ours["grad_norms"], params=ours["params"])
+        # The load is every rank's: all slots of the step, per layer, counted once.
+        tokens = 2 * 16 * world * accum
+        assert all(sum(layer[:E]) == tokens * K and layer[E] == 0 for step in ours["load"] for layer in step)
+
+
+def test_bad_mixture_settings_are_refused_in_one_line(tmp_path):
+    for flags, message in ((["--model.moe_experts", "4", "--model.moe_top_k", "5"], "must lie in [1"),
+                           (["--model.moe_experts", "-1"], "must be an integer >= 0"),
+                           (["--model.moe_experts", "4", "--model.moe_capacity_factor", "-1"], "capacity_factor"),
+                           (["--model.moe_experts", "4", "--nproc", "2", "--tp", "2"], "data parallelism and ZeRO")):
+        proc = run_main("train", "--out", str(tmp_path / "run"), *flags)
+        assert proc.returncode == 2 and message in proc.stderr, (flags, proc.stderr)
+        assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+def test_the_cli_reports_the_expert_load_per_step_and_plots_it(tmp_path):
+    import json
+
+    from .dist import run_cli
+
+    out = tmp_path / "run"
+    proc = run_cli("train", "--nproc", "2", "--zero", "1", "--steps", "4", "--train.log_every", "2", "--out", str(out),
+                   "--model.moe_experts", "4", "--model.moe_capacity_factor", "1.0")
+    assert proc.returncode == 0, proc.stderr
+    assert "experts max/mean" in proc.stdout and "dropped" in proc.stdout, proc.stdout
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for step in steps:  # 2 layers of 4 experts and the dropped count; every slot of the step's batch, once
+        assert len(step["expert_load"]) == 2 and all(len(layer) == 5 for layer in step["expert_load"])
+        assert all(sum(layer[:4]) == step["tokens"] * 2 for layer in step["expert_load"]), step["expert_load"]
+    report = run_cli("report", str(out))
+    assert report.returncode == 0 and (out / "report" / "expert_load.png").is_file(), report.stderr
+
+
+def test_the_plan_counts_every_expert_in_memory_and_top_k_of_them_in_flops():
+    from minitrain.train import estimate as plan
+
+    dense = ModelConfig(n_layer=2, d_model=32, n_head=4)
+    moe = ModelConfig(n_layer=2, d_model=32, n_head=4, moe_experts=8, moe_top_k=2)
+    P_dense, P_moe = plan.model_params(dense), plan.model_params(moe)
+    expert = 2 * 32 * 128 + 128 + 32
+    assert P_moe == P_dense - 2 * expert + 2 * (8 * expert + 8 * 32)  # 8 experts and a router per layer
+    flops = {name: plan.plan(plan.PlanInput(model=m, params=P))["flops_per_token"]
+             for name, m, P in (("dense", dense, P_dense), ("moe", moe, P_moe))}
+    # A token meets 2 of the 8 experts (and the router): twice a dense MLP's FLOPs, not eight times.
+    assert flops["moe"] - flops["dense"] == 6 * 2 * (expert + 8 * 32)
+    bytes_ = plan.plan(plan.PlanInput(model=moe, params=P_moe, zero=0))["bytes_per_rank"]
+    assert bytes_["params"] == 4 * P_moe  # memory holds every expert

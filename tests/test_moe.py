@@ -201,3 +201,74 @@ def test_the_plan_counts_every_expert_in_memory_and_top_k_of_them_in_flops():
     assert flops["moe"] - flops["dense"] == 6 * 2 * (expert + 8 * 32)
     bytes_ = plan.plan(plan.PlanInput(model=moe, params=P_moe, zero=0))["bytes_per_rank"]
     assert bytes_["params"] == 4 * P_moe  # memory holds every expert
+
+
+def _ep_train(topo, ep):
+    from minitrain.train.trainer import Trainer
+
+    got = {}
+    for zero in (0, 3):
+        cfg = _config(topo.world_size, zero)
+        cfg.dist.ep = ep
+        with Trainer(cfg, topo) as trainer:
+            records = [trainer.train_step() for _ in range(STEPS)]
+            got[zero] = {"losses": [r.loss for r in records], "grad_norms": [r.grad_norm for r in records],
+                         "params": trainer.strategy.full_params(), "load": [r.expert_load for r in records],
+                         "all_to_all": trainer.expert_comm.totals().calls, "comm_calls": sum(r.comm_calls for r in records)}
+    return got
+
+
+@pytest.mark.parametrize("world,ep", [(2, 2), (4, 2), (4, 4)])
+def test_expert_parallel_trains_as_one_process_does(world, ep):
+    # Each rank computes E/ep experts for the tokens of its whole group, by all-to-all; the run equals the same
+    # plain PyTorch reference as data parallelism over those ranks, at ZeRO-0 and ZeRO-3.
+    ref = plain_run(_config(world, 0), STEPS)
+    ranks = run_ranks(_ep_train, world, ep)
+    for zero in (0, 3):
+        ours = ranks[0][zero]
+        assert_close_to(ref, 1e-12, f"MoE ep {ep} ZeRO-{zero} at {world} ranks", losses=ours["losses"],
+                        grad_norms=ours["grad_norms"], params=ours["params"])
+        assert all(sum(layer[:E]) == 2 * 16 * world * K for step in ours["load"] for layer in step)
+        # Per layer and step: the counts, the rows out and back in forward, the two reverse ones in backward;
+        # counted with the step's collectives.
+        assert ours["all_to_all"] == STEPS * 2 * 5 and ours["comm_calls"] >= ours["all_to_all"]
+
+
+def _layer_on_ranks(topo):
+    """One MoE layer, the same weights on every rank; rank 1's tokens all choose experts 0 and 1, so it sends
+    nothing to rank 1's experts (2 and 3), and expert 3 gets no token from anyone. Returns this rank's output and
+    the gradients, with expert parallelism over both ranks and without."""
+    from minitrain.parallel.experts import ExpertParallel
+
+    got = {}
+    for ep in (1, 2):
+        layer = _layer()
+        with torch.no_grad():
+            layer.router.weight[3] = -100.0  # never chosen (inputs are positive)
+            if topo.rank == 1:
+                layer.router.weight[2] = -50.0  # rank 1 routes to 0 and 1 only
+        if ep == 2:
+            layer.run_experts = ExpertParallel(layer, topo.dp)
+        torch.manual_seed(10 + topo.rank)
+        x = torch.rand(6, 8, dtype=torch.float64)
+        out = layer(x)
+        (out * torch.arange(out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+        got[ep] = {"out": out.detach(), "load": layer.take_load()[0],
+                   "grads": {n: p.grad.clone() for n, p in layer.named_parameters()}}
+    return got
+
+
+def test_a_rank_that_sends_nothing_and_an_expert_that_gets_nothing_are_exact():
+    # (A known bug of a peer doubled gradients at ep = 2 when a rank sent no tokens.) Each rank's output equals
+    # its own computation without expert parallelism; the expert weights' gradients summed over the ranks equal
+    # the sum of the ranks' own (what the data-parallel average then divides), expert 3's are zero.
+    ranks = run_ranks(_layer_on_ranks, 2)
+    assert ranks[1][1]["load"][2:] == [0.0, 0.0] and ranks[0][1]["load"][3] == 0.0
+    for got in ranks:
+        assert (got[2]["out"] - got[1]["out"]).abs().max() <= 1e-12
+        assert (got[2]["grads"]["router.weight"] - got[1]["grads"]["router.weight"]).abs().max() <= 1e-12
+    for name in ("up", "up_bias", "down", "down_bias"):
+        with_ep = ranks[0][2]["grads"][name] + ranks[1][2]["grads"][name]
+        without = ranks[0][1]["grads"][name] + ranks[1][1]["grads"][name]
+        assert (with_ep - without).abs().max() <= 1e-12, name
+        assert with_ep[3].abs().max() == 0

@@ -182,6 +182,9 @@ class DistConfig:
                   "must divide the heads, the MLP width and the vocabulary; data parallel = world / (tp x pp)")
     pp: int = opt(1, "pipeline-parallel degree: the blocks split into this many contiguous stages, one per rank "
                   "of a pipeline group (embedding on the first, head and loss on the last)")
+    ep: int = opt(1, "expert-parallel degree (a mixture of experts): groups of this many adjacent data-parallel "
+                  "ranks each compute 1/ep of every layer's experts, tokens sent to them and back by all-to-all; "
+                  "must divide the ranks and --model.moe_experts")
     microbatches: int = opt(1, "micro-batches each batch is cut into (they must divide --batch-size): the pipeline "
                             "keeps stages busy with different ones; the bubble is (pp-1)/(microbatches+pp-1)")
     schedule: str = opt("1f1b", "pipeline schedule: 1f1b (warm-up, one forward / one backward, cool-down: at most "
@@ -411,6 +414,14 @@ def _check_layout(cfg: RunConfig) -> None:
     if d.nproc % (d.tp * d.pp):
         raise ConfigError(f"world size {d.nproc} is not divisible by --tp {d.tp} x --pp {d.pp}; the data-parallel "
                           "degree is world / (tp x pp), so pick degrees whose product divides the number of ranks")
+    _require_positive("dist.ep", d.ep)
+    if d.ep > 1:
+        if not m.moe_experts:
+            raise ConfigError(f"--dist.ep {d.ep} splits a mixture of experts' experts over ranks; this model is dense "
+                              "(give --model.moe_experts)")
+        if m.moe_experts % d.ep or d.nproc % d.ep:
+            raise ConfigError(f"--dist.ep {d.ep} must divide --model.moe_experts ({m.moe_experts}) and the number of "
+                              f"ranks ({d.nproc}): each rank of a group computes the same number of experts")
     if m.moe_experts and (d.tp > 1 or d.pp > 1):
         raise ConfigError(f"--model.moe_experts {m.moe_experts} with --tp {d.tp} --pp {d.pp}: a mixture of experts "
                           "trains with data parallelism and ZeRO for now (its experts are not split by tensor "

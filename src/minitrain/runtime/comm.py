@@ -357,6 +357,19 @@ class Comm:
             return
         self._run("all_to_all", _nbytes(inp), lambda: dist.all_to_all_single(out, inp, group=self.group), inp)
 
+    def all_to_all_uneven(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],
+                          in_splits: list[int]) -> None:
+        """Rows of inp in blocks of in_splits[j] go to rank j; out receives out_splits[i] rows from rank i, in rank
+        order (a mixture of experts' tokens to and from their experts' ranks). The sizes differ between ranks, so
+        the collective's fingerprint is taken of the rows' shape without their number (the same on every rank)."""
+        self._on_device(out, inp)
+        if self.world_size == 1:
+            out.copy_(inp)
+            return
+        row_shape = inp.new_empty((0, *inp.shape[1:]))
+        self._run("all_to_all", _nbytes(inp), lambda: dist.all_to_all_single(
+            out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits, group=self.group), row_shape)
+
     def gather_rows(self, row: torch.Tensor) -> torch.Tensor:
         """Every rank's small 1-D `row`, stacked into a CPU tensor (world_size, len(row)) on
         every rank. Moves through the group's device, so callers may build rows on the CPU."""

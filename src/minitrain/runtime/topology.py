@@ -131,6 +131,19 @@ class Topology:
         return Topology(self.rank, self.world_size, self.local_rank, self.backend, self.device, **comms,
                         world=self.everyone, watch=self.watch, opened=self.opened)
 
+    def expert_group(self, ep: int) -> Comm:
+        """This rank's expert-parallel group: ep adjacent ranks of the data-parallel group, which here is the world
+        (a mixture of experts runs without tensor or pipeline parallelism). Collective: every rank creates every
+        group, in the same order."""
+        if ep == 1:
+            return Comm(device=self.device)
+        groups = [list(range(g, g + ep)) for g in range(0, self.world_size, ep)]
+        mine = next(g for g in groups if self.rank in g)
+        group, _ = dist.new_subgroups_by_enumeration(groups)
+        comm = Comm(mine.index(self.rank), ep, group, self.device, "ep", self.watch)
+        self.opened.append(comm)
+        return comm
+
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> "Topology":
         """One process, no process group: the single-device reference."""

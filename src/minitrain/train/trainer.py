@@ -31,6 +31,7 @@ from ..models import ModelSpec, spec_for
 from ..models.minigpt.moe import MoEMLP
 from ..parallel import Pipeline, cast_parameters, parallelize
 from ..parallel.config import ParallelConfig
+from ..parallel.experts import apply_expert_parallel
 from ..parallel.memory_math import MEMORY_KINDS
 from ..runtime.topology import Topology
 from .faults import Faults
@@ -118,6 +119,9 @@ class Trainer:
         # strategy's optimizer keeps the master copy in --dtype).
         self.model = spec.build(cfg.model).to(device=topo.device, dtype=getattr(torch, cfg.train.dtype))
         cast_parameters(self.model, compute_dtype(cfg.train))
+        # Expert parallelism: each rank of a group computes its share of every MoE layer's experts.
+        self.expert_comm = topo.expert_group(cfg.dist.ep)
+        apply_expert_parallel(self.model, self.expert_comm, MoEMLP)
         self.loss_scaler = make_loss_scaler(cfg.train)
         self.offload = offload_store(cfg, topo.rank)  # where the optimizer's master and state live, if offloaded
         # The same path minitrain.prepare takes, with the model's plan and the CLI's own optimizer.
@@ -376,8 +380,9 @@ class Trainer:
         return batch.pin_memory().to(self.topo.device, non_blocking=True)
 
     def _comm_totals(self) -> OpStats:
-        """Collectives (and point-to-point transfers) so far in the data-, tensor- and pipeline-parallel groups."""
-        totals = [self.topo.dp.totals(), self.topo.tp.totals(), self.topo.pp.totals()]
+        """Collectives (and point-to-point transfers) so far in the data-, tensor-, pipeline- and expert-parallel
+        groups."""
+        totals = [self.topo.dp.totals(), self.topo.tp.totals(), self.topo.pp.totals(), self.expert_comm.totals()]
         return OpStats(sum(t.calls for t in totals), sum(t.bytes for t in totals), sum(t.seconds for t in totals))
 
     def _holds_loss(self) -> float:

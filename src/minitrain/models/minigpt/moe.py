@@ -80,9 +80,7 @@ class MoEMLP(nn.Module):
         kept_order = order[keep] if keep is not None else order
         kept_counts = counts if keep is None else torch.bincount(slot_expert[kept_order], minlength=E)
         outputs = tokens.new_zeros(N * k, shape[-1])
-        for e, slots in enumerate(kept_order.split(kept_counts.tolist())):  # an expert with none runs on nothing
-            h = F.gelu(F.linear(tokens[slots // k], self.up[e], self.up_bias[e]))
-            outputs[slots] = F.linear(h, self.down[e], self.down_bias[e])
+        outputs[kept_order] = self.run_experts(tokens[kept_order // k], kept_counts.tolist())
         mixed = (outputs.view(N, k, -1) * weights.to(outputs.dtype).unsqueeze(-1)).sum(dim=1)
         self.aux_loss = self._aux_losses(logits, probs, counts, N)
         if not in_backward():
@@ -90,6 +88,21 @@ class MoEMLP(nn.Module):
                 self.load += counts.to(self.load.dtype)
                 self.dropped += float(N * k) - float(kept_order.numel()) if keep is not None else 0.0
         return mixed.view(shape)
+
+    def run_experts(self, inputs: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The experts' outputs for `inputs`, rows grouped by expert (counts[e] rows for expert e), in that order.
+        Expert parallelism (parallel/experts.py) replaces this on the instance: the rows then travel to the
+        ranks that hold their experts and back."""
+        return self.expert_outputs(inputs, counts, range(self.experts))
+
+    def expert_outputs(self, inputs: torch.Tensor, counts: list[int], experts) -> torch.Tensor:
+        """Expert experts[i] on the next counts[i] rows of inputs. Each runs, on no rows if none came: its weights
+        then get a zero gradient, as a parameter that took part."""
+        parts = []
+        for e, rows in zip(experts, inputs.split(counts)):
+            h = F.gelu(F.linear(rows, self.up[e], self.up_bias[e]))
+            parts.append(F.linear(h, self.down[e], self.down_bias[e]))
+        return torch.cat(parts)
 
     def _within_capacity(self, sorted_experts: torch.Tensor, counts: torch.Tensor, N: int) -> torch.Tensor | None:
         """Which of the expert-sorted slots an expert takes: the first C of each (None: all, dropless)."""

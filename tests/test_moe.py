@@ -277,3 +277,98 @@ def test_a_rank_that_sends_nothing_and_an_expert_that_gets_nothing_are_exact():
         without = ranks[0][1]["grads"][name] + ranks[1][1]["grads"][name]
         assert (with_ep - without).abs().max() <= 1e-12, name
         assert with_ep[3].abs().max() == 0
+
+
+# --- a Hugging Face mixture of experts through the API -----------------------------------------------------------
+def _mixtral(seed: int = 0):
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                     num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=8,
+                                     num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0,
+                                     bos_token_id=0, eos_token_id=0)
+    cfg._experts_implementation = "eager"  # its per-expert loop: the grouped matmul has no float64
+    model = transformers.MixtralForCausalLM(cfg)
+    for p in model.parameters():
+        p.data = p.data.double()
+    return model
+
+
+def _mixtral_steps(model, optimizer, xs, rank, world):
+    from .hf_models import lm_loss
+
+    losses = []
+    for x in xs:
+        loss = lm_loss(model, x.chunk(world)[rank] if world else x)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _mixtral_ranks(topo, ep, zero):
+    import minitrain
+
+    from .hf_models import OPTIMIZERS, batches
+
+    minitrain.init_distributed(topology=topo)
+    model, optimizer = minitrain.prepare(_mixtral(), OPTIMIZERS["adamw"], zero=zero, ep=ep, ep_plan="auto")
+    losses = _mixtral_steps(model, optimizer, batches(3, 8), minitrain.dp_rank(), minitrain.dp_world_size())
+    state = {k: v.clone() for k, v in minitrain.full_state_dict(model).items()}
+    minitrain.cleanup()
+    return losses, state
+
+
+@pytest.mark.parametrize("world,ep,zero", [(2, 2, 0), (2, 2, 3), (4, 4, 2)])
+def test_a_hugging_face_mixtral_with_expert_parallelism_trains_as_one_process_does(world, ep, zero):
+    # ep_plan="auto" reads Mixtral's base_model_ep_plan: its experts modules (gate_up_proj (E, 2F, D), down_proj)
+    # compute where their experts are. Against plain PyTorch on one process with Hugging Face's own forward and
+    # torch.optim.AdamW on the whole batch, to 1e-12 in float64 (its balancing loss is off by default).
+    from .hf_models import OPTIMIZERS, batches
+
+    plain = _mixtral()
+    optimizer = OPTIMIZERS["adamw"](plain.parameters())
+    from .hf_models import lm_loss
+
+    shares = []  # each step's loss of each rank's share
+    for x in batches(3, 8):  # the mean over the ranks' shares, as data parallelism averages them
+        losses = [lm_loss(plain, share) for share in x.chunk(world)]
+        (sum(losses) / world).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        shares.append([loss.item() for loss in losses])
+    want = plain.state_dict()
+    for rank, (losses, state) in enumerate(run_ranks(_mixtral_ranks, world, ep, zero)):
+        assert max(abs(ours - step[rank]) for ours, step in zip(losses, shares)) <= 1e-12, (losses, shares)
+        assert max((state[k] - want[k]).abs().max().item() for k in want) <= 1e-12
+
+
+def _refusals(topo):
+    import minitrain
+
+    from .hf_models import OPTIMIZERS, make_model
+
+    minitrain.init_distributed(topology=topo)
+    said = []
+    for model, kwargs in ((make_model("llama"), {"ep": 2}), (_mixtral(), {"ep": 2, "ep_plan": {"*.experts": "rowwise"}}),
+                          (_mixtral(), {"ep": 3, "ep_plan": "auto"}), (make_model("llama"), {"ep": 2, "ep_plan": "auto"}),
+                          (_mixtral(), {"ep": 2, "ep_plan": {"model.layers.*.nothing": "experts"}})):
+        try:
+            minitrain.prepare(model, OPTIMIZERS["adamw"], **kwargs)
+            said.append(None)
+        except ValueError as e:
+            said.append(str(e))
+    minitrain.cleanup()
+    return said
+
+
+def test_expert_parallelism_refuses_what_it_cannot_split_saying_why():
+    said = run_ranks(_refusals, 2)[0]
+    assert "has no MoE layer minitrain knows" in said[0]
+    assert "ep_plan styles are 'experts'" in said[1]
+    assert "ep=3 does not divide the world size 2" in said[2]
+    assert "ships none (config.base_model_ep_plan names no experts)" in said[3]
+    assert "ep_plan matches no module" in said[4]

@@ -11,6 +11,8 @@ from torch import nn
 
 from ..parallel import ModelPlan, cast_parameters, parallelize
 from ..parallel.config import ParallelConfig
+from ..parallel.experts import (ExpertParallel, HuggingFaceExperts, dispatching_forward, hugging_face_experts,
+                                routes_its_own_tokens)
 from ..parallel.loss_scale import COMPUTE_DTYPES
 from ..parallel.offload import OffloadStore
 from ..parallel.pieces import PipelineSplit, Stage, check_pieces, check_split, cross_stage_ties, split_model
@@ -30,6 +32,7 @@ def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param
             prefetch: bool = True, activation_checkpointing: str | type = "none", tp: int = 1,
             tp_plan: dict | str | None = None, pp: int = 1, pp_split: PipelineSplit | list | str | None = None,
             microbatches: int = 1, schedule: str = "1f1b", offload: str = "none", offload_dir: str | None = None,
+            ep: int = 1, ep_plan: dict | str | None = None,
             plan: ModelPlan | None = None) -> tuple[nn.Module, PreparedOptimizer]:
     """Make `model` train data parallel over every rank (ZeRO stage `zero`), with the user's optimizer,
     and with tp > 1 its layers split over groups of tp adjacent ranks (tensor parallel, Megatron-style).
@@ -61,6 +64,12 @@ def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param
     offload: none | cpu (the master weights and the optimizer's elementwise state in host memory) | disk (in
         memory-mapped files under offload_dir, one per tensor and rank, removed by cleanup()); the same numbers
         as without, bit for bit.
+    ep: expert-parallel degree of a mixture of experts (tp = pp = 1; ep divides the world and the experts):
+        groups of ep adjacent ranks each compute 1/ep of every expert layer's experts, tokens sent to them and
+        back by all-to-all; the results are data parallelism's. Which layers: MiniGPT's own, found by type, or
+        ep_plan: "auto" for a Hugging Face model's (its config's base_model_ep_plan: Mixtral, Qwen2-MoE, OLMoE),
+        or {module-name pattern: "experts"} for a model's own modules of that layout (gate_up_proj (E, 2F, D),
+        down_proj (E, D, F), act_fn; called with (hidden_states, top_k_index, top_k_weights)).
     Returns (model, optimizer): the same model object, and the optimizer to call step()/zero_grad() on.
     Every rank starts from rank 0's parameters."""
     session = current()
@@ -73,6 +82,7 @@ def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param
                                    pipeline_split=lambda m, stage, stages: split_model(m, split, stage, stages))
     if offload not in ("none", "cpu", "disk"):
         raise ValueError(f"offload must be none, cpu or disk, got {offload!r}")
+    experts = _expert_layers(model, ep, ep_plan, tp, pp, session.topo.world_size)
     if offload == "disk" and not offload_dir:
         raise ValueError("offload='disk' needs offload_dir: the directory for this rank's state files")
     groups = _named_groups(model, param_groups)
@@ -97,6 +107,13 @@ def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param
         return TorchShardOptimizer(master_vec, flat, shard_ranges, zero >= 1, optimizer_fn, groups, store)
 
     layout = topo.with_layout(tp, pp)
+    if experts:  # each rank of an ep group computes its share of every expert layer's experts
+        group = layout.expert_group(ep)
+        for layer in experts:
+            if routes_its_own_tokens(layer):
+                layer.run_experts = ExpertParallel(layer, group)
+            else:
+                layer.forward = dispatching_forward(HuggingFaceExperts(layer), group)
     builder = None if split is None else functools.partial(
         Pipeline, comm=layout.pp, schedule=schedule, microbatches=microbatches, d_model=0, dtype=compute,
         device=topo.device, forward_context=functools.partial(_autocast, topo.device, precision))
@@ -104,7 +121,7 @@ def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param
                                      None if builder is None else lambda s: builder(s.module, no_sync=s.no_sync))
     settings = {"zero": zero, "precision": precision, "reduce_dtype": reduce_dtype, "dp": dp, "bucket_mb": bucket_mb,
                 "prefetch": prefetch, "tp": tp, "pp": pp, "microbatches": microbatches, "schedule": schedule,
-                "offload": offload,
+                "offload": offload, "ep": ep,
                 "activation_checkpointing": getattr(activation_checkpointing, "__name__", activation_checkpointing)}
     stage = None if split is None else Stage(model, split, layout.pp.rank, pp)
     state = Prepared(strategy, settings, layout, pipeline, stage, groups=[names for names, _ in groups],
@@ -195,6 +212,29 @@ def _pipeline_split(model: nn.Module, pp: int, pp_split, microbatches: int, sche
                          "the head on the last); untie them (e.g. tie_word_embeddings=False) to pipeline this model")
     check_pieces(model, split, check_split(model, split, pp))  # the pieces must compute what the model's forward does
     return split
+
+
+def _expert_layers(model: nn.Module, ep: int, ep_plan, tp: int, pp: int, world: int) -> list[nn.Module]:
+    """The mixture-of-experts layers expert parallelism spreads (none at ep = 1), checked; ValueError saying why
+    not otherwise."""
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+        raise ValueError(f"ep must be an integer >= 1, got {ep!r}")
+    if ep == 1:
+        return []
+    if tp > 1 or pp > 1:
+        raise ValueError(f"ep={ep} with tp={tp}, pp={pp}: expert parallelism runs over data-parallel ranks only")
+    if world % ep:
+        raise ValueError(f"ep={ep} does not divide the world size {world}")
+    layers = hugging_face_experts(model, ep_plan) if ep_plan is not None else \
+        [m for m in model.modules() if routes_its_own_tokens(m)]
+    if not layers:
+        raise ValueError(f"ep={ep} spreads a mixture of experts' experts, and {type(model).__name__} has no MoE "
+                         "layer minitrain knows; give ep_plan ('auto' for a Hugging Face MoE model)")
+    for layer in layers:
+        count = layer.experts if routes_its_own_tokens(layer) else HuggingFaceExperts(layer).experts
+        if count % ep:
+            raise ValueError(f"ep={ep} does not divide the {count} experts of {type(layer).__name__}")
+    return layers
 
 
 def _with_tp_plan(model: nn.Module, plan: ModelPlan | None, tp: int, tp_plan) -> ModelPlan | None:

@@ -24,6 +24,7 @@ shards them as every parameter. Holding only a rank's own experts, reduced over 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..runtime.comm import Comm
 
@@ -77,6 +78,11 @@ class ExpertParallel:
         return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64, device=counts.device)
 
 
+def routes_its_own_tokens(module: torch.nn.Module) -> bool:
+    """A layer that routes its tokens itself and hands the rows to run_experts (MiniGPT's MoEMLP)."""
+    return all(hasattr(module, a) for a in ("experts", "run_experts", "expert_outputs"))
+
+
 def apply_expert_parallel(model: torch.nn.Module, comm: Comm, layer_type: type) -> int:
     """Spread the experts of every `layer_type` module of `model` over `comm`; returns how many layers."""
     layers = [m for m in model.modules() if isinstance(m, layer_type)]
@@ -84,3 +90,71 @@ def apply_expert_parallel(model: torch.nn.Module, comm: Comm, layer_type: type) 
         for layer in layers:
             layer.run_experts = ExpertParallel(layer, comm)
     return len(layers)
+
+
+class HuggingFaceExperts:
+    """The expert arithmetic of a Hugging Face experts module (Mixtral's, Qwen2-MoE's, OLMoE's: `gate_up_proj`
+    (E, 2F, D), `down_proj` (E, D, F), `act_fn`; forward(hidden_states, top_k_index, top_k_weights)), for
+    ExpertParallel."""
+
+    def __init__(self, module: torch.nn.Module):
+        missing = [a for a in ("gate_up_proj", "down_proj", "act_fn") if not hasattr(module, a)]
+        if missing:
+            raise ValueError(f"{type(module).__name__} is not a Hugging Face experts module (it has no "
+                             f"{', '.join(missing)}): expert parallelism knows Mixtral's layout (gate_up_proj, "
+                             "down_proj, act_fn)")
+        self.module, self.experts = module, module.gate_up_proj.shape[0]
+
+    def expert_outputs(self, inputs: torch.Tensor, counts: list[int], experts) -> torch.Tensor:
+        m, parts = self.module, []
+        for e, rows in zip(experts, inputs.split(counts)):
+            gate, up = F.linear(rows, m.gate_up_proj[e]).chunk(2, dim=-1)
+            parts.append(F.linear(m.act_fn(gate) * up, m.down_proj[e]))
+        return torch.cat(parts)
+
+
+def dispatching_forward(experts: HuggingFaceExperts, comm: Comm):
+    """A Hugging Face experts module's forward under expert parallelism: the (token, choice) slots grouped by
+    expert (stable: token order within an expert), their rows computed where their experts are, and each token's
+    k outputs summed with its routing weights, in choice order."""
+    parallel = ExpertParallel(experts, comm)
+
+    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        N, k = top_k_index.shape
+        slot_expert = top_k_index.reshape(-1)
+        order = torch.argsort(slot_expert, stable=True)
+        counts = torch.bincount(slot_expert, minlength=experts.experts).tolist()
+        outputs = hidden_states.new_zeros(N * k, hidden_states.size(-1))
+        outputs[order] = parallel(hidden_states[order // k], counts)
+        weights = top_k_weights.to(outputs.dtype).unsqueeze(-1)
+        return (outputs.view(N, k, -1) * weights).sum(dim=1).to(hidden_states.dtype)
+
+    return forward
+
+
+def hugging_face_experts(model: torch.nn.Module, ep_plan) -> list[torch.nn.Module]:
+    """The experts modules an ep_plan names: "auto" reads a Hugging Face config's `base_model_ep_plan` (its
+    `ep_dispatch_experts` entries, names under the base model); a dict {module-name pattern: "experts"} names a
+    model's own modules of that layout. ValueError if none matches."""
+    from .tp_plan import matches
+
+    if ep_plan == "auto":
+        base = getattr(getattr(model, "config", None), "base_model_ep_plan", None) or {}
+        prefix = getattr(model, "base_model_prefix", "")
+        inner = prefix if prefix and hasattr(model, prefix) else ""
+        patterns = [f"{inner}.{k}" if inner else k for k, style in base.items() if style == "ep_dispatch_experts"]
+        if not patterns:
+            raise ValueError(f"ep_plan='auto' reads a Hugging Face model's own expert plan, and "
+                             f"{type(model).__name__} ships none (config.base_model_ep_plan names no experts)")
+    elif isinstance(ep_plan, dict):
+        bad = {style for style in ep_plan.values() if style != "experts"}
+        if bad:
+            raise ValueError(f"ep_plan styles are 'experts' (a module with gate_up_proj, down_proj and act_fn, "
+                             f"called with (hidden_states, top_k_index, top_k_weights)); got {sorted(bad)}")
+        patterns = list(ep_plan)
+    else:
+        raise ValueError(f"ep_plan must be 'auto' or {{module pattern: 'experts'}}, got {ep_plan!r}")
+    found = [m for name, m in model.named_modules() if name and any(matches(p, name) for p in patterns)]
+    if not found:
+        raise ValueError(f"ep_plan matches no module of {type(model).__name__} ({', '.join(patterns)})")
+    return found

@@ -270,6 +270,16 @@ def before_after(docs: list[dict]) -> list[str]:
                   "<>>>", rows)
 
 
+def experts(docs: list[dict]) -> list[str]:
+    rows = []
+    for world, by_ep in docs[0]["results"].items():
+        for ep, figures in by_ep.items():
+            rows.append([world, ep, _ms(figures["step_ms"]), _ratio(figures["time_ratio"], ep == "1"),
+                         _percent(figures["all_to_all_share"]), _mib(figures["anon_bytes"])])
+    return _table(["ranks", "ep", "step ms", "vs ep 1", "all-to-all share of the step", "anonymous memory added"],
+                  ">>>>>>", rows)
+
+
 # Table name -> (result files, renderer). Benchmarks run at several sizes write one file per size.
 TABLES = {
     "prepare_vs_peers": ("prepare_vs_peers.json", prepare_vs_peers),
@@ -277,6 +287,7 @@ TABLES = {
     "ddp_modes": ("ddp_modes.json", ddp_modes),
     "activation_checkpointing": ("activation_checkpointing.json", activation_checkpointing),
     "offload": ("offload.json", offload),
+    "experts": ("experts.json", experts),
     "tensor_parallel": ("tensor_parallel_tp*.json", tensor_parallel),
     "tensor_parallel_llama": ("tensor_parallel_llama_tp*.json", tensor_parallel),
     "pipeline": ("pipeline_pp*_m*.json", pipeline),

@@ -14,6 +14,7 @@ from minitrain.models.minigpt.model import MiniGPT
 from minitrain.models.minigpt.moe import MoEMLP
 
 from .dist import run_main, run_ranks
+from .numerics import assert_bit_equal
 from .reference import assert_close_to, plain_run
 
 E, K = 4, 2
@@ -372,3 +373,40 @@ def test_expert_parallelism_refuses_what_it_cannot_split_saying_why():
     assert "ep=3 does not divide the world size 2" in said[2]
     assert "ships none (config.base_model_ep_plan names no experts)" in said[3]
     assert "ep_plan matches no module" in said[4]
+
+
+def _save_at(topo, ep, out):
+    from minitrain.train.trainer import Trainer
+
+    cfg = _config(topo.world_size, 0)
+    cfg.dist.ep, cfg.train.batch_size = ep, 8 // topo.world_size
+    with Trainer(cfg, topo) as trainer:
+        for _ in range(2):
+            trainer.train_step()
+        path = trainer.save_checkpoint(out)
+        state = {k: trainer.strategy.flat.to_logical(v) for k, v in trainer.strategy.optimizer.state_tensors().items()}
+        return str(path), trainer.strategy.full_params(), state
+
+
+def _load_at(topo, ep, zero, path):
+    from minitrain.train.trainer import Trainer
+
+    cfg = _config(topo.world_size, zero)
+    cfg.dist.ep, cfg.train.batch_size = ep, 8 // topo.world_size
+    with Trainer(cfg, topo) as trainer:
+        trainer.load_checkpoint(path)
+        s = trainer.strategy
+        state = None if zero else {k: s.flat.to_logical(v) for k, v in s.optimizer.state_tensors().items()}
+        return s.full_params(), state, trainer.train_step().loss
+
+
+def test_a_checkpoint_saved_at_ep_2_loads_at_ep_1_and_4_with_every_expert_in_its_place(tmp_path):
+    # (Peers have renumbered experts per rank and loaded one rank's experts for all.) Saved by 2 ranks at ep = 2;
+    # loaded by 1 rank at ep = 1 (ZeRO-0) and by 4 ranks at ep = 4 (ZeRO-3): the same parameters, every expert's
+    # weights where they were, and at ep = 1 the same master, m and v; both then train on.
+    path, saved, saved_state = run_ranks(_save_at, 2, 2, str(tmp_path / "ckpt"))[0]
+    one, one_state, one_loss = run_ranks(_load_at, 1, 1, 0, path)[0]
+    four, _, four_loss = run_ranks(_load_at, 4, 4, 3, path)[0]
+    assert torch.equal(one, saved) and torch.equal(four, saved)
+    assert_bit_equal(one_state, saved_state, "optimizer state at ep 1")
+    assert abs(one_loss - four_loss) <= 1e-12  # the next step, on either layout

@@ -19,11 +19,11 @@ import ctypes
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from ranges import fmt_range, median_range  # benchmarks/ranges.py
 from record import RESULTS, write_result  # benchmarks/record.py
+from steps import step_times  # benchmarks/steps.py
 
 from minitrain.runtime.launch import launch
 from minitrain.train.metrics import format_table, human_bytes
@@ -46,11 +46,7 @@ def worker(topo, ep: int, steps: int, out: str) -> dict:
     with Trainer(cfg, topo) as trainer:
         trainer.train_step()  # warm-up
         comm_before = trainer.expert_comm.totals().seconds
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            trainer.train_step()
-            times.append(time.perf_counter() - start)
+        times = step_times(trainer, steps)
         return {"step_s": statistics.median(times),
                 "all_to_all_share": (trainer.expert_comm.totals().seconds - comm_before) / sum(times),
                 "anon_bytes": _rss_anon() - before}

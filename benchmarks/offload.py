@@ -22,11 +22,11 @@ import ctypes
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from ranges import fmt_range, median_range  # benchmarks/ranges.py
 from record import RESULTS, write_result  # benchmarks/record.py
+from steps import step_times  # benchmarks/steps.py
 
 from minitrain.runtime.launch import launch
 from minitrain.train import estimate as plan
@@ -57,11 +57,7 @@ def worker(topo, preset: str, mode: str, steps: int, out: str) -> dict:
     before = _rss_anon()
     with Trainer(cfg, topo) as trainer:
         trainer.train_step()  # warm-up
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            trainer.train_step()
-            times.append(time.perf_counter() - start)
+        times = step_times(trainer, steps)
         return {"step_s": statistics.median(times), "anon_bytes": _rss_anon() - before,
                 "state_bytes": 3 * 4 * trainer.strategy.optimizer.master.numel()}
 

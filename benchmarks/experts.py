@@ -25,6 +25,7 @@ from ranges import fmt_range, median_range  # benchmarks/ranges.py
 from record import RESULTS, write_result  # benchmarks/record.py
 from steps import step_times  # benchmarks/steps.py
 
+from minitrain.runtime.comm import OpStats
 from minitrain.runtime.launch import launch
 from minitrain.train.metrics import format_table, human_bytes
 from minitrain.train.run_config import run_config
@@ -45,10 +46,10 @@ def worker(topo, ep: int, steps: int, out: str) -> dict:
     before = _rss_anon()
     with Trainer(cfg, topo) as trainer:
         trainer.train_step()  # warm-up
-        comm_before = trainer.expert_comm.totals().seconds
+        comm_before = trainer.topo.ep.stats.get("all_to_all", OpStats()).seconds
         times = step_times(trainer, steps)
         return {"step_s": statistics.median(times),
-                "all_to_all_share": (trainer.expert_comm.totals().seconds - comm_before) / sum(times),
+                "all_to_all_share": (trainer.topo.ep.stats.get("all_to_all", OpStats()).seconds - comm_before) / sum(times),
                 "anon_bytes": _rss_anon() - before}
 
 

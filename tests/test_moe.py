@@ -206,6 +206,14 @@ def test_the_plan_counts_every_expert_in_memory_and_top_k_of_them_in_flops():
     assert bytes_["params"] == 4 * P_moe  # memory holds every expert
 
 
+def _whole(trainer, local=None):
+    """The whole model's logical vector of a local one (default: the parameters) from every rank's part."""
+    from minitrain.parallel.whole_state import gather_logical
+
+    s, t = trainer.strategy, trainer.topo
+    return gather_logical(s, s.local_params() if local is None else local, t.everyone, t.dp.rank, t.ep.rank)
+
+
 def _ep_train(topo, ep):
     from minitrain.train.trainer import Trainer
 
@@ -216,8 +224,9 @@ def _ep_train(topo, ep):
         with Trainer(cfg, topo) as trainer:
             records = [trainer.train_step() for _ in range(STEPS)]
             got[zero] = {"losses": [r.loss for r in records], "grad_norms": [r.grad_norm for r in records],
-                         "params": trainer.strategy.full_params(), "load": [r.expert_load for r in records],
-                         "all_to_all": trainer.expert_comm.totals().calls, "comm_calls": sum(r.comm_calls for r in records)}
+                         "params": _whole(trainer), "load": [r.expert_load for r in records],
+                         "all_to_all": trainer.topo.ep.stats["all_to_all"].calls,
+                         "params_held": trainer.strategy.flat.numel, "comm_calls": sum(r.comm_calls for r in records)}
     return got
 
 
@@ -232,6 +241,9 @@ def test_expert_parallel_trains_as_one_process_does(world, ep):
         assert_close_to(ref, 1e-12, f"MoE ep {ep} ZeRO-{zero} at {world} ranks", losses=ours["losses"],
                         grad_norms=ours["grad_norms"], params=ours["params"])
         assert all(sum(layer[:E]) == 2 * 16 * world * K for step in ours["load"] for layer in step)
+        # Each rank holds the dense parameters and 1/ep of the experts' (2 layers of E experts of MiniGPT's MLP).
+        total, experts = ref.params.numel(), 2 * E * (2 * 32 * 128 + 128 + 32)
+        assert ours["params_held"] == total - experts + experts // ep
         # Per layer and step: the counts, the rows out and back in forward, the two reverse ones in backward;
         # counted with the step's collectives.
         assert ours["all_to_all"] == STEPS * 2 * 5 and ours["comm_calls"] >= ours["all_to_all"]
@@ -384,8 +396,8 @@ def _save_at(topo, ep, out):
         for _ in range(2):
             trainer.train_step()
         path = trainer.save_checkpoint(out)
-        state = {k: trainer.strategy.flat.to_logical(v) for k, v in trainer.strategy.optimizer.state_tensors().items()}
-        return str(path), trainer.strategy.full_params(), state
+        state = {k: _whole(trainer, v) for k, v in trainer.strategy.optimizer.state_tensors().items()}
+        return str(path), _whole(trainer), state
 
 
 def _load_at(topo, ep, zero, path):
@@ -396,8 +408,8 @@ def _load_at(topo, ep, zero, path):
     with Trainer(cfg, topo) as trainer:
         trainer.load_checkpoint(path)
         s = trainer.strategy
-        state = None if zero else {k: s.flat.to_logical(v) for k, v in s.optimizer.state_tensors().items()}
-        return s.full_params(), state, trainer.train_step().loss
+        state = None if zero else {k: _whole(trainer, v) for k, v in s.optimizer.state_tensors().items()}
+        return _whole(trainer), state, trainer.train_step().loss
 
 
 def test_a_checkpoint_saved_at_ep_2_loads_at_ep_1_and_4_with_every_expert_in_its_place(tmp_path):

@@ -310,7 +310,8 @@ def _manifest(step, topo, strategy, train_state, run_config, keys, rows, held, d
         "format": FORMAT,
         "step": step,
         "world_size": topo.world_size,
-        "layout": {"dp": topo.dp.world_size, "tp": topo.tp.world_size, "pp": topo.pp.world_size},
+        "layout": {"dp": topo.dp.world_size, "tp": topo.tp.world_size, "pp": topo.pp.world_size,
+                   "ep": topo.ep.world_size},
         "strategy": strategy.name,
         "zero": strategy.stage,
         "model": run_config.get("model"),
@@ -329,5 +330,5 @@ def _manifest(step, topo, strategy, train_state, run_config, keys, rows, held, d
 def _extras_writer(topo: Topology, rank: int) -> int:
     """The rank that stores `rank`'s stage's frozen parameters and buffers: its stage's first replica and
     tensor-parallel rank (layout: rank = (pp_rank * dp + dp_rank) * tp + tp_rank)."""
-    per_stage = topo.dp.world_size * topo.tp.world_size
+    per_stage = topo.dp.world_size * topo.tp.world_size * topo.ep.world_size
     return rank // per_stage * per_stage

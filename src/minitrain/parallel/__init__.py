@@ -11,6 +11,7 @@ from .recompute import apply_activation_checkpointing
 from .compiled import compile_blocks
 from ..runtime.topology import Topology
 from .config import ParallelConfig
+from .experts import shard_experts
 from .ddp import BucketedDataParallel, NaiveDataParallel, TorchDataParallel
 from .flat import FlatStrategy, OptimizerFactory
 from .layout import WholeModel
@@ -33,6 +34,8 @@ def parallelize(model: nn.Module, topo: Topology, pcfg: ParallelConfig, make_opt
        (the embedding and the head it splits over the vocabulary); everything after must see the slices;
     2. pipeline parallel (the plan's split): it deletes the (already sliced) modules other stages run,
        so that nothing after it, above all the data-parallel strategy, holds or syncs their parameters;
+    2b. expert parallelism (topo.ep): each rank keeps its share of every mixture-of-experts layer's experts,
+       marked as slices of the whole tensors (experts.py);
     3. compiling each block's forward (compile=True; compiled.py), then activation checkpointing: it
        wraps module calls from outside and must wrap the final modules, compiled, while keeping their
        hooks, which ZeRO-3 installs next;
@@ -53,10 +56,16 @@ def parallelize(model: nn.Module, topo: Topology, pcfg: ParallelConfig, make_opt
         whole.slices = tensor_parallel_slices(model)
     if topo.pp.world_size > 1:
         plan.pipeline_split(model, topo.pp.rank, topo.pp.world_size)
+    if topo.ep.world_size > 1:  # each rank keeps its share of every expert layer's experts, as slices
+        shard_experts(model, topo.ep)
+        whole.slices = tensor_parallel_slices(model)
     if compile:
         compile_blocks(model, plan)
     apply_activation_checkpointing(model, activation_checkpointing, plan)
-    strategy = make_strategy(model, topo.dp, pcfg, make_optimizer, whole, topo.tp, topo.pp)
+    slices_over = topo.ep if topo.ep.world_size > 1 else topo.tp
+    strategy = make_strategy(model, topo.dp, pcfg, make_optimizer, whole, slices_over, topo.pp)
+    if topo.ep.world_size > 1:
+        strategy.use_experts(topo.ep)
     return strategy, (pipeline(strategy) if pipeline is not None else None)
 
 

@@ -15,11 +15,15 @@ Backward runs the same exchanges the other way (the all-to-all's gradient is the
 
 What changes is where each expert's arithmetic happens, not what it is: the routing, capacity drops and
 combination are each rank's own, as at ep = 1, so the run equals data parallelism over the same ranks (to
-float rounding: an expert's matrix multiplies see its rows from every rank at once). The experts' weights are
-still held whole by every rank and their gradients averaged over the whole data-parallel group (the ranks that
-do not compute an expert contribute zeros to its gradient, so the sum is the gradient of the whole batch); ZeRO
-shards them as every parameter. Holding only a rank's own experts, reduced over their replicas, is the next step
-(docs/moe.md).
+float rounding: an expert's matrix multiplies see its rows from every rank at once).
+
+Where the weights live, two ways:
+- `minitrain train --dist.ep` (shard_experts): each rank holds only its experts, marked as slices of the whole
+  tensors; the data-parallel group becomes the experts' replicas (Topology.with_experts) and the strategy
+  averages every gradient over it, then sums the dense parameters' over the ep group and divides all by ep
+  (FlatStrategy.use_experts): the average over every rank, for the weights each holds;
+- `minitrain.prepare(..., ep=)` (ExpertParallel alone): every rank holds every expert and computes its own; the
+  others contribute zeros to an expert's gradient, whose average over the whole group is then the same.
 """
 from __future__ import annotations
 
@@ -47,14 +51,17 @@ class _AllToAll(torch.autograd.Function):
 
 
 class ExpertParallel:
-    """A layer's run_experts when its experts are spread over `comm` (one expert-parallel group)."""
+    """A layer's run_experts when its experts are spread over `comm` (one expert-parallel group). held_here: the
+    layer's expert weights are this rank's experts only (shard_experts), so local expert i is weight row i; else
+    every rank holds them all and computes its own."""
 
-    def __init__(self, layer, comm: Comm):
+    def __init__(self, layer, comm: Comm, held_here: bool = False):
         if layer.experts % comm.world_size:
             raise ValueError(f"{layer.experts} experts cannot be split evenly over {comm.world_size} ranks")
         self.layer, self.comm = layer, comm
         self.per_rank = layer.experts // comm.world_size
-        self.local = range(comm.rank * self.per_rank, (comm.rank + 1) * self.per_rank)
+        first = 0 if held_here else comm.rank * self.per_rank
+        self.local = range(first, first + self.per_rank)
 
     def __call__(self, inputs: torch.Tensor, counts: list[int]) -> torch.Tensor:
         ranks, per = self.comm.world_size, self.per_rank
@@ -76,6 +83,28 @@ class ExpertParallel:
         pieces = [torch.arange(int(starts[i, j]), int(starts[i, j] + counts[i, j]), device=counts.device)
                   for j in range(counts.size(1)) for i in range(counts.size(0))]
         return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64, device=counts.device)
+
+
+EXPERT_WEIGHTS = ("up", "up_bias", "down", "down_bias")  # a layer's per-expert tensors, expert first
+
+
+def shard_experts(model: torch.nn.Module, comm: Comm) -> int:
+    """Expert parallelism that also splits the weights: every layer that routes its own tokens keeps only this
+    rank's E/ep experts (rows [g E/ep, (g+1) E/ep) of each expert tensor, g = comm.rank), each marked as a slice of
+    the whole tensor (`slices`, as tensor parallelism marks its own), so checkpoints hold whole tensors under the
+    model's keys and reload at any ep. Returns how many layers."""
+    from .tensor import _sharded
+
+    layers = [m for m in model.modules() if routes_its_own_tokens(m)]
+    for layer in layers:
+        per = layer.experts // comm.world_size
+        rows = torch.arange(comm.rank * per, (comm.rank + 1) * per)
+        layer.slices = {}
+        for name in EXPERT_WEIGHTS:
+            param, layer.slices[name] = _sharded(getattr(layer, name), 0, rows)
+            setattr(layer, name, param)
+        layer.run_experts = ExpertParallel(layer, comm, held_here=True)
+    return len(layers)
 
 
 def routes_its_own_tokens(module: torch.nn.Module) -> bool:

@@ -113,7 +113,9 @@ class FlatStrategy:
         self.reduce_dtype = pcfg.reduce_dtype  # gradients are summed across ranks in this dtype
         self.tp = Comm(device=comm.device)  # the tensor-parallel group, when the model is split (use_model_parallel)
         self.pp = Comm(device=comm.device)  # the pipeline group, when this rank holds one stage of the model
-        self._tp_sharded: Ranges = []  # physical ranges of parameters split across tp
+        self._tp_sharded: Ranges = []  # physical ranges of parameters split across tp (or ep: use_experts)
+        self._ep: Comm | None = None  # expert parallelism that splits the weights (use_experts)
+        self._settled = False  # this step's gradient settled over ep (_synced_grad)
         self._norm: float | None = None  # this step's global gradient norm, once computed
         self._visible_guard: VisibleGradGuard | None = None  # refuses p.grad changed after a sync (visible_grads.py)
         self._backward_end: BackwardEndSync | None = None  # syncs when backward ends (user_loop, stages 0-1)
@@ -170,6 +172,38 @@ class FlatStrategy:
         so the squares are summed over it."""
         self.tp, self.pp = tp, pp
         self._tp_sharded = self.flat.ranges_of_names(self.flat.sliced)
+
+    def use_experts(self, ep: Comm) -> None:
+        """Expert parallelism that splits the weights (parallel/experts.py): this strategy's group is the experts'
+        replicas, and the slices (WholeModel.slices, summed over `ep` in norms) are this rank's experts. Each
+        step's averaged gradient is then settled (_settle_experts) before anything reads it."""
+        self._ep = ep
+
+    @torch.no_grad()
+    def _settle_experts(self, local: torch.Tensor) -> None:
+        """The gradient averaged over the replicas becomes the average over every rank: the dense parameters'
+        (each rank of an ep group saw other tokens) summed over the ep group, and everything divided by ep (an
+        expert's already holds the tokens of its whole ep group, sent to it). Collective over ep."""
+        experts = self.flat.local_ranges(self._tp_sharded, self.shard_ranges)
+        dense, at = [], 0
+        for a, b in [*experts, (local.numel(), local.numel())]:
+            if a > at:
+                dense.append((at, a))
+            at = b
+        if dense:
+            summed = torch.cat([local[a:b] for a, b in dense])
+            self._ep.all_reduce_sum(summed)
+            for (a, b), part in zip(dense, summed.split([b - a for a, b in dense])):
+                local[a:b].copy_(part)
+        local.div_(self._ep.world_size)
+
+    def _synced_grad(self) -> torch.Tensor:
+        """_averaged_grad(), settled once per step under expert parallelism."""
+        grad = self._averaged_grad()
+        if self._ep is not None and not self._settled:
+            self._settle_experts(grad)
+            self._settled = True
+        return grad
 
     def _sum_sq_parts(self, local: torch.Tensor, ranges: Ranges) -> torch.Tensor:
         """[squares of this rank's tensor-parallel slices, squares of everything else] of a local vector
@@ -296,7 +330,7 @@ class FlatStrategy:
         if self.closed:  # every update passes here: without its hooks, backward no longer syncs the gradients
             raise RuntimeError(f"this {self.name} strategy was closed (its hooks are off the model); prepare the "
                                "model again to train it")
-        parts = self._sum_sq_parts(self._averaged_grad(), self.shard_ranges)
+        parts = self._sum_sq_parts(self._synced_grad(), self.shard_ranges)
         if self.stage >= 1:
             self.comm.all_reduce_sum(parts)  # over the data-parallel shards
         return self._total_sum_sq(parts).sqrt() / loss_scale
@@ -312,7 +346,7 @@ class FlatStrategy:
             whole.div_(scale)
             self._show_averaged(whole)
         else:
-            self._averaged_grad().div_(scale)
+            self._synced_grad().div_(scale)
 
     @torch.no_grad()
     def step(self, lr: float | None = None, loss_scale: float = 1.0, max_norm: float | None = None) -> float:
@@ -327,11 +361,12 @@ class FlatStrategy:
         norm = self.grad_norm(loss_scale)
         if math.isfinite(norm):  # every rank sees the same norm, so every rank decides alike
             clip = self.pcfg.grad_clip if max_norm is None else max_norm
-            self.optimizer.step(self._averaged_grad(), lr, clip_coefficient(norm, clip) / loss_scale)
+            self.optimizer.step(self._synced_grad(), lr, clip_coefficient(norm, clip) / loss_scale)
             self._publish()
             self.optimizer.release_pages()
         # else skip: parameters and optimizer state unchanged
         self._norm = None
+        self._settled = False
         self._end_step()
         return norm
 
@@ -349,10 +384,11 @@ class FlatStrategy:
         norm = self._grad_norm_tensor(loss_scale)
         found_inf = (~torch.isfinite(norm)).to(torch.float32)
         scale = clip_coefficient_tensor(norm, self.pcfg.grad_clip) / loss_scale
-        self.optimizer.step(self._averaged_grad(), lr, scale, found_inf=found_inf)
+        self.optimizer.step(self._synced_grad(), lr, scale, found_inf=found_inf)
         self._publish()  # a skipped step publishes the unchanged master: the same parameters
         self.optimizer.release_pages()
         self._norm = None
+        self._settled = False
         self._end_step()
         return norm
 

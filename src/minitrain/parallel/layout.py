@@ -25,6 +25,8 @@ Three coordinate systems, kept apart on purpose:
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 import torch
@@ -88,7 +90,8 @@ class Segment:
 
 def slice_runs(full_shape: tuple[int, ...], dim: int, index: torch.Tensor, logical: int) -> tuple:
     """(local start, logical start, length) runs of `full.index_select(dim, index)` flattened, for a
-    parameter of `full_shape` (1-D or 2-D, sliced along dim 0 or 1) starting at `logical`: consecutive
+    parameter of `full_shape` sliced along dim 0 (any number of dimensions: an entry is everything behind it,
+    as an expert of a mixture's 3-D weights) or along dim 1 of a 2-D one, starting at `logical`: consecutive
     indices make one run, so a block of rows is one run and a block of columns one run per row."""
     groups, start = [], 0
     index = index.tolist()
@@ -96,7 +99,7 @@ def slice_runs(full_shape: tuple[int, ...], dim: int, index: torch.Tensor, logic
         if i == len(index) or index[i] != index[i - 1] + 1:
             groups.append((index[start], i - start))  # (first index, count)
             start = i
-    row = 1 if len(full_shape) == 1 else full_shape[1]
+    row = math.prod(full_shape[1:]) if dim == 0 else full_shape[1]
     runs, at = [], 0
     if dim == 0:
         for first, count in groups:

@@ -99,6 +99,9 @@ class Topology:
     dp: Comm  # data-parallel group: replicas of the same model shard, each fed its own data
     tp: Comm = field(default_factory=Comm)  # tensor-parallel group: one layer split across ranks, same data
     pp: Comm = field(default_factory=Comm)  # pipeline group: one rank per stage
+    # Expert-parallel group (with_experts): adjacent ranks that each hold and compute 1/ep of every mixture-of-
+    # experts layer's experts, and feed their own data; dp is then the experts' replicas (stride ep).
+    ep: Comm = field(default_factory=Comm)
     world: Comm | None = None  # every rank, once the world is split (until then dp is the world)
     watch: CollectiveWatch | None = None  # diagnoses hangs and compares fingerprints (None in a single process)
     # Every Comm with a process group made by this topology or one derived from it (with_layout), so that
@@ -108,6 +111,12 @@ class Topology:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def data(self) -> Comm:
+        """The ranks that each read their own share of a batch: the data-parallel group, or under expert
+        parallelism every rank (an expert-parallel group's ranks see different tokens)."""
+        return self.everyone if self.ep.world_size > 1 else self.dp
 
     @property
     def everyone(self) -> Comm:
@@ -130,6 +139,25 @@ class Topology:
         self.opened.extend(comms.values())
         return Topology(self.rank, self.world_size, self.local_rank, self.backend, self.device, **comms,
                         world=self.everyone, watch=self.watch, opened=self.opened)
+
+    def with_experts(self, ep: int) -> "Topology":
+        """Split the world into expert-parallel groups of ep adjacent ranks and the groups of their replicas
+        (stride ep), which become the data-parallel group: a mixture of experts' weights differ within an ep
+        group and are averaged over their replicas (collective; tensor and pipeline parallelism are not combined
+        with it). ep = 1: this topology."""
+        if ep == 1:
+            return self
+        if self.tp.world_size > 1 or self.pp.world_size > 1:
+            raise ConfigError("expert parallelism is not combined with tensor or pipeline parallelism")
+        groups = layout_groups(self.world_size, ep, 1)  # adjacent groups of ep ranks are the layout's "tp"
+        comms = {}
+        for kind, name in (("tp", "ep"), ("dp", "dp")):
+            mine = next(g for g in groups[kind] if self.rank in g)
+            group, _ = dist.new_subgroups_by_enumeration(groups[kind])
+            comms[name] = Comm(mine.index(self.rank), len(mine), group, self.device, name, self.watch)
+        self.opened.extend(comms.values())
+        return Topology(self.rank, self.world_size, self.local_rank, self.backend, self.device, dp=comms["dp"],
+                        ep=comms["ep"], world=self.everyone, watch=self.watch, opened=self.opened)
 
     def expert_group(self, ep: int) -> Comm:
         """This rank's expert-parallel group: ep adjacent ranks of the data-parallel group, which here is the world

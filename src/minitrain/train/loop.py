@@ -43,7 +43,7 @@ from .trainer import StepRecord, Trainer
 
 def train_worker(topo: Topology, cfg: RunConfig) -> dict:
     """Rank 0 logs and returns the summary."""
-    return TrainingRun(topo.with_layout(cfg.dist.tp, cfg.dist.pp), cfg).run()
+    return TrainingRun(topo.with_layout(cfg.dist.tp, cfg.dist.pp).with_experts(cfg.dist.ep), cfg).run()
 
 
 class TrainingRun:

@@ -31,7 +31,6 @@ from ..models import ModelSpec, spec_for
 from ..models.minigpt.moe import MoEMLP
 from ..parallel import Pipeline, cast_parameters, parallelize
 from ..parallel.config import ParallelConfig
-from ..parallel.experts import apply_expert_parallel
 from ..parallel.memory_math import MEMORY_KINDS
 from ..runtime.topology import Topology
 from .faults import Faults
@@ -112,6 +111,8 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, topo: Topology, spec: ModelSpec | None = None):
         """spec: the model family to build and its plan (default: the one cfg.model describes, models.spec_for)."""
+        if cfg.dist.ep > 1 and topo.ep.world_size == 1:  # the experts' groups and their replicas (collective)
+            topo = topo.with_experts(cfg.dist.ep)
         self.cfg, self.topo = cfg, topo
         spec = spec or spec_for(cfg.model)
         seed_everything(cfg.train.seed, topo.rank)
@@ -119,26 +120,24 @@ class Trainer:
         # strategy's optimizer keeps the master copy in --dtype).
         self.model = spec.build(cfg.model).to(device=topo.device, dtype=getattr(torch, cfg.train.dtype))
         cast_parameters(self.model, compute_dtype(cfg.train))
-        # Expert parallelism: each rank of a group computes its share of every MoE layer's experts.
-        self.expert_comm = topo.expert_group(cfg.dist.ep)
-        apply_expert_parallel(self.model, self.expert_comm, MoEMLP)
         self.loss_scaler = make_loss_scaler(cfg.train)
         self.offload = offload_store(cfg, topo.rank)  # where the optimizer's master and state live, if offloaded
         # The same path minitrain.prepare takes, with the model's plan and the CLI's own optimizer.
         self.strategy, self.pipeline = parallelize(
             self.model, topo, parallel_config(cfg), flat_adamw_factory(cfg.train, self.offload), spec.plan,
             cfg.train.activation_checkpointing, self._pipeline_builder(), compile=cfg.train.compile)
-        # Data is split over data-parallel replicas only: a tensor-parallel group shares its batch.
+        # Data is split over data-parallel replicas only (a tensor-parallel group shares its batch), or under
+        # expert parallelism over every rank (topo.data).
         self._corpus_sha256: str | None = None  # computed at the first save (train_state)
         self.loader = ShardedLoader(load_corpus(cfg), cfg.model.seq_len, cfg.train.batch_size,
-                                    topo.dp.rank, topo.dp.world_size, cfg.train.seed)
-        self.eval_batches = (EvalBatches(load_val(cfg), cfg.model.seq_len, cfg.train.batch_size, topo.dp.rank,
-                                         topo.dp.world_size, cfg.eval.batches) if cfg.eval.every else None)
+                                    topo.data.rank, topo.data.world_size, cfg.train.seed)
+        self.eval_batches = (EvalBatches(load_val(cfg), cfg.model.seq_len, cfg.train.batch_size, topo.data.rank,
+                                         topo.data.world_size, cfg.eval.batches) if cfg.eval.every else None)
         self.step = 0  # training steps completed (a skipped step counts: its data was consumed)
         self.nonfinite = NonFiniteGuard(cfg.train.max_skipped_steps, self.loss_scaler)
         self.tokens_seen = 0
         t = cfg.train
-        self.tokens_per_step = t.batch_size * t.grad_accum * topo.dp.world_size * cfg.model.seq_len
+        self.tokens_per_step = t.batch_size * t.grad_accum * topo.data.world_size * cfg.model.seq_len
         self.spikes = SpikeGuard(t.spike_factor, t.spike_window)
         self.timer = StepTimer(topo.device)
         self.device_peak = DevicePeak(topo.device)
@@ -382,7 +381,7 @@ class Trainer:
     def _comm_totals(self) -> OpStats:
         """Collectives (and point-to-point transfers) so far in the data-, tensor-, pipeline- and expert-parallel
         groups."""
-        totals = [self.topo.dp.totals(), self.topo.tp.totals(), self.topo.pp.totals(), self.expert_comm.totals()]
+        totals = [self.topo.dp.totals(), self.topo.tp.totals(), self.topo.pp.totals(), self.topo.ep.totals()]
         return OpStats(sum(t.calls for t in totals), sum(t.bytes for t in totals), sum(t.seconds for t in totals))
 
     def _holds_loss(self) -> float:

@@ -422,3 +422,29 @@ def test_a_checkpoint_saved_at_ep_2_loads_at_ep_1_and_4_with_every_expert_in_its
     assert torch.equal(one, saved) and torch.equal(four, saved)
     assert_bit_equal(one_state, saved_state, "optimizer state at ep 1")
     assert abs(one_loss - four_loss) <= 1e-12  # the next step, on either layout
+
+
+def _held_at_ep(topo, ep):
+    from minitrain.train.run_config import run_config
+    from minitrain.train.trainer import Trainer
+
+    held = {}
+    for zero in (0, 1, 2, 3):
+        cfg = run_config(cli_values={"model.moe_experts": E, "model.moe_top_k": K, "train.zero": zero,
+                                     "dist.nproc": topo.world_size, "dist.ep": ep, "train.log_every": 0})
+        with Trainer(cfg, topo) as trainer:
+            trainer.train_step()
+            held[zero] = trainer.strategy.memory_bytes()
+    return held, cfg.model
+
+
+@pytest.mark.parametrize("world,ep", [(2, 2), (4, 2)])
+def test_the_plan_predicts_the_bytes_each_rank_holds_under_expert_parallelism(world, ep):
+    # As for ZeRO: the planner's bytes at rest per rank are what the strategy holds, at every stage, with 1/ep of
+    # the experts and ZeRO sharding over the experts' replicas (world / ep ranks).
+    from minitrain.train import estimate as plan
+
+    held, model = run_ranks(_held_at_ep, world, ep)[0]
+    for zero, measured in held.items():
+        predicted = plan.model_state_bytes(plan.PlanInput(model=model, params=0, dp=world, ep=ep, zero=zero))
+        assert predicted == {k: measured[k] for k in predicted}, (zero, predicted, measured)

@@ -20,7 +20,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                              "cpu-here --dp 2 --zero 1", formatter_class=argparse.RawDescriptionHelpFormatter)
     planner.add_argument("--preset", default="tiny", help="model preset (default tiny)")
     for flag, field_name in (("--layers", "n_layer"), ("--d-model", "d_model"), ("--heads", "n_head"),
-                             ("--vocab", "vocab_size"), ("--seq", "seq_len"), ("--d-ff", "d_ff")):
+                             ("--vocab", "vocab_size"), ("--seq", "seq_len"), ("--d-ff", "d_ff"),
+                             ("--experts", "moe_experts"), ("--top-k", "moe_top_k")):
         planner.add_argument(flag, dest=f"model_{field_name}", type=int, help=f"override the preset's {field_name}")
     planner.add_argument("--params", type=float, help="a raw parameter count instead of a model (e.g. 7.5e9); "
                          "activations are then not estimated")
@@ -31,6 +32,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                          help="what gradients are summed in with bf16/fp16 (the ZeRO paper's figures: compute)")
     for flag in ("--dp", "--tp", "--pp"):
         planner.add_argument(flag, type=int, default=1, help="parallel degree (default 1)")
+    planner.add_argument("--ep", type=int, default=1, help="expert-parallel degree of a mixture of experts (divides "
+                         "--dp and --experts): each rank holds 1/ep of every layer's experts (default 1)")
     planner.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
     planner.add_argument("--activation-checkpointing", choices=("none", "block", "selective"), default="none")
     planner.add_argument("--offload", choices=("none", "cpu", "disk"), default="none",
@@ -52,7 +55,7 @@ def run(args) -> int:
     from ..train import estimate as plan
     from ..train.run_config import run_config
 
-    for name in ("micro_batch", "grad_accum", "dp", "tp", "pp", "microbatches"):
+    for name in ("micro_batch", "grad_accum", "dp", "tp", "pp", "ep", "microbatches"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if not 0 < args.mfu <= 1:
@@ -68,9 +71,12 @@ def run(args) -> int:
         values = {"model.preset": args.preset, **{f"model.{k}": v for k, v in overrides.items()}}
         model = run_config(cli_values=values).model
         params = plan.model_params(model)
+    if args.ep > 1 and (model is None or not model.moe_experts or model.moe_experts % args.ep or args.dp % args.ep):
+        raise ConfigError(f"--ep {args.ep} splits a mixture of experts' experts: give --experts E with ep dividing "
+                          "E and --dp")
     hardware = plan.cpu_here(args.comm_json) if args.hardware == "cpu-here" else plan.PRESETS[args.hardware]
     inp = plan.PlanInput(model=model, params=params, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
-                         precision=args.precision, reduce_dtype=args.reduce_dtype, dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero,
+                         precision=args.precision, reduce_dtype=args.reduce_dtype, dp=args.dp, tp=args.tp, pp=args.pp, ep=args.ep, zero=args.zero,
                          activation_checkpointing=args.activation_checkpointing, microbatches=args.microbatches,
                          schedule=args.schedule, mfu=args.mfu, hardware=hardware, offload=args.offload,
                          seq_len=args.model_seq_len or 1024)

@@ -311,7 +311,7 @@ def _manifest(step, topo, strategy, train_state, run_config, keys, rows, held, d
         "step": step,
         "world_size": topo.world_size,
         "layout": {"dp": topo.dp.world_size, "tp": topo.tp.world_size, "pp": topo.pp.world_size,
-                   "ep": topo.ep.world_size},
+                   **({"ep": topo.ep.world_size} if topo.ep.world_size > 1 else {})},
         "strategy": strategy.name,
         "zero": strategy.stage,
         "model": run_config.get("model"),

@@ -98,7 +98,7 @@ def shard_experts(model: torch.nn.Module, comm: Comm) -> int:
     layers = [m for m in model.modules() if routes_its_own_tokens(m)]
     for layer in layers:
         per = layer.experts // comm.world_size
-        rows = torch.arange(comm.rank * per, (comm.rank + 1) * per)
+        rows = torch.arange(comm.rank * per, (comm.rank + 1) * per, device="cpu")
         layer.slices = {}
         for name in EXPERT_WEIGHTS:
             param, layer.slices[name] = _sharded(getattr(layer, name), 0, rows)

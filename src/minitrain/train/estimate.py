@@ -138,18 +138,24 @@ class PlanInput:
     microbatches: int = 1  # pipeline micro-batches per step
     schedule: str = "1f1b"
     offload: str = "none"  # none | cpu | disk: where the optimizer's master and state live (train/offload.py)
+    ep: int = 1  # expert parallelism (a mixture of experts): each rank holds 1/ep of the experts; divides dp
     mfu: float = 0.4
     hardware: Hardware = field(default_factory=lambda: PRESETS["h100-sxm"])
 
 
-def model_units(cfg: ModelConfig) -> dict[str, int]:
+def model_units(cfg: ModelConfig, ep: int = 1) -> dict[str, int]:
     """Parameter count of each unit ZeRO-2/3 move together (parallel/units.py), in layout order,
-    from a model built on the meta device (no memory, no initialisation cost)."""
+    from a model built on the meta device (no memory, no initialisation cost); with ep > 1 the units one
+    expert-parallel rank holds (its 1/ep of each layer's experts: parallel/experts.py)."""
     from ..models import spec_for
+    from ..parallel.experts import shard_experts
     from ..parallel.units import module_units
+    from ..runtime.comm import Comm
 
     with torch.device("meta"):
         model = spec_for(cfg).build(cfg)
+        if ep > 1:
+            shard_experts(model, Comm(0, ep))  # rank 0's share: every rank's is the same size
     named = dict(model.named_parameters())
     return {plan.name: sum(named[n].numel() for n in plan.params) for plan in module_units(model)}
 
@@ -158,18 +164,24 @@ def model_params(cfg: ModelConfig) -> int:
     return sum(model_units(cfg).values())
 
 
-def padded_params(cfg: ModelConfig, zero: int, dp: int) -> int:
+def padded_params(cfg: ModelConfig, zero: int, dp: int, ep: int = 1) -> int:
     """P as the strategy lays it out: one unit at ZeRO 0-1, one per block at ZeRO 2-3, each padded to a
     multiple of the ranks it is sharded over (data parallel shards nothing and pads nothing)."""
-    units = list(model_units(cfg).values())
+    units = list(model_units(cfg, ep).values())
     return padded_numel(units if zero >= 2 else [sum(units)], dp if zero >= 1 else 1)
 
 
 def layout_params(inp: PlanInput) -> int:
     """P: the flat size one model-parallel rank's data-parallel group shards (padded as laid out)."""
     if inp.model is not None and inp.tp == inp.pp == 1:
-        return padded_params(inp.model, inp.zero, inp.dp)
+        return padded_params(inp.model, inp.zero, shard_ranks(inp), inp.ep)
     return math.ceil(inp.params / (inp.tp * inp.pp))
+
+
+def shard_ranks(inp: PlanInput) -> int:
+    """The ranks ZeRO shards over: the data-parallel ranks, or under expert parallelism the replicas of one
+    rank's experts (dp / ep; Topology.with_experts)."""
+    return inp.dp // inp.ep
 
 
 def element_bytes(precision: str) -> int:
@@ -194,7 +206,7 @@ def model_state_bytes(inp: PlanInput) -> dict[str, int]:
     # does offload (the master goes with the state, the shard stays with the model).
     shard_is_master = inp.zero == 3 and not mixed and inp.offload == "none"
     for kind, (count, sharded) in memory_terms(inp.zero, master_is_params=shard_is_master).items():
-        out[kind] = round(count * elem[kind] * (P / inp.dp if sharded else P))
+        out[kind] = round(count * elem[kind] * (P / shard_ranks(inp) if sharded else P))
     return out
 
 
@@ -210,7 +222,7 @@ def gathered_bytes(inp: PlanInput) -> int:
         return 0
     units = model_units(inp.model)
     shared = units.pop("shared", 0)
-    in_flight = 3 if inp.dp > 1 else 2  # one rank: the reduction is done when it returns
+    in_flight = 3 if shard_ranks(inp) > 1 else 2  # one rank: the reduction is done when it returns
     return round(element_bytes(inp.precision) * (shared + in_flight * max(units.values())) / inp.tp)
 
 
@@ -225,8 +237,9 @@ def update_transients(inp: PlanInput) -> tuple[int, int]:
     landing = 0
     if inp.offload != "none" and inp.zero >= 2 and inp.model is not None:
         # The gradient shard is on the host: each unit's reduce-scatter lands in a device chunk first.
-        landing = round(reduce_bytes(inp) * max(model_units(inp.model).values()) / (inp.dp * inp.tp))
-    shard = P if inp.zero == 0 else P / inp.dp
+        landing = round(reduce_bytes(inp) * max(model_units(inp.model, inp.ep).values()) /
+                        (shard_ranks(inp) * inp.tp))
+    shard = P if inp.zero == 0 else P / shard_ranks(inp)
     update = wide + (4 * min(shard, FlatAdamW.CHUNK) if mixed else 0)
     return wide + landing, round(update)
 
@@ -392,7 +405,9 @@ def render(result: dict) -> str:
         rows += [[f"{where}, off the device", human_bytes(b[where]), f"{b[where] / GB:.3f}"]
                  for where in ("host", "disk") if b[where]]
     memory = human_bytes(result["device_memory_bytes"])
-    lines = [f"Plan: {result['world_size']} rank(s) = dp {inp['dp']} x tp {inp['tp']} x pp {inp['pp']}, ZeRO-{inp['zero']}, "
+    experts = f" (ep {inp['ep']}: 1/{inp['ep']} of the experts per rank)" if inp.get("ep", 1) > 1 else ""
+    lines = [f"Plan: {result['world_size']} rank(s) = dp {inp['dp']} x tp {inp['tp']} x pp {inp['pp']}{experts}, "
+             f"ZeRO-{inp['zero']}, "
              f"{inp['precision']}, micro-batch {inp['micro_batch']}, activation checkpointing "
              f"{inp['activation_checkpointing']}, on {inp['hardware']}",
              "", "Memory per rank", format_table(["kind", "bytes", "GB"], rows, "<>>"),

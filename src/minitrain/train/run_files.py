@@ -49,7 +49,7 @@ def environment(cfg: RunConfig, topo: Topology, resumed_from: Path | None) -> di
         "platform": platform.platform(),
         "world_size": topo.world_size,
         "layout": {"dp": topo.dp.world_size, "tp": topo.tp.world_size, "pp": topo.pp.world_size,
-                   "ep": topo.ep.world_size},
+                   **({"ep": topo.ep.world_size} if topo.ep.world_size > 1 else {})},
         "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
         "git": git_state(Path.cwd()),

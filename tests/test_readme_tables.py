@@ -13,6 +13,7 @@ TIMED = {"steps", "repeats", "format", "results"}
 KEYS = {"prepare_vs_peers": TIMED | {"world", "warmup"}, "zero_stages": TIMED | {"model", "warmup"},
         "ddp_modes": TIMED, "activation_checkpointing": TIMED | {"model", "warmup"},
         "offload": TIMED | {"warmup", "batch"},
+        "experts": TIMED | {"warmup", "batch", "experts", "top_k"},
         "tensor_parallel": TIMED | {"tp", "minitrain_over_dtensor"},
         "tensor_parallel_llama": TIMED | {"tp", "minitrain_over_dtensor", "model"},
         "pipeline": TIMED | {"pp", "microbatches", "minitrain_over_torch"},

@@ -54,6 +54,19 @@ def test_routing_equals_each_token_through_its_experts_by_hand(top_k):
     load, dropped = layer.take_load()
     assert sum(load) == 15 * top_k and dropped == 0  # dropless: every slot computed
     assert layer.take_load() == ([0.0] * E, 0.0)  # taken: the counters start over
+    layer.eval()
+    layer(x)
+    assert layer.take_load() == ([0.0] * E, 0.0)  # an evaluation's forward is not the step's load
+
+
+def test_under_autocast_the_experts_16_bit_outputs_are_combined():
+    # On a GPU autocast runs the layer norm before the router in float32 and the experts' matrix multiplies in
+    # bf16; their outputs are gathered in their own dtype. On the CPU: a float32 input, bf16 multiplies.
+    layer = _layer().float()
+    x = torch.randn(3, 5, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x)
+    assert out.dtype == torch.bfloat16 and (out.float() - layer(x)).abs().max() <= 1e-2
 
 
 def test_a_capacity_drops_the_later_slots_of_a_full_expert_and_counts_them():

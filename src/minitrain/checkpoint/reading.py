@@ -118,6 +118,9 @@ class ReadWhenAsked(Mapping):
             raise KeyError(name)
         return self._read(name)
 
+    def __contains__(self, name) -> bool:  # Mapping's would read the vector to find out
+        return name in self._names
+
     def __iter__(self):
         return iter(self._names)
 

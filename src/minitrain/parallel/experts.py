@@ -71,18 +71,24 @@ class ExpertParallel:
         send_counts, arriving_counts = send.view(ranks, per), arriving.view(ranks, per)
         in_splits, out_splits = send_counts.sum(1).tolist(), arriving_counts.sum(1).tolist()
         received = _AllToAll.apply(inputs, self.comm, out_splits, in_splits)  # by source rank, then local expert
-        by_expert = self._expert_major(arriving_counts)
+        by_expert = self._expert_major(arriving_counts.tolist(), received.device)
         outputs = self.layer.expert_outputs(received[by_expert], arriving_counts.sum(0).tolist(), self.local)
         back = torch.empty_like(outputs).index_copy(0, by_expert, outputs)  # the arrival order again
         return _AllToAll.apply(back, self.comm, in_splits, out_splits)
 
     @staticmethod
-    def _expert_major(counts: torch.Tensor) -> torch.Tensor:
-        """The row permutation from (source rank, local expert) order to (local expert, source rank) order."""
-        starts = (torch.cumsum(counts.reshape(-1), 0) - counts.reshape(-1)).view_as(counts)
-        pieces = [torch.arange(int(starts[i, j]), int(starts[i, j] + counts[i, j]), device=counts.device)
-                  for j in range(counts.size(1)) for i in range(counts.size(0))]
-        return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64, device=counts.device)
+    def _expert_major(counts: list[list[int]], device: torch.device) -> torch.Tensor:
+        """The row permutation from (source rank, local expert) order to (local expert, source rank) order, built
+        on the host from the counts (counts[i][j]: rows from rank i for local expert j)."""
+        starts, at = [], 0
+        for row in counts:
+            starts.append([])
+            for n in row:
+                starts[-1].append(at)
+                at += n
+        order = [r for j in range(len(counts[0])) for i in range(len(counts))
+                 for r in range(starts[i][j], starts[i][j] + counts[i][j])]
+        return torch.tensor(order, dtype=torch.int64, device=device)
 
 
 EXPERT_WEIGHTS = ("up", "up_bias", "down", "down_bias")  # a layer's per-expert tensors, expert first
@@ -153,8 +159,9 @@ def dispatching_forward(experts: HuggingFaceExperts, comm: Comm):
         slot_expert = top_k_index.reshape(-1)
         order = torch.argsort(slot_expert, stable=True)
         counts = torch.bincount(slot_expert, minlength=experts.experts).tolist()
-        outputs = hidden_states.new_zeros(N * k, hidden_states.size(-1))
-        outputs[order] = parallel(hidden_states[order // k], counts)
+        computed = parallel(hidden_states[order // k], counts)
+        outputs = computed.new_zeros(N * k, hidden_states.size(-1))  # the experts' dtype (autocast)
+        outputs[order] = computed
         weights = top_k_weights.to(outputs.dtype).unsqueeze(-1)
         return (outputs.view(N, k, -1) * weights).sum(dim=1).to(hidden_states.dtype)
 

@@ -191,7 +191,7 @@ class FlatStrategy:
                 dense.append((at, a))
             at = b
         if dense:
-            summed = torch.cat([local[a:b] for a, b in dense])
+            summed = torch.cat([local[a:b] for a, b in dense]).to(self._ep.device)  # local may be host-held
             self._ep.all_reduce_sum(summed)
             for (a, b), part in zip(dense, summed.split([b - a for a, b in dense])):
                 local[a:b].copy_(part)
@@ -295,6 +295,7 @@ class FlatStrategy:
     def zero_grad(self, release: bool = False) -> None:
         """Zero the gradients for the next step. release: also give back the memory of gradients kept only
         between steps where the strategy can (ZeRO-2/3's shard), as torch's zero_grad(set_to_none=True) does."""
+        self._settled = False
         self.flat.grad.zero_()
 
     def no_sync(self):
@@ -330,7 +331,8 @@ class FlatStrategy:
         if self.closed:  # every update passes here: without its hooks, backward no longer syncs the gradients
             raise RuntimeError(f"this {self.name} strategy was closed (its hooks are off the model); prepare the "
                                "model again to train it")
-        parts = self._sum_sq_parts(self._synced_grad(), self.shard_ranges)
+        # On the group's device (an offloaded gradient shard is in host memory).
+        parts = self._sum_sq_parts(self._synced_grad(), self.shard_ranges).to(self.comm.device)
         if self.stage >= 1:
             self.comm.all_reduce_sum(parts)  # over the data-parallel shards
         return self._total_sum_sq(parts).sqrt() / loss_scale
@@ -355,18 +357,20 @@ class FlatStrategy:
         update are of the unscaled loss. max_norm: clip to it (default: the config's grad_clip).
         lr: the learning rate, or None to keep the optimizer's own. A non-finite norm (NaN/Inf in
         any rank's gradients, or an fp16 overflow) skips the update on every rank."""
-        if self._visible_guard is not None:
-            self.finish_grad_sync()
-            self._visible_guard.check(self.flat.grad)
-        norm = self.grad_norm(loss_scale)
-        if math.isfinite(norm):  # every rank sees the same norm, so every rank decides alike
-            clip = self.pcfg.grad_clip if max_norm is None else max_norm
-            self.optimizer.step(self._synced_grad(), lr, clip_coefficient(norm, clip) / loss_scale)
-            self._publish()
-            self.optimizer.release_pages()
-        # else skip: parameters and optimizer state unchanged
+        try:
+            if self._visible_guard is not None:
+                self.finish_grad_sync()
+                self._visible_guard.check(self.flat.grad)
+            norm = self.grad_norm(loss_scale)
+            if math.isfinite(norm):  # every rank sees the same norm, so every rank decides alike
+                clip = self.pcfg.grad_clip if max_norm is None else max_norm
+                self.optimizer.step(self._synced_grad(), lr, clip_coefficient(norm, clip) / loss_scale)
+                self._publish()
+                self.optimizer.release_pages()
+            # else skip: parameters and optimizer state unchanged
+        finally:
+            self._settled = False  # however the step ends: the next gradient is settled afresh
         self._norm = None
-        self._settled = False
         self._end_step()
         return norm
 
@@ -381,14 +385,16 @@ class FlatStrategy:
         non-finite step (found_inf) are computed and applied on the device; returns the norm as a float64
         tensor, for the caller to read with the step's other statistics and then call
         optimizer.unstep() if it was not finite. Only with steps_on_device (FlatAdamW's fused kernel)."""
-        norm = self._grad_norm_tensor(loss_scale)
-        found_inf = (~torch.isfinite(norm)).to(torch.float32)
-        scale = clip_coefficient_tensor(norm, self.pcfg.grad_clip) / loss_scale
-        self.optimizer.step(self._synced_grad(), lr, scale, found_inf=found_inf)
-        self._publish()  # a skipped step publishes the unchanged master: the same parameters
-        self.optimizer.release_pages()
+        try:
+            norm = self._grad_norm_tensor(loss_scale)
+            found_inf = (~torch.isfinite(norm)).to(torch.float32)
+            scale = clip_coefficient_tensor(norm, self.pcfg.grad_clip) / loss_scale
+            self.optimizer.step(self._synced_grad(), lr, scale, found_inf=found_inf)
+            self._publish()  # a skipped step publishes the unchanged master: the same parameters
+            self.optimizer.release_pages()
+        finally:
+            self._settled = False
         self._norm = None
-        self._settled = False
         self._end_step()
         return norm
 

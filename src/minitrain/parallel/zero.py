@@ -178,6 +178,7 @@ class Zero2(ShardedStrategy):
         return self.grad_shard
 
     def zero_grad(self, release: bool = False) -> None:
+        self._settled = False  # fresh gradients: settled afresh under expert parallelism (flat.py)
         for name in self._sharded_grads:
             self.flat.param_named(name).grad = None
         if release and not self.grad_offloaded:  # the storage goes back; the next backward's first reduction brings it

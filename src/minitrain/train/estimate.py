@@ -220,7 +220,7 @@ def gathered_bytes(inp: PlanInput) -> int:
     no full-size transient then. Without a model, no unit sizes are known: 0."""
     if inp.zero < 3 or inp.model is None:
         return 0
-    units = model_units(inp.model)
+    units = model_units(inp.model, inp.ep)
     shared = units.pop("shared", 0)
     in_flight = 3 if shard_ranks(inp) > 1 else 2  # one rank: the reduction is done when it returns
     return round(element_bytes(inp.precision) * (shared + in_flight * max(units.values())) / inp.tp)

@@ -65,8 +65,9 @@ class FlatAdamW:
         self.steps_taken = 0
         self.decay_ranges = list(decay_ranges)
         # The kernel counts steps in a tensor it increments itself (float32: exact to 2**24 steps).
-        self._step = torch.zeros((), dtype=torch.float32, device=master.device)
-        self._kernel = {"fused": True} if master.device.type in FUSED_DEVICES else {"foreach": True}
+        # Where the master is (the host's when offloaded): the fused kernel wants its step count beside it.
+        self._step = torch.zeros((), dtype=torch.float32, device=self.master.device)
+        self._kernel = {"fused": True} if self.master.device.type in FUSED_DEVICES else {"foreach": True}
 
     @property
     def skips_on_device(self) -> bool:

@@ -21,9 +21,10 @@ Two losses keep the router honest, added to the model's loss (MiniGPT.output) wi
   uniform and grows as the router favours a few experts;
 - z-loss (ST-MoE, Zoph et al. 2022): the mean over tokens of logsumexp(logits)^2, keeping the logits small.
 
-The layer also counts, per forward, the slots each expert received and the slots dropped, in buffers the trainer
-reads and clears after each step (`take_load`). A forward that activation checkpointing replays inside backward
-computes the same routing again but counts nothing: the step's figures are its forward's, once.
+The layer also counts, per training forward, the slots each expert received and the slots dropped, which the
+trainer reads and clears after each step (`take_load`). A forward that activation checkpointing replays inside
+backward computes the same routing again but counts nothing, nor does an evaluation's: the step's figures are
+its forward's, once.
 """
 from __future__ import annotations
 
@@ -59,9 +60,9 @@ class MoEMLP(nn.Module):
         self.down_bias = nn.Parameter(torch.zeros(E, D))
         nn.init.normal_(self.up, mean=0.0, std=0.02)
         nn.init.normal_(self.down, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))  # writes into the residual
-        # Not part of the model's state (persistent=False): this step's counts, per expert, and the dropped slots.
-        self.register_buffer("load", torch.zeros(E, dtype=torch.float64), persistent=False)
-        self.register_buffer("dropped", torch.zeros((), dtype=torch.float64), persistent=False)
+        # This step's counts, per expert, and the dropped slots: plain numbers, not buffers (a buffer would be cast
+        # with the model, and PyTorch's DDP would overwrite every rank's with rank 0's).
+        self.load, self.dropped = [0.0] * E, 0.0
         self.aux_loss: torch.Tensor | None = None  # the last forward's weighted auxiliary losses (MiniGPT.output)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -79,14 +80,15 @@ class MoEMLP(nn.Module):
         keep = self._within_capacity(slot_expert[order], counts, N)
         kept_order = order[keep] if keep is not None else order
         kept_counts = counts if keep is None else torch.bincount(slot_expert[kept_order], minlength=E)
-        outputs = tokens.new_zeros(N * k, shape[-1])
-        outputs[kept_order] = self.run_experts(tokens[kept_order // k], kept_counts.tolist())
+        computed = self.run_experts(tokens[kept_order // k], kept_counts.tolist())
+        # In the experts' dtype: under CUDA autocast their input (a layer norm's) is float32, their output 16-bit.
+        outputs = computed.new_zeros(N * k, shape[-1])
+        outputs[kept_order] = computed
         mixed = (outputs.view(N, k, -1) * weights.to(outputs.dtype).unsqueeze(-1)).sum(dim=1)
         self.aux_loss = self._aux_losses(logits, probs, counts, N)
-        if not in_backward():
-            with torch.no_grad():
-                self.load += counts.to(self.load.dtype)
-                self.dropped += float(N * k) - float(kept_order.numel()) if keep is not None else 0.0
+        if self.training and not in_backward():  # a training forward's load, once (not evaluation's, not a replay)
+            self.load = [a + b for a, b in zip(self.load, counts.tolist())]
+            self.dropped += float(N * k - kept_order.numel())
         return mixed.view(shape)
 
     def run_experts(self, inputs: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -121,10 +123,8 @@ class MoEMLP(nn.Module):
             loss = loss + self.z_coef * torch.logsumexp(widened(logits), dim=-1).pow(2).mean()
         return loss
 
-    @torch.no_grad()
     def take_load(self) -> tuple[list[float], float]:
         """(slots each expert received, slots dropped) since the last call, and the counters cleared."""
-        load, dropped = self.load.tolist(), float(self.dropped)
-        self.load.zero_()
-        self.dropped.zero_()
+        load, dropped = self.load, self.dropped
+        self.load, self.dropped = [0.0] * self.experts, 0.0
         return load, dropped

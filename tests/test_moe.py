@@ -138,11 +138,12 @@ def test_activation_checkpointing_counts_the_load_once_and_changes_no_gradient()
 STEPS = 4
 
 
-def _config(world: int, zero: int, accum: int = 1):
+def _config(world: int, zero: int, accum: int = 1, capacity: float = 0.0):
     from minitrain.train.run_config import run_config
 
     return run_config(cli_values={
         "model.moe_experts": E, "model.moe_top_k": K, "model.moe_aux_loss_coef": 0.05, "model.moe_z_loss_coef": 0.001,
+        "model.moe_capacity_factor": capacity,
         "train.zero": zero, "train.dtype": "float64", "train.steps": STEPS, "train.batch_size": 2,
         "train.grad_accum": accum, "dist.nproc": world, "train.lr": 1e-2, "train.log_every": 0,
         "train.grad_clip": 1.5})
@@ -227,12 +228,12 @@ def _whole(trainer, local=None):
     return gather_logical(s, s.local_params() if local is None else local, t.everyone, t.dp.rank, t.ep.rank)
 
 
-def _ep_train(topo, ep):
+def _ep_train(topo, ep, capacity=0.0):
     from minitrain.train.trainer import Trainer
 
     got = {}
     for zero in (0, 3):
-        cfg = _config(topo.world_size, zero)
+        cfg = _config(topo.world_size, zero, capacity=capacity)
         cfg.dist.ep = ep
         with Trainer(cfg, topo) as trainer:
             records = [trainer.train_step() for _ in range(STEPS)]
@@ -286,6 +287,16 @@ def _layer_on_ranks(topo):
         got[ep] = {"out": out.detach(), "load": layer.take_load()[0],
                    "grads": {n: p.grad.clone() for n, p in layer.named_parameters()}}
     return got
+
+
+def test_with_a_capacity_expert_parallelism_drops_the_tokens_one_process_drops():
+    # Capacity is each rank's, over its own tokens, as at ep = 1: the same slots are dropped as in the reference,
+    # which routes each rank's share on its own (tests/reference.py), so the runs agree to 1e-12.
+    ref = plain_run(_config(2, 0, capacity=0.5), STEPS)
+    ours = run_ranks(_ep_train, 2, 2, 0.5)[0][0]
+    assert_close_to(ref, 1e-12, "MoE ep 2 with capacity 0.5", losses=ours["losses"], grad_norms=ours["grad_norms"],
+                    params=ours["params"])
+    assert all(step[0][E] > 0 for step in ours["load"])  # slots were dropped
 
 
 def test_a_rank_that_sends_nothing_and_an_expert_that_gets_nothing_are_exact():

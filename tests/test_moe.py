@@ -353,10 +353,11 @@ def _mixtral_ranks(topo, ep, zero):
 
     minitrain.init_distributed(topology=topo)
     model, optimizer = minitrain.prepare(_mixtral(), OPTIMIZERS["adamw"], zero=zero, ep=ep, ep_plan="auto")
+    held = model.model.layers[0].mlp.experts.gate_up_proj.shape[0]  # this rank's experts
     losses = _mixtral_steps(model, optimizer, batches(3, 8), minitrain.dp_rank(), minitrain.dp_world_size())
     state = {k: v.clone() for k, v in minitrain.full_state_dict(model).items()}
     minitrain.cleanup()
-    return losses, state
+    return losses, state, held
 
 
 @pytest.mark.parametrize("world,ep,zero", [(2, 2, 0), (2, 2, 3), (4, 4, 2)])
@@ -378,7 +379,8 @@ def test_a_hugging_face_mixtral_with_expert_parallelism_trains_as_one_process_do
         optimizer.zero_grad()
         shares.append([loss.item() for loss in losses])
     want = plain.state_dict()
-    for rank, (losses, state) in enumerate(run_ranks(_mixtral_ranks, world, ep, zero)):
+    for rank, (losses, state, held) in enumerate(run_ranks(_mixtral_ranks, world, ep, zero)):
+        assert held == 4 // ep  # each rank holds its share of the experts; full_state_dict gathers them whole
         assert max(abs(ours - step[rank]) for ours, step in zip(losses, shares)) <= 1e-12, (losses, shares)
         assert max((state[k] - want[k]).abs().max().item() for k in want) <= 1e-12
 
@@ -472,3 +474,42 @@ def test_the_plan_predicts_the_bytes_each_rank_holds_under_expert_parallelism(wo
     for zero, measured in held.items():
         predicted = plan.model_state_bytes(plan.PlanInput(model=model, params=0, dp=world, ep=ep, zero=zero))
         assert predicted == {k: measured[k] for k in predicted}, (zero, predicted, measured)
+
+
+def _mixtral_save(topo, out):
+    import minitrain
+
+    from .hf_models import OPTIMIZERS, batches
+
+    minitrain.init_distributed(topology=topo)
+    model, optimizer = minitrain.prepare(_mixtral(), OPTIMIZERS["adamw"], zero=1, ep=2, ep_plan="auto")
+    _mixtral_steps(model, optimizer, batches(2, 8), minitrain.dp_rank(), minitrain.dp_world_size())
+    minitrain.save_checkpoint(out, model, optimizer, step=2)
+    state = {k: v.clone() for k, v in minitrain.full_state_dict(model).items()}
+    opt_state = optimizer.state_dict()
+    minitrain.cleanup()
+    return state, opt_state
+
+
+def _mixtral_load(topo, out):
+    import minitrain
+
+    from .hf_models import OPTIMIZERS
+
+    minitrain.init_distributed(topology=topo)
+    model, optimizer = minitrain.prepare(_mixtral(seed=5), OPTIMIZERS["adamw"])
+    step, _ = minitrain.load_checkpoint(out, model, optimizer)
+    state = {k: v.clone() for k, v in minitrain.full_state_dict(model).items()}
+    opt_state = optimizer.state_dict()
+    minitrain.cleanup()
+    return step, state, opt_state
+
+
+def test_a_mixtral_saved_with_its_experts_split_loads_whole_on_one_rank(tmp_path):
+    # Saved through the API at ep = 2 (each rank holding 2 of the 4 experts, ZeRO-1), loaded on one rank without
+    # expert parallelism into a model of other weights: every expert's weights and Adam state where they were.
+    saved, saved_opt = run_ranks(_mixtral_save, 2, str(tmp_path / "ckpt"))[0]
+    step, loaded, loaded_opt = run_ranks(_mixtral_load, 1, str(tmp_path / "ckpt"))[0]
+    assert step == 2 and saved.keys() == loaded.keys()
+    assert all(torch.equal(saved[k], loaded[k]) for k in saved)
+    assert_bit_equal(loaded_opt["state"], saved_opt["state"], "Adam state")

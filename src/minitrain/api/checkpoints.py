@@ -22,7 +22,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     state = state_of(model)
     topo = state.topo
     check_buffers_agree(state.strategy.model, topo.dp, "full_state_dict")
-    return full_model_state(state.strategy, topo.everyone, topo.dp, topo.tp, topo.pp)
+    return full_model_state(state.strategy, topo.everyone, topo.dp, topo.slices, topo.pp)
 
 
 def save_checkpoint(directory: str | Path, model: nn.Module, optimizer: PreparedOptimizer, step: int,

@@ -64,7 +64,8 @@ class PreparedOptimizer(torch.optim.Optimizer):
         slice and stage put together on every rank. Collective: call it on every rank. (save_checkpoint writes
         each rank's part instead, without gathering.)"""
         topo = self._prepared.topo
-        return full_optimizer_state(self._strategy, self._prepared.groups, topo.everyone, topo.dp.rank, topo.tp.rank)
+        return full_optimizer_state(self._strategy, self._prepared.groups, topo.everyone, topo.dp.rank,
+                                    topo.slices.rank)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore a state_dict of torch's format (this optimizer's state_dict(), or a plain torch optimizer's over

@@ -11,8 +11,7 @@ from torch import nn
 
 from ..parallel import ModelPlan, cast_parameters, parallelize
 from ..parallel.config import ParallelConfig
-from ..parallel.experts import (ExpertParallel, HuggingFaceExperts, dispatching_forward, hugging_face_experts,
-                                routes_its_own_tokens)
+from ..parallel.experts import HuggingFaceExperts, hugging_face_experts, routes_its_own_tokens
 from ..parallel.loss_scale import COMPUTE_DTYPES
 from ..parallel.offload import OffloadStore
 from ..parallel.pieces import PipelineSplit, Stage, check_pieces, check_split, cross_stage_ties, split_model
@@ -65,8 +64,9 @@ def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param
         memory-mapped files under offload_dir, one per tensor and rank, removed by cleanup()); the same numbers
         as without, bit for bit.
     ep: expert-parallel degree of a mixture of experts (tp = pp = 1; ep divides the world and the experts):
-        groups of ep adjacent ranks each compute 1/ep of every expert layer's experts, tokens sent to them and
-        back by all-to-all; the results are data parallelism's. Which layers: MiniGPT's own, found by type, or
+        groups of ep adjacent ranks each hold and compute 1/ep of every expert layer's experts, tokens sent to
+        them and back by all-to-all; every rank reads its own share of the batch (dp_rank(), dp_world_size()
+        count every rank then); the results are data parallelism's over all of them. Which layers: MiniGPT's own, found by type, or
         ep_plan: "auto" for a Hugging Face model's (its config's base_model_ep_plan: Mixtral, Qwen2-MoE, OLMoE),
         or {module-name pattern: "experts"} for a model's own modules of that layout (gate_up_proj (E, 2F, D),
         down_proj (E, D, F), act_fn; called with (hidden_states, top_k_index, top_k_weights)).
@@ -106,19 +106,15 @@ def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param
     def make_optimizer(master_vec, flat, shard_ranges):
         return TorchShardOptimizer(master_vec, flat, shard_ranges, zero >= 1, optimizer_fn, groups, store)
 
-    layout = topo.with_layout(tp, pp)
-    if experts:  # each rank of an ep group computes its share of every expert layer's experts
-        group = layout.expert_group(ep)
-        for layer in experts:
-            if routes_its_own_tokens(layer):
-                layer.run_experts = ExpertParallel(layer, group)
-            else:
-                layer.forward = dispatching_forward(HuggingFaceExperts(layer), group)
+    # Expert parallelism: groups of ep ranks each hold and compute their share of the experts, the ranks holding
+    # the same experts are the data-parallel group, and every rank reads its own data (dp_rank()).
+    layout = topo.with_layout(tp, pp).with_experts(ep)
     builder = None if split is None else functools.partial(
         Pipeline, comm=layout.pp, schedule=schedule, microbatches=microbatches, d_model=0, dtype=compute,
         device=topo.device, forward_context=functools.partial(_autocast, topo.device, precision))
     strategy, pipeline = parallelize(model, layout, pcfg, make_optimizer, plan, activation_checkpointing,
-                                     None if builder is None else lambda s: builder(s.module, no_sync=s.no_sync))
+                                     None if builder is None else lambda s: builder(s.module, no_sync=s.no_sync),
+                                     ep_plan=ep_plan if experts else None)
     settings = {"zero": zero, "precision": precision, "reduce_dtype": reduce_dtype, "dp": dp, "bucket_mb": bucket_mb,
                 "prefetch": prefetch, "tp": tp, "pp": pp, "microbatches": microbatches, "schedule": schedule,
                 "offload": offload, "ep": ep,

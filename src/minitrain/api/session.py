@@ -142,15 +142,16 @@ def is_main_process() -> bool:
 def dp_rank() -> int:
     """This rank's index among the data-parallel replicas of the last `prepare` (its rank without tensor
     parallelism): which slice of the global batch to feed. Every rank of a tensor-parallel group gets the
-    same index, and must feed the same batch."""
+    same index, and must feed the same batch; under expert parallelism every rank has its own."""
     session = current()
-    return (session.layout or session.topo).dp.rank
+    return (session.layout or session.topo).data.rank
 
 
 def dp_world_size() -> int:
-    """How many data-parallel replicas the last `prepare` made: world size / tp."""
+    """How many slices of the global batch the last `prepare` feeds: world size / (tp x pp), or under expert
+    parallelism the world size."""
     session = current()
-    return (session.layout or session.topo).dp.world_size
+    return (session.layout or session.topo).data.world_size
 
 
 def barrier() -> None:

@@ -26,7 +26,7 @@ from .zero3 import Zero3
 def parallelize(model: nn.Module, topo: Topology, pcfg: ParallelConfig, make_optimizer: OptimizerFactory,
                 plan: ModelPlan | None = None, activation_checkpointing: str = "none",
                 pipeline: Callable[[FlatStrategy], Pipeline] | None = None,
-                compile: bool = False) -> tuple[FlatStrategy, Pipeline | None]:
+                compile: bool = False, ep_plan: dict | str | None = None) -> tuple[FlatStrategy, Pipeline | None]:
     """Apply every parallelism the layout asks for to a full model, identical on every rank (or at least
     on rank 0, whose parameters every replica receives), in the only order that works:
     0. the whole model's coordinates are taken first, so checkpoints of any part share them;
@@ -57,13 +57,12 @@ def parallelize(model: nn.Module, topo: Topology, pcfg: ParallelConfig, make_opt
     if topo.pp.world_size > 1:
         plan.pipeline_split(model, topo.pp.rank, topo.pp.world_size)
     if topo.ep.world_size > 1:  # each rank keeps its share of every expert layer's experts, as slices
-        shard_experts(model, topo.ep)
+        shard_experts(model, topo.ep, ep_plan)
         whole.slices = tensor_parallel_slices(model)
     if compile:
         compile_blocks(model, plan)
     apply_activation_checkpointing(model, activation_checkpointing, plan)
-    slices_over = topo.ep if topo.ep.world_size > 1 else topo.tp
-    strategy = make_strategy(model, topo.dp, pcfg, make_optimizer, whole, slices_over, topo.pp)
+    strategy = make_strategy(model, topo.dp, pcfg, make_optimizer, whole, topo.slices, topo.pp)
     if topo.ep.world_size > 1:
         strategy.use_experts(topo.ep)
     return strategy, (pipeline(strategy) if pipeline is not None else None)

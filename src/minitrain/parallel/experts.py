@@ -94,23 +94,35 @@ class ExpertParallel:
 EXPERT_WEIGHTS = ("up", "up_bias", "down", "down_bias")  # a layer's per-expert tensors, expert first
 
 
-def shard_experts(model: torch.nn.Module, comm: Comm) -> int:
-    """Expert parallelism that also splits the weights: every layer that routes its own tokens keeps only this
-    rank's E/ep experts (rows [g E/ep, (g+1) E/ep) of each expert tensor, g = comm.rank), each marked as a slice of
-    the whole tensor (`slices`, as tensor parallelism marks its own), so checkpoints hold whole tensors under the
-    model's keys and reload at any ep. Returns how many layers."""
-    from .tensor import _sharded
-
+def shard_experts(model: torch.nn.Module, comm: Comm, ep_plan: dict | str | None = None) -> int:
+    """Expert parallelism that also splits the weights: every layer that routes its own tokens (or, with an
+    ep_plan, every Hugging Face experts module it names) keeps only this rank's E/ep experts (rows
+    [g E/ep, (g+1) E/ep) of each expert tensor, g = comm.rank), each marked as a slice of the whole tensor
+    (`slices`, as tensor parallelism marks its own), so checkpoints hold whole tensors under the model's keys and
+    reload at any ep. Returns how many layers."""
+    if ep_plan is not None:
+        modules = hugging_face_experts(model, ep_plan)
+        for module in modules:
+            experts = HuggingFaceExperts(module)
+            _keep_own_experts(module, ("gate_up_proj", "down_proj"), experts.experts, comm)
+            module.forward = dispatching_forward(experts, comm, held_here=True)
+        return len(modules)
     layers = [m for m in model.modules() if routes_its_own_tokens(m)]
     for layer in layers:
-        per = layer.experts // comm.world_size
-        rows = torch.arange(comm.rank * per, (comm.rank + 1) * per, device="cpu")
-        layer.slices = {}
-        for name in EXPERT_WEIGHTS:
-            param, layer.slices[name] = _sharded(getattr(layer, name), 0, rows)
-            setattr(layer, name, param)
+        _keep_own_experts(layer, EXPERT_WEIGHTS, layer.experts, comm)
         layer.run_experts = ExpertParallel(layer, comm, held_here=True)
     return len(layers)
+
+
+def _keep_own_experts(module: torch.nn.Module, names, experts: int, comm: Comm) -> None:
+    from .tensor import _sharded
+
+    per = experts // comm.world_size
+    rows = torch.arange(comm.rank * per, (comm.rank + 1) * per, device="cpu")
+    module.slices = {}
+    for name in names:
+        param, module.slices[name] = _sharded(getattr(module, name), 0, rows)
+        setattr(module, name, param)
 
 
 def routes_its_own_tokens(module: torch.nn.Module) -> bool:
@@ -138,7 +150,7 @@ class HuggingFaceExperts:
             raise ValueError(f"{type(module).__name__} is not a Hugging Face experts module (it has no "
                              f"{', '.join(missing)}): expert parallelism knows Mixtral's layout (gate_up_proj, "
                              "down_proj, act_fn)")
-        self.module, self.experts = module, module.gate_up_proj.shape[0]
+        self.module, self.experts = module, module.gate_up_proj.shape[0]  # read before any split: all of them
 
     def expert_outputs(self, inputs: torch.Tensor, counts: list[int], experts) -> torch.Tensor:
         m, parts = self.module, []
@@ -148,11 +160,11 @@ class HuggingFaceExperts:
         return torch.cat(parts)
 
 
-def dispatching_forward(experts: HuggingFaceExperts, comm: Comm):
+def dispatching_forward(experts: HuggingFaceExperts, comm: Comm, held_here: bool = False):
     """A Hugging Face experts module's forward under expert parallelism: the (token, choice) slots grouped by
     expert (stable: token order within an expert), their rows computed where their experts are, and each token's
     k outputs summed with its routing weights, in choice order."""
-    parallel = ExpertParallel(experts, comm)
+    parallel = ExpertParallel(experts, comm, held_here)
 
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         N, k = top_k_index.shape

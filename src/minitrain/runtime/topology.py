@@ -119,6 +119,13 @@ class Topology:
         return self.everyone if self.ep.world_size > 1 else self.dp
 
     @property
+    def slices(self) -> Comm:
+        """The group across which a rank's parameters are slices of whole ones: tensor-parallel, or under expert
+        parallelism the expert-parallel group (each rank its experts). Norms sum the slices' squares over it;
+        gathering the whole model counts everything else once."""
+        return self.ep if self.ep.world_size > 1 else self.tp
+
+    @property
     def everyone(self) -> Comm:
         """All ranks as one group: what the ranks must agree on together (per-step statistics,
         stop signals) goes through it."""
@@ -158,19 +165,6 @@ class Topology:
         self.opened.extend(comms.values())
         return Topology(self.rank, self.world_size, self.local_rank, self.backend, self.device, dp=comms["dp"],
                         ep=comms["ep"], world=self.everyone, watch=self.watch, opened=self.opened)
-
-    def expert_group(self, ep: int) -> Comm:
-        """This rank's expert-parallel group: ep adjacent ranks of the data-parallel group, which here is the world
-        (a mixture of experts runs without tensor or pipeline parallelism). Collective: every rank creates every
-        group, in the same order."""
-        if ep == 1:
-            return Comm(device=self.device)
-        groups = [list(range(g, g + ep)) for g in range(0, self.world_size, ep)]
-        mine = next(g for g in groups if self.rank in g)
-        group, _ = dist.new_subgroups_by_enumeration(groups)
-        comm = Comm(mine.index(self.rank), ep, group, self.device, "ep", self.watch)
-        self.opened.append(comm)
-        return comm
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> "Topology":

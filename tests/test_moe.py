@@ -289,6 +289,25 @@ def _layer_on_ranks(topo):
     return got
 
 
+def _ep_recomputed(topo):
+    from minitrain.train.trainer import Trainer
+
+    cfg = _config(topo.world_size, 2)
+    cfg.dist.ep, cfg.train.activation_checkpointing = 2, "block"
+    with Trainer(cfg, topo) as trainer:
+        records = [trainer.train_step() for _ in range(STEPS)]
+        return [r.loss for r in records], [r.grad_norm for r in records], _whole(trainer), records[-1].expert_load
+
+
+def test_expert_parallelism_with_activation_checkpointing_trains_as_one_process_does():
+    # Each block replayed in backward runs its all-to-alls again, on every rank alike; ZeRO-2 shards over the
+    # experts' replicas. The same reference as without either; the load counted once.
+    ref = plain_run(_config(2, 0), STEPS)
+    losses, norms, params, load = run_ranks(_ep_recomputed, 2)[0]
+    assert_close_to(ref, 1e-12, "MoE ep 2, ZeRO-2, block checkpointing", losses=losses, grad_norms=norms, params=params)
+    assert all(sum(layer[:E]) == 2 * 16 * 2 * K for layer in load)
+
+
 def test_with_a_capacity_expert_parallelism_drops_the_tokens_one_process_drops():
     # Capacity is each rank's, over its own tokens, as at ep = 1: the same slots are dropped as in the reference,
     # which routes each rank's share on its own (tests/reference.py), so the runs agree to 1e-12.
@@ -317,17 +336,24 @@ def test_a_rank_that_sends_nothing_and_an_expert_that_gets_nothing_are_exact():
 
 
 # --- a Hugging Face mixture of experts through the API -----------------------------------------------------------
-def _mixtral(seed: int = 0):
+def _mixtral(seed: int = 0, kind: str = "mixtral"):
+    """A tiny Hugging Face mixture of experts in float64: Mixtral, or OLMoE (whose experts module has the same
+    layout, named by its own base_model_ep_plan)."""
     import transformers
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(seed)
-    cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                     num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=8,
-                                     num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0,
-                                     bos_token_id=0, eos_token_id=0)
+    shape = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, max_position_embeddings=8, num_experts_per_tok=2, bos_token_id=0,
+                 eos_token_id=0)
+    if kind == "olmoe":
+        cfg = transformers.OlmoeConfig(**shape, num_experts=4, pad_token_id=0)
+        make = transformers.OlmoeForCausalLM
+    else:
+        cfg = transformers.MixtralConfig(**shape, num_local_experts=4, router_jitter_noise=0.0)
+        make = transformers.MixtralForCausalLM
     cfg._experts_implementation = "eager"  # its per-expert loop: the grouped matmul has no float64
-    model = transformers.MixtralForCausalLM(cfg)
+    model = make(cfg)
     for p in model.parameters():
         p.data = p.data.double()
     return model
@@ -346,13 +372,13 @@ def _mixtral_steps(model, optimizer, xs, rank, world):
     return losses
 
 
-def _mixtral_ranks(topo, ep, zero):
+def _mixtral_ranks(topo, ep, zero, kind="mixtral"):
     import minitrain
 
     from .hf_models import OPTIMIZERS, batches
 
     minitrain.init_distributed(topology=topo)
-    model, optimizer = minitrain.prepare(_mixtral(), OPTIMIZERS["adamw"], zero=zero, ep=ep, ep_plan="auto")
+    model, optimizer = minitrain.prepare(_mixtral(kind=kind), OPTIMIZERS["adamw"], zero=zero, ep=ep, ep_plan="auto")
     held = model.model.layers[0].mlp.experts.gate_up_proj.shape[0]  # this rank's experts
     losses = _mixtral_steps(model, optimizer, batches(3, 8), minitrain.dp_rank(), minitrain.dp_world_size())
     state = {k: v.clone() for k, v in minitrain.full_state_dict(model).items()}
@@ -360,14 +386,15 @@ def _mixtral_ranks(topo, ep, zero):
     return losses, state, held
 
 
-@pytest.mark.parametrize("world,ep,zero", [(2, 2, 0), (2, 2, 3), (4, 4, 2)])
-def test_a_hugging_face_mixtral_with_expert_parallelism_trains_as_one_process_does(world, ep, zero):
+@pytest.mark.parametrize("kind,world,ep,zero", [("mixtral", 2, 2, 0), ("mixtral", 2, 2, 3), ("mixtral", 4, 4, 2),
+                                                ("olmoe", 2, 2, 1)])
+def test_a_hugging_face_mixtral_with_expert_parallelism_trains_as_one_process_does(kind, world, ep, zero):
     # ep_plan="auto" reads Mixtral's base_model_ep_plan: its experts modules (gate_up_proj (E, 2F, D), down_proj)
     # compute where their experts are. Against plain PyTorch on one process with Hugging Face's own forward and
     # torch.optim.AdamW on the whole batch, to 1e-12 in float64 (its balancing loss is off by default).
     from .hf_models import OPTIMIZERS, batches
 
-    plain = _mixtral()
+    plain = _mixtral(kind=kind)
     optimizer = OPTIMIZERS["adamw"](plain.parameters())
     from .hf_models import lm_loss
 
@@ -379,7 +406,7 @@ def test_a_hugging_face_mixtral_with_expert_parallelism_trains_as_one_process_do
         optimizer.zero_grad()
         shares.append([loss.item() for loss in losses])
     want = plain.state_dict()
-    for rank, (losses, state, held) in enumerate(run_ranks(_mixtral_ranks, world, ep, zero)):
+    for rank, (losses, state, held) in enumerate(run_ranks(_mixtral_ranks, world, ep, zero, kind)):
         assert held == 4 // ep  # each rank holds its share of the experts; full_state_dict gathers them whole
         assert max(abs(ours - step[rank]) for ours, step in zip(losses, shares)) <= 1e-12, (losses, shares)
         assert max((state[k] - want[k]).abs().max().item() for k in want) <= 1e-12
@@ -436,6 +463,12 @@ def _load_at(topo, ep, zero, path):
         s = trainer.strategy
         state = None if zero else {k: _whole(trainer, v) for k, v in s.optimizer.state_tensors().items()}
         return _whole(trainer), state, trainer.train_step().loss
+
+
+def test_a_checkpoint_saved_at_ep_4_loads_at_ep_2(tmp_path):
+    path, saved, _ = run_ranks(_save_at, 4, 4, str(tmp_path / "ckpt"))[0]
+    two, _, _ = run_ranks(_load_at, 2, 2, 1, path)[0]
+    assert torch.equal(two, saved)
 
 
 def test_a_checkpoint_saved_at_ep_2_loads_at_ep_1_and_4_with_every_expert_in_its_place(tmp_path):

@@ -17,13 +17,12 @@ What changes is where each expert's arithmetic happens, not what it is: the rout
 combination are each rank's own, as at ep = 1, so the run equals data parallelism over the same ranks (to
 float rounding: an expert's matrix multiplies see its rows from every rank at once).
 
-Where the weights live, two ways:
-- `minitrain train --dist.ep` (shard_experts): each rank holds only its experts, marked as slices of the whole
-  tensors; the data-parallel group becomes the experts' replicas (Topology.with_experts) and the strategy
-  averages every gradient over it, then sums the dense parameters' over the ep group and divides all by ep
-  (FlatStrategy.use_experts): the average over every rank, for the weights each holds;
-- `minitrain.prepare(..., ep=)` (ExpertParallel alone): every rank holds every expert and computes its own; the
-  others contribute zeros to an expert's gradient, whose average over the whole group is then the same.
+Where the weights live (shard_experts, for `minitrain train --dist.ep` and `minitrain.prepare(..., ep=)`): each
+rank holds only its experts, marked as slices of the whole tensors; the data-parallel group becomes the experts'
+replicas (Topology.with_experts), every rank reads its own data, and the strategy averages every gradient over
+the replicas, then sums the dense parameters' over the ep group and divides all by ep (FlatStrategy.use_experts):
+the average over every rank, for the weights each holds. (ExpertParallel also runs with every expert held on
+every rank, held_here=False, computing only its own: the others' zero contributions keep an average right.)
 """
 from __future__ import annotations
 

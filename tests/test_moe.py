@@ -372,13 +372,13 @@ def _mixtral_steps(model, optimizer, xs, rank, world):
     return losses
 
 
-def _mixtral_ranks(topo, ep, zero, kind="mixtral"):
+def _mixtral_ranks(topo, ep, zero, kind="mixtral", plan="auto"):
     import minitrain
 
     from .hf_models import OPTIMIZERS, batches
 
     minitrain.init_distributed(topology=topo)
-    model, optimizer = minitrain.prepare(_mixtral(kind=kind), OPTIMIZERS["adamw"], zero=zero, ep=ep, ep_plan="auto")
+    model, optimizer = minitrain.prepare(_mixtral(kind=kind), OPTIMIZERS["adamw"], zero=zero, ep=ep, ep_plan=plan)
     held = model.model.layers[0].mlp.experts.gate_up_proj.shape[0]  # this rank's experts
     losses = _mixtral_steps(model, optimizer, batches(3, 8), minitrain.dp_rank(), minitrain.dp_world_size())
     state = {k: v.clone() for k, v in minitrain.full_state_dict(model).items()}
@@ -386,9 +386,10 @@ def _mixtral_ranks(topo, ep, zero, kind="mixtral"):
     return losses, state, held
 
 
-@pytest.mark.parametrize("kind,world,ep,zero", [("mixtral", 2, 2, 0), ("mixtral", 2, 2, 3), ("mixtral", 4, 4, 2),
-                                                ("olmoe", 2, 2, 1)])
-def test_a_hugging_face_mixtral_with_expert_parallelism_trains_as_one_process_does(kind, world, ep, zero):
+@pytest.mark.parametrize("kind,world,ep,zero,plan", [
+    ("mixtral", 2, 2, 0, "auto"), ("mixtral", 2, 2, 3, "auto"), ("mixtral", 4, 4, 2, "auto"), ("olmoe", 2, 2, 1, "auto"),
+    ("mixtral", 2, 2, 0, {"model.layers.*.mlp.experts": "experts"})])  # a plan of one's own naming the modules
+def test_a_hugging_face_mixtral_with_expert_parallelism_trains_as_one_process_does(kind, world, ep, zero, plan):
     # ep_plan="auto" reads Mixtral's base_model_ep_plan: its experts modules (gate_up_proj (E, 2F, D), down_proj)
     # compute where their experts are. Against plain PyTorch on one process with Hugging Face's own forward and
     # torch.optim.AdamW on the whole batch, to 1e-12 in float64 (its balancing loss is off by default).
@@ -406,7 +407,7 @@ def test_a_hugging_face_mixtral_with_expert_parallelism_trains_as_one_process_do
         optimizer.zero_grad()
         shares.append([loss.item() for loss in losses])
     want = plain.state_dict()
-    for rank, (losses, state, held) in enumerate(run_ranks(_mixtral_ranks, world, ep, zero, kind)):
+    for rank, (losses, state, held) in enumerate(run_ranks(_mixtral_ranks, world, ep, zero, kind, plan)):
         assert held == 4 // ep  # each rank holds its share of the experts; full_state_dict gathers them whole
         assert max(abs(ours - step[rank]) for ours, step in zip(losses, shares)) <= 1e-12, (losses, shares)
         assert max((state[k] - want[k]).abs().max().item() for k in want) <= 1e-12
@@ -476,6 +477,11 @@ def test_a_checkpoint_saved_at_ep_2_loads_at_ep_1_and_4_with_every_expert_in_its
     # loaded by 1 rank at ep = 1 (ZeRO-0) and by 4 ranks at ep = 4 (ZeRO-3): the same parameters, every expert's
     # weights where they were, and at ep = 1 the same master, m and v; both then train on.
     path, saved, saved_state = run_ranks(_save_at, 2, 2, str(tmp_path / "ckpt"))[0]
+    # Consolidated, the model's own keys and whole shapes: each layer's 4 experts, whichever rank held them.
+    from minitrain import checkpoint
+
+    whole = checkpoint.consolidated_state_dict(path)
+    assert whole["blocks.0.mlp.up"].shape == (E, 128, 32) and whole["blocks.1.mlp.down_bias"].shape == (E, 32)
     one, one_state, one_loss = run_ranks(_load_at, 1, 1, 0, path)[0]
     four, _, four_loss = run_ranks(_load_at, 4, 4, 3, path)[0]
     assert torch.equal(one, saved) and torch.equal(four, saved)

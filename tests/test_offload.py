@@ -362,3 +362,15 @@ def test_the_memory_profile_books_offloaded_state_off_the_device(tmp_path):
     total = next(line for line in lines if "total on the device" in line)
     assert f" {rank0['params']} " in total, total
     assert any("optimizer (host)" in line for line in lines) and any("grads (host)" in line for line in lines)
+
+
+def test_two_runs_given_one_offload_directory_write_apart(tmp_path):
+    # A directory of each run's own under --train.offload_dir (named after OUT): one run never truncates another's
+    # files. The default stays OUT/offload.
+    from minitrain.train.offload import offload_directory
+
+    shared = str(tmp_path / "nvme")
+    first, second = (_config(1, 0, "disk", str(tmp_path / name), **{"train.offload_dir": shared}) for name in "ab")
+    assert offload_directory(first) != offload_directory(second)
+    assert offload_directory(first).parent == offload_directory(second).parent == tmp_path / "nvme"
+    assert offload_directory(_config(1, 0, "disk", str(tmp_path / "c"))) == tmp_path / "c" / "offload"

@@ -117,7 +117,8 @@ class TrainConfig:
     offload_chunk_mb: float = opt(4.0, "offloaded: MiB of the master the optimizer steps at a time; with disk, each "
                                   "chunk's pages go back to the kernel once stepped, so the process holds one "
                                   "chunk of master, m and v, not all of it")
-    offload_dir: str = opt("", "disk offload's directory (default OUT/offload); this rank's files are made fresh and "
+    offload_dir: str = opt("", "disk offload's directory (default OUT/offload; given, the run writes in a directory "
+                           "of its own under it, named after OUT); this rank's files are made fresh and "
                            "removed at the end")
     memory_profile: bool = opt(False, "print per-rank memory (at rest and peak, measured and predicted) at the "
                                "end and write OUT/memory.json")

@@ -2,6 +2,7 @@
 OUT/offload), checked before the run, and the run's OffloadStore (parallel/offload.py)."""
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from pathlib import Path
@@ -14,7 +15,12 @@ from .metrics import human_bytes
 
 
 def offload_directory(cfg: RunConfig) -> Path:
-    return Path(cfg.train.offload_dir) if cfg.train.offload_dir else Path(cfg.out) / "offload"
+    """OUT/offload, or a directory of this run's own under --train.offload_dir (named after OUT): two runs given
+    the same offload directory never write each other's files (OUT is one run's: the launcher locks it)."""
+    if not cfg.train.offload_dir:
+        return Path(cfg.out) / "offload"
+    run = hashlib.sha256(str(Path(cfg.out).resolve()).encode()).hexdigest()[:12]
+    return Path(cfg.train.offload_dir) / f"minitrain-{Path(cfg.out).resolve().name}-{run}"
 
 
 def offload_store(cfg: RunConfig, rank: int) -> OffloadStore | None:
@@ -30,7 +36,7 @@ def remove_offload_files(cfg: RunConfig) -> None:
     directory = offload_directory(cfg)
     for path in directory.glob("rank-[0-9]*-*.bin"):
         path.unlink(missing_ok=True)
-    if not cfg.train.offload_dir and directory.is_dir() and not any(directory.iterdir()):
+    if directory.is_dir() and not any(directory.iterdir()):  # the run's own directory
         directory.rmdir()
 
 

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..runtime.comm import Comm
+from .tensor import _sharded
 
 
 class _AllToAll(torch.autograd.Function):
@@ -90,9 +91,6 @@ class ExpertParallel:
         return torch.tensor(order, dtype=torch.int64, device=device)
 
 
-EXPERT_WEIGHTS = ("up", "up_bias", "down", "down_bias")  # a layer's per-expert tensors, expert first
-
-
 def shard_experts(model: torch.nn.Module, comm: Comm, ep_plan: dict | str | None = None) -> int:
     """Expert parallelism that also splits the weights: every layer that routes its own tokens (or, with an
     ep_plan, every Hugging Face experts module it names) keeps only this rank's E/ep experts (rows
@@ -103,19 +101,18 @@ def shard_experts(model: torch.nn.Module, comm: Comm, ep_plan: dict | str | None
         modules = hugging_face_experts(model, ep_plan)
         for module in modules:
             experts = HuggingFaceExperts(module)
-            _keep_own_experts(module, ("gate_up_proj", "down_proj"), experts.experts, comm)
+            _keep_own_experts(module, HuggingFaceExperts.WEIGHTS, experts.experts, comm)
             module.forward = dispatching_forward(experts, comm, held_here=True)
         return len(modules)
     layers = [m for m in model.modules() if routes_its_own_tokens(m)]
     for layer in layers:
-        _keep_own_experts(layer, EXPERT_WEIGHTS, layer.experts, comm)
+        _keep_own_experts(layer, layer.expert_weights, layer.experts, comm)
         layer.run_experts = ExpertParallel(layer, comm, held_here=True)
     return len(layers)
 
 
 def _keep_own_experts(module: torch.nn.Module, names, experts: int, comm: Comm) -> None:
-    from .tensor import _sharded
-
+    """This rank's rows of each per-expert tensor `names` of `module`, as slices of the whole (module.slices)."""
     per = experts // comm.world_size
     rows = torch.arange(comm.rank * per, (comm.rank + 1) * per, device="cpu")
     module.slices = {}
@@ -125,17 +122,9 @@ def _keep_own_experts(module: torch.nn.Module, names, experts: int, comm: Comm) 
 
 
 def routes_its_own_tokens(module: torch.nn.Module) -> bool:
-    """A layer that routes its tokens itself and hands the rows to run_experts (MiniGPT's MoEMLP)."""
-    return all(hasattr(module, a) for a in ("experts", "run_experts", "expert_outputs"))
-
-
-def apply_expert_parallel(model: torch.nn.Module, comm: Comm, layer_type: type) -> int:
-    """Spread the experts of every `layer_type` module of `model` over `comm`; returns how many layers."""
-    layers = [m for m in model.modules() if isinstance(m, layer_type)]
-    if comm.world_size > 1:
-        for layer in layers:
-            layer.run_experts = ExpertParallel(layer, comm)
-    return len(layers)
+    """A layer that routes its tokens itself, hands the rows to run_experts and names its per-expert tensors
+    (expert_weights, expert first): MiniGPT's MoEMLP."""
+    return all(hasattr(module, a) for a in ("experts", "run_experts", "expert_outputs", "expert_weights"))
 
 
 class HuggingFaceExperts:
@@ -143,8 +132,10 @@ class HuggingFaceExperts:
     (E, 2F, D), `down_proj` (E, D, F), `act_fn`; forward(hidden_states, top_k_index, top_k_weights)), for
     ExpertParallel."""
 
+    WEIGHTS = ("gate_up_proj", "down_proj")  # the per-expert tensors, expert first
+
     def __init__(self, module: torch.nn.Module):
-        missing = [a for a in ("gate_up_proj", "down_proj", "act_fn") if not hasattr(module, a)]
+        missing = [a for a in (*self.WEIGHTS, "act_fn") if not hasattr(module, a)]
         if missing:
             raise ValueError(f"{type(module).__name__} is not a Hugging Face experts module (it has no "
                              f"{', '.join(missing)}): expert parallelism knows Mixtral's layout (gate_up_proj, "

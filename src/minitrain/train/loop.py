@@ -43,7 +43,7 @@ from .trainer import StepRecord, Trainer
 
 def train_worker(topo: Topology, cfg: RunConfig) -> dict:
     """Rank 0 logs and returns the summary."""
-    return TrainingRun(topo.with_layout(cfg.dist.tp, cfg.dist.pp).with_experts(cfg.dist.ep), cfg).run()
+    return TrainingRun(topo.with_layout(cfg.dist.tp, cfg.dist.pp), cfg).run()
 
 
 class TrainingRun:
@@ -54,6 +54,7 @@ class TrainingRun:
         self.out = Path(cfg.out)
         self.ckpt_root = self.out / "checkpoints"
         self.trainer = Trainer(cfg, topo)
+        self.topo = topo = self.trainer.topo  # the groups it trains on (under expert parallelism, its own)
         self.start_path = resume_path(cfg)
         if self.start_path is not None:
             self.trainer.load_checkpoint(self.start_path)

@@ -48,6 +48,8 @@ def widened(logits: torch.Tensor) -> torch.Tensor:
 
 
 class MoEMLP(nn.Module):
+    expert_weights = ("up", "up_bias", "down", "down_bias")  # the per-expert tensors, expert first
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         E, D, Fd = cfg.moe_experts, cfg.d_model, cfg.ffn_dim

@@ -29,7 +29,7 @@ def _collectives(topo):
     assert torch.equal(gathered.view(n, -1), torch.arange(300_000.0) + torch.arange(n, dtype=torch.float32)[:, None])
     rows = comm.gather_rows(torch.tensor([r, 10 * r], dtype=torch.int64))
     assert rows.tolist() == [[i, 10 * i] for i in range(n)]
-    if r == 0:
+    if r == 0 and n > 1:
         comm.send(torch.tensor([42.0]), dst=1)
     elif r == 1:
         got = torch.zeros(1)
@@ -60,3 +60,25 @@ def test_world_of_one_is_identity_and_moves_nothing():
     comm.all_gather(out, t)
     assert torch.equal(out, torch.arange(4.0)) and comm.gather_rows(t).shape == (1, 4)
     assert comm.totals().calls == 0 and comm.totals().bytes == 0
+
+
+def _issued_alone(topo):
+    # A one-rank world whose Comm hands every collective to gloo: the same results, each one counted and timed;
+    # and a ZeRO-3 step through it equals the step whose collectives were skipped.
+    from minitrain.train.run_config import run_config
+    from minitrain.train.trainer import Trainer
+
+    alone = topo.issuing_alone()
+    stats = _collectives(alone)
+    values = {"train.zero": 3, "train.log_every": 0, "train.dtype": "float64"}
+    skipped, issued = Trainer(run_config(cli_values=values), topo), Trainer(run_config(cli_values=values), alone)
+    records = [(skipped.train_step(), issued.train_step()) for _ in range(2)]
+    same = torch.equal(skipped.strategy.full_params(), issued.strategy.full_params())
+    return stats, same, [(a.comm_calls, b.comm_calls, b.comm_time_s) for a, b in records]
+
+
+def test_a_world_of_one_can_issue_its_collectives_to_the_backend():
+    [(stats, same, calls)] = run_ranks(_issued_alone, 1)
+    assert stats["all_reduce"] == (1, 32) and stats["reduce_scatter"] == (1, 8) and stats["barrier"] == (1, 0)
+    assert same
+    assert all(skipped == 0 and issued > 0 and seconds > 0 for skipped, issued, seconds in calls), calls

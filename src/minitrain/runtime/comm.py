@@ -137,10 +137,13 @@ class PendingCollective:
 
 class Comm:
     def __init__(self, rank: int = 0, world_size: int = 1, group=None, device: torch.device | str = "cpu",
-                 name: str = "world", watch=None):
+                 name: str = "world", watch=None, issue_alone: bool = False):
         """name: the group's kind ("world", "dp", "tp", "pp"), as fingerprints and diagnoses call it.
-        watch: this process's CollectiveWatch; a Comm of one rank (or without a group) records nothing."""
+        watch: this process's CollectiveWatch; a Comm of one rank (or without a group) records nothing.
+        issue_alone: a group of one rank still hands every collective to its backend (by default it copies or
+        does nothing): NCCL's path, its streams and device-event timings, run and measured on a single GPU."""
         self.rank, self.world_size, self.group, self.name = rank, world_size, group, name
+        self.alone = world_size == 1 and not (issue_alone and group is not None)  # no backend call: local copies
         self.device = torch.device(device)  # where this group's tensors must live (cuda for NCCL)
         self.stats: dict[str, OpStats] = {}
         self._gloo = group is not None and dist.get_backend(group) == "gloo"
@@ -257,7 +260,7 @@ class Comm:
     # --- collectives -----------------------------------------------------------------
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         self._on_device(tensor)
-        if self.world_size > 1:
+        if not self.alone:
             # group_src: `src` is a rank of this group, which is not the global rank in a sub-group.
             self._run("broadcast", _nbytes(tensor), lambda: dist.broadcast(tensor, group=self.group, group_src=src),
                       tensor)
@@ -265,20 +268,20 @@ class Comm:
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         """In place: tensor <- sum over ranks."""
         self._on_device(tensor)
-        if self.world_size > 1:
+        if not self.alone:
             self._run("all_reduce", _nbytes(tensor), lambda: dist.all_reduce(tensor, group=self.group), tensor)
 
     def all_reduce_max(self, tensor: torch.Tensor) -> None:
         """In place: tensor <- elementwise max over ranks."""
         self._on_device(tensor)
-        if self.world_size > 1:
+        if not self.alone:
             self._run("all_reduce", _nbytes(tensor),
                       lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group), tensor)
 
     def all_reduce_min(self, tensor: torch.Tensor) -> None:
         """In place: tensor <- elementwise min over ranks."""
         self._on_device(tensor)
-        if self.world_size > 1:
+        if not self.alone:
             self._run("all_reduce", _nbytes(tensor),
                       lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group), tensor)
 
@@ -296,7 +299,7 @@ class Comm:
     def all_reduce_sum_async(self, tensor: torch.Tensor) -> PendingCollective:
         """Start an in-place sum over ranks; returns at once. Call .wait() before using tensor."""
         self._on_device(tensor)
-        if self.world_size == 1:
+        if self.alone:
             return PendingCollective(self, "all_reduce", 0)
         return self._launch("all_reduce", _nbytes(tensor),
                             lambda: dist.all_reduce(tensor, group=self.group, async_op=True), tensor)
@@ -304,7 +307,7 @@ class Comm:
     def reduce_scatter_sum(self, shard_out: torch.Tensor, full_in: torch.Tensor) -> None:
         """shard_out <- this rank's 1/N slice of (sum over ranks of full_in)."""
         self._on_device(shard_out, full_in)
-        if self.world_size == 1:
+        if self.alone:
             shard_out.copy_(full_in)
             return
         self._run("reduce_scatter", _nbytes(full_in),
@@ -313,7 +316,7 @@ class Comm:
     def all_gather(self, full_out: torch.Tensor, shard_in: torch.Tensor) -> None:
         """full_out <- concatenation of every rank's shard_in, in rank order."""
         self._on_device(full_out, shard_in)
-        if self.world_size == 1:
+        if self.alone:
             full_out.copy_(shard_in)
             return
         self._run("all_gather", _nbytes(full_out), lambda: self._start_all_gather(full_out, shard_in).wait(),
@@ -322,7 +325,7 @@ class Comm:
     def reduce_scatter_sum_async(self, shard_out: torch.Tensor, full_in: torch.Tensor) -> PendingCollective:
         """Async reduce_scatter_sum; shard_out is valid after .wait()."""
         self._on_device(shard_out, full_in)
-        if self.world_size == 1:
+        if self.alone:
             shard_out.copy_(full_in)
             return PendingCollective(self, "reduce_scatter", 0)
         return self._launch("reduce_scatter", _nbytes(full_in), lambda: _reduce_scatter_single(
@@ -331,7 +334,7 @@ class Comm:
     def all_gather_async(self, full_out: torch.Tensor, shard_in: torch.Tensor) -> PendingCollective:
         """Async all_gather; full_out is valid after .wait()."""
         self._on_device(full_out, shard_in)
-        if self.world_size == 1:
+        if self.alone:
             full_out.copy_(shard_in)
             return PendingCollective(self, "all_gather", 0)
         return self._launch("all_gather", _nbytes(full_out), lambda: self._start_all_gather(full_out, shard_in),
@@ -352,7 +355,7 @@ class Comm:
         """Block j of inp (split into world_size equal blocks) goes to rank j; out holds the
         blocks every rank sent to this one, in rank order."""
         self._on_device(out, inp)
-        if self.world_size == 1:
+        if self.alone:
             out.copy_(inp)
             return
         self._run("all_to_all", _nbytes(inp), lambda: dist.all_to_all_single(out, inp, group=self.group), inp)
@@ -363,7 +366,7 @@ class Comm:
         order (a mixture of experts' tokens to and from their experts' ranks). The sizes differ between ranks, so
         the collective's fingerprint is taken of the rows' shape without their number (the same on every rank)."""
         self._on_device(out, inp)
-        if self.world_size == 1:
+        if self.alone:
             out.copy_(inp)
             return
         row_shape = inp.new_empty((0, *inp.shape[1:]))
@@ -430,7 +433,7 @@ class Comm:
         return in_flight
 
     def barrier(self) -> None:
-        if self.world_size > 1:
+        if not self.alone:
             self._run("barrier", 0, lambda: dist.barrier(group=self.group))
 
 

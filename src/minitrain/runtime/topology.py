@@ -131,6 +131,16 @@ class Topology:
         stop signals) goes through it."""
         return self.world or self.dp
 
+    def issuing_alone(self) -> "Topology":
+        """This one-rank world, its collectives handed to the backend all the same (Comm's issue_alone) rather
+        than skipped: NCCL's path (its streams, device-event timings, overlap) run and measured on one GPU."""
+        if self.world_size != 1 or self.backend == "none":
+            raise ValueError("issuing_alone needs a one-rank world with a process group")
+        comm = Comm(0, 1, dist.group.WORLD, self.device, "world", issue_alone=True)
+        self.opened.append(comm)
+        return Topology(self.rank, 1, self.local_rank, self.backend, self.device, comm, watch=self.watch,
+                        opened=self.opened)
+
     def with_layout(self, tp: int, pp: int) -> "Topology":
         """Split the world into tp x dp x pp groups (collective: every rank creates every group,
         in the same order). With tp = pp = 1 the data-parallel group stays the world."""

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Everything a GPU machine is wanted for, in one call, each part under its own time limit so that one part that
+# hangs or fails leaves the others' figures. Run from the repository root on a machine with one CUDA device:
+#
+#     OUT=/tmp/gpu bash tools/gpu_session.sh
+#
+# A machine without this project's dependencies gets them from wheels in .whl/ (pip download ... -d .whl); the
+# package itself runs from src/. Writes under $OUT: all.log (everything printed), gpu.json (benchmarks/gpu.py:
+# memory against the plan, NCCL timings, offload, top kernels), throughput-eager.json and throughput-compile.json
+# (minitrain bench throughput: tokens/s and MFU against a plain PyTorch loop).
+set -u
+OUT=${OUT:-/tmp/gpu-session}
+mkdir -p "$OUT"
+exec > >(tee "$OUT/all.log") 2>&1
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+part() {  # part SECONDS TITLE COMMAND...
+    local limit=$1 title=$2; shift 2
+    echo "=== $title (limit ${limit}s) $(date +%T)"
+    local began=$SECONDS
+    timeout -k 10 "$limit" "$@"
+    echo "=== $title: exit $? after $((SECONDS - began))s"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), torch.cuda.get_device_name())"
+
+part 150 "benchmarks/gpu.py" python3 benchmarks/gpu.py --out "$OUT/gpu.json"
+part 70 "throughput, eager" python3 -m minitrain bench throughput --preset gpt2-124m --precision bf16 \
+    --batch-size 16 --steps 10 --rounds 3 --out /tmp/tp-eager
+cp /tmp/tp-eager/throughput.json "$OUT/throughput-eager.json" 2>/dev/null
+part 180 "GPU tests" python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --timeout 170 tests/test_gpu.py
+part 150 "throughput, compiled" python3 -m minitrain bench throughput --preset gpt2-124m --precision bf16 \
+    --batch-size 16 --steps 10 --rounds 3 --compile --out /tmp/tp-compile
+cp /tmp/tp-compile/throughput.json "$OUT/throughput-compile.json" 2>/dev/null
+echo "=== done $(date +%T)"

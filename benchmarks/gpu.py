@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         print("benchmarks/gpu.py: error: no CUDA device here", file=sys.stderr)
         sys.exit(2)
-    [body] = launch(_measure, 1, args.batch, args.steps, backend="nccl", threads_per_rank=8, timeout_s=900)
+    [body] = launch(_measure, 1, args.batch, args.steps, backend="nccl", threads_per_rank=16, timeout_s=900)
     body.update(preset=PRESET, batch=args.batch, precision="bf16")
     path = write_result(args.out, __file__, argv, body)
     print(f"{body['device']}, CUDA {body['cuda']}, NCCL {body['nccl']}, {PRESET} bf16, batch {args.batch}")

@@ -185,10 +185,12 @@ def test_a_hugging_face_model_on_the_gpu_equals_plain_pytorch_on_the_cpu(zero):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    # float64 on both sides; the GPU's kernels sum in other orders than the CPU's, and Adam's first steps move a
+    # weight by about lr whatever its gradient's size, so the tolerance is far below one step (lr = 1e-2).
     torch.testing.assert_close(losses, reference["losses"], rtol=1e-9, atol=0)
     state = minitrain.full_state_dict(model)
     for name, value in reference["state"].items():
-        torch.testing.assert_close(state[name].cpu(), value, rtol=1e-9, atol=1e-12, msg=name)
+        torch.testing.assert_close(state[name].cpu(), value, rtol=1e-7, atol=1e-9, msg=lambda m, name=name: f"{name}: {m}")
 
 
 LAYOUTS = [(0, "bucketed"), (0, "naive"), (0, "torch"), (1, "bucketed"), (2, "bucketed"), (3, "bucketed")]

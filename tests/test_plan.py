@@ -161,7 +161,8 @@ def test_offload_moves_the_optimizer_state_off_the_device_total(zero):
     # (less the device chunk each unit's reduce-scatter lands in before its copy to the host)
     landing = disk["reduce_copy"] - none["reduce_copy"]
     assert (landing > 0) == (zero >= 2)
-    assert none["total"] - disk["total"] == none["optimizer"] + grads - landing
+    # (the landing chunk counts only where the layers' backward is the peak's moment, not the loss's)
+    assert none["optimizer"] + grads - landing <= none["total"] - disk["total"] <= none["optimizer"] + grads
     assert disk["total"] == cpu["total"]
 
 

@@ -27,11 +27,11 @@ part() {  # part SECONDS TITLE COMMAND...
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
 python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), torch.cuda.get_device_name())"
 
-part 150 "benchmarks/gpu.py" python3 benchmarks/gpu.py --out "$OUT/gpu.json"
+part 120 "benchmarks/gpu.py" python3 benchmarks/gpu.py --out "$OUT/gpu.json"
 part 70 "throughput, eager" python3 -m minitrain bench throughput --preset gpt2-124m --precision bf16 \
     --batch-size 16 --steps 10 --rounds 3 --out /tmp/tp-eager
 cp /tmp/tp-eager/throughput.json "$OUT/throughput-eager.json" 2>/dev/null
-part 180 "GPU tests" python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --timeout 170 tests/test_gpu.py
+part 170 "GPU tests" python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --timeout 160 tests/test_gpu.py
 part 150 "throughput, compiled" python3 -m minitrain bench throughput --preset gpt2-124m --precision bf16 \
     --batch-size 16 --steps 10 --rounds 3 --compile --out /tmp/tp-compile
 cp /tmp/tp-compile/throughput.json "$OUT/throughput-compile.json" 2>/dev/null

@@ -58,6 +58,15 @@ class _AllOf:
         return torch.futures.collect_all([work.get_future() for work in self.works])
 
 
+def concrete_device(device: torch.device | str) -> torch.device:
+    """`cuda` names the current GPU, but a tensor made there says `cuda:0`: the index made explicit, so that
+    devices compare equal to the tensors' own."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class CollectiveError(RuntimeError):
     """A collective failed or timed out; the message names the op and this rank, and with a watch the rank
     that caused it. `culprit`: this rank is the one named (the launcher then reports its error first)."""
@@ -144,7 +153,7 @@ class Comm:
         does nothing): NCCL's path, its streams and device-event timings, run and measured on a single GPU."""
         self.rank, self.world_size, self.group, self.name = rank, world_size, group, name
         self.alone = world_size == 1 and not (issue_alone and group is not None)  # no backend call: local copies
-        self.device = torch.device(device)  # where this group's tensors must live (cuda for NCCL)
+        self.device = concrete_device(device)  # where this group's tensors must live (cuda for NCCL)
         self.stats: dict[str, OpStats] = {}
         self._gloo = group is not None and dist.get_backend(group) == "gloo"
         self.watch = watch if group is not None and world_size > 1 else None

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401
 
 from .watch import MARGIN_S, CollectiveWatch
-from .comm import Comm
+from .comm import Comm, concrete_device
 from ..errors import ConfigError
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -179,7 +179,7 @@ class Topology:
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> "Topology":
         """One process, no process group: the single-device reference."""
-        device = torch.device(device)
+        device = concrete_device(device)
         return cls(0, 1, 0, "none", device, Comm(device=device))
 
     @classmethod

@@ -61,6 +61,7 @@ class Hardware:
     inter: dict[str, Link]
     gpus_per_node: int = 8
     source: str = ""
+    device: str = "cuda"  # what the optimizer's chunk size is chosen for (train/optim.py)
 
 
 def _links(alpha_s: float, beta_Bps: float) -> dict[str, Link]:
@@ -103,7 +104,7 @@ def cpu_here(comm_json: str | Path) -> Hardware:
             memory = int(line.split()[1]) * 1024
     flops = measure_matmul_flops()
     return Hardware("cpu-here", memory, {"fp32": flops, "bf16": flops, "fp16": flops}, links, links,
-                    gpus_per_node=1 << 30, source=f"measured: matmul now, collectives from {path}")
+                    gpus_per_node=1 << 30, source=f"measured: matmul now, collectives from {path}", device="cpu")
 
 
 def measure_matmul_flops(n: int = 512, seconds: float = 0.3) -> float:
@@ -240,7 +241,7 @@ def update_transients(inp: PlanInput) -> tuple[int, int]:
         landing = round(reduce_bytes(inp) * max(model_units(inp.model, inp.ep).values()) /
                         (shard_ranks(inp) * inp.tp))
     shard = P if inp.zero == 0 else P / shard_ranks(inp)
-    update = wide + (4 * min(shard, FlatAdamW.CHUNK) if mixed else 0)
+    update = wide + (4 * min(shard, FlatAdamW.chunk_for(inp.hardware.device)) if mixed else 0)
     return wide + landing, round(update)
 
 
@@ -259,22 +260,40 @@ def layer_activation_bytes(cfg: ModelConfig, b: int, elem: int, mode: str) -> in
     return full
 
 
+def logprob_bytes(inp: PlanInput) -> int:
+    """The loss keeps its log-probabilities (b s V) in float32 under autocast, in the compute dtype otherwise."""
+    cfg = inp.model
+    elem = 4 if inp.precision != "fp32" else element_bytes(inp.precision)
+    return elem * inp.micro_batch * cfg.seq_len * cfg.vocab_size // inp.tp
+
+
+def replay_bytes(inp: PlanInput) -> int:
+    """Block recomputation: the one layer replayed in backward holds a layer's whole activations for a while."""
+    if inp.model is None or inp.activation_checkpointing != "block":
+        return 0
+    return layer_activation_bytes(inp.model, inp.micro_batch, element_bytes(inp.precision), "none") // inp.tp
+
+
+def loss_backward_bytes(inp: PlanInput) -> int:
+    """The loss's own backward: the gradient of the log-probabilities and the log-softmax's input gradient, each
+    the log-probabilities' size, alive beside them while every layer's activations are still held. With GPT-2's
+    vocabulary these are the largest tensors of the step (1.6 GB each at 8 x 1024 tokens)."""
+    return 0 if inp.model is None else 2 * logprob_bytes(inp)
+
+
 def activation_bytes(inp: PlanInput) -> int:
     """Peak activation bytes per rank: the stage's layers for every micro-batch in flight, the
     embedding and head around them, and under block recomputation one replayed layer."""
     cfg = inp.model
     if cfg is None:
         return 0
-    b, s, h, V = inp.micro_batch, cfg.seq_len, cfg.d_model, cfg.vocab_size
+    b, s, h = inp.micro_batch, cfg.seq_len, cfg.d_model
     elem = element_bytes(inp.precision)
     layers = math.ceil(cfg.n_layer / inp.pp)
     in_flight = min(inp.pp, inp.microbatches) if inp.schedule == "1f1b" else inp.microbatches
     per_microbatch = layers * layer_activation_bytes(cfg, b, elem, inp.activation_checkpointing) // inp.tp
-    # The loss keeps its log-probabilities (b s V) in float32 under autocast, in the compute dtype otherwise.
-    logprobs = (4 if inp.precision != "fp32" else elem) * b * s * V // inp.tp
-    ends = elem * (2 * b * s * h + 2 * b * s) + logprobs + 8 * b * (s + 1) + 8 * s
-    replay = layer_activation_bytes(cfg, b, elem, "none") // inp.tp if inp.activation_checkpointing == "block" else 0
-    return in_flight * per_microbatch + ends + replay
+    ends = elem * (2 * b * s * h + 2 * b * s) + logprob_bytes(inp) + 8 * b * (s + 1) + 8 * s
+    return in_flight * per_microbatch + ends + replay_bytes(inp)
 
 
 def active_params(inp: PlanInput) -> float:
@@ -356,8 +375,12 @@ def plan(inp: PlanInput) -> dict:
     state = model_state_bytes(inp)
     acts, gathered = activation_bytes(inp), gathered_bytes(inp)
     in_backward, in_update = update_transients(inp)
-    # The peak is the larger of two moments: the end of forward (activations all alive) and the update.
-    transient = max(gathered + acts + in_backward, in_update)
+    loss_grads = loss_backward_bytes(inp)
+    # The peak is the largest of three moments: the loss's backward (forward's activations all alive, the
+    # log-probabilities' gradients beside them; no layer replayed and no gradient reduced yet), the layers'
+    # backward (a layer replayed, the gradient sync's float32 copy begun) and the update. Before the loss's moment
+    # was counted, the plan fell 26-39% short of an H200's max_memory_allocated on gpt2-124m (8 x 1024 tokens).
+    transient = max(gathered + acts - replay_bytes(inp) + loss_grads, gathered + acts + in_backward, in_update)
     host, disk = offloaded_bytes(inp, state)
     total = sum(state.values()) - host - disk + transient
     hw = inp.hardware
@@ -376,9 +399,9 @@ def plan(inp: PlanInput) -> dict:
         "input": {k: v for k, v in asdict(inp).items() if k not in ("model", "hardware")}
         | {"model": None if inp.model is None else asdict(inp.model), "hardware": hw.name},
         "world_size": inp.dp * inp.tp * inp.pp,
-        # total is the predicted peak: state at rest plus the larger of (ZeRO-3's gathered units, activations
-        # and a float32 gradient copy, at the end of forward) and (the update's temporaries)
-        "bytes_per_rank": {**state, "gathered": gathered, "activations": acts, "reduce_copy": in_backward,
+        # total is the predicted peak: state at rest plus the largest of the three moments above
+        "bytes_per_rank": {**state, "gathered": gathered, "activations": acts, "loss_backward": loss_grads,
+                           "reduce_copy": in_backward,
                            "update": in_update, "total": total,
                            "host": host, "disk": disk},
         "device_memory_bytes": hw.memory_bytes,
@@ -396,7 +419,8 @@ def render(result: dict) -> str:
     from .metrics import format_table, human_bytes
 
     inp, b = result["input"], result["bytes_per_rank"]
-    kinds = ("params", "grads", "optimizer", "gathered", "activations", "reduce_copy", "update", "total")
+    kinds = ("params", "grads", "optimizer", "gathered", "activations", "loss_backward", "reduce_copy", "update",
+             "total")
     rows = [[kind, human_bytes(b[kind]), f"{b[kind] / GB:.3f}"] for kind in kinds]
     if inp["offload"] != "none":  # rows of state off the device say where it is, and are not in the device's total
         rows[kinds.index("optimizer")][0] = f"optimizer ({'host' if inp['offload'] == 'cpu' else 'disk'})"

@@ -49,14 +49,23 @@ class FlatAdamW:
 
     STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
     CHUNK = 1 << 20  # elements per kernel call: 4 MiB in float32, the most a mixed-precision step upcasts at once
+    # On a GPU a chunk costs its handful of kernel launches whatever its size: in 1M-element chunks gpt2-124m's
+    # update was 119 x 6 launches, 17 ms of a 59 ms step on an H200. There 16M elements (a 64 MiB upcast).
+    GPU_CHUNK = 1 << 24
+
+    @classmethod
+    def chunk_for(cls, device: torch.device | str) -> int:
+        """Elements stepped per kernel call where the master lives."""
+        return cls.GPU_CHUNK if torch.device(device).type == "cuda" else cls.CHUNK
 
     def __init__(self, master: torch.Tensor, decay_ranges: list[tuple[int, int]],
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
-                 store: OffloadStore | None = None, chunk: int = CHUNK):
+                 store: OffloadStore | None = None, chunk: int | None = None):
         """store: where the master and the state live (offload.py); None: where `master` is. chunk: elements
-        stepped per kernel call (--train.offload_chunk_mb when offloaded: with disk, what is resident at once)."""
+        stepped per kernel call (--train.offload_chunk_mb when offloaded: with disk, what is resident at once;
+        by default chunk_for the master's device)."""
         self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
-        self.store, self.chunk = store, chunk
+        self.store, self.chunk = store, chunk or FlatAdamW.chunk_for(master.device)
         self.master = master if store is None else store.copy_of("master", master)
         zeros = (lambda name: torch.zeros_like(self.master)) if store is None else (
             lambda name: store.zeros(name, self.master.numel(), self.master.dtype))
@@ -160,7 +169,7 @@ def flat_adamw_factory(cfg: TrainConfig, store: OffloadStore | None = None):
 
     def make(master: torch.Tensor, flat, shard_ranges) -> FlatAdamW:
         decay = flat.local_ranges(flat.decay_ranges(), shard_ranges)
-        chunk = FlatAdamW.CHUNK if store is None else max(1, int(cfg.offload_chunk_mb * 2**20) // master.element_size())
+        chunk = None if store is None else max(1, int(cfg.offload_chunk_mb * 2**20) // master.element_size())
         return FlatAdamW(master, decay, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay, store, chunk)
 
     return make

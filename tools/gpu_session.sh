@@ -35,4 +35,6 @@ part 170 "GPU tests" python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --time
 part 150 "throughput, compiled" python3 -m minitrain bench throughput --preset gpt2-124m --precision bf16 \
     --batch-size 16 --steps 10 --rounds 3 --compile --out /tmp/tp-compile
 cp /tmp/tp-compile/throughput.json "$OUT/throughput-compile.json" 2>/dev/null
+part 45 "minitrain train on the GPU, as a user runs it" python3 -m minitrain train --preset small --zero 2 \
+    --precision bf16 --steps 30 --train.log_every 10 --memory-profile --out /tmp/cli-run
 echo "=== done $(date +%T)"

@@ -6,7 +6,9 @@
   overlap of the gradient sync with backward, the busy time, and how much of the step the timed phases cover;
 - offload: the step time with the optimizer's master and state in host memory (`--train.offload cpu`) as a ratio
   to the state on the device, at ZeRO 0 and 2;
-- where a step's device time goes: the top kernels of one step under torch.profiler.
+- where a step's device time goes: the top kernels of one step under torch.profiler;
+- against the plain PyTorch loop of `minitrain bench throughput` (batch 16): the device's busy time per step
+  (kernels) beside the wall time, and the kernels where the two differ most: what the gap between them is made of.
 
 Throughput and MFU against a plain loop are `minitrain bench throughput` (its own results file).
 
@@ -91,11 +93,49 @@ def top_kernels(topo, batch: int, count: int = 15) -> list[dict]:
              "share": e.self_device_time_total / total if total else 0.0} for e in events[:count]]
 
 
+def _kernel_times(step, steps: int = 3) -> tuple[float, float, dict[str, float]]:
+    """(wall seconds per step, device-busy seconds per step, seconds per step by kernel name) over `steps`."""
+    import time
+
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        began = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - began) / steps
+    by_name: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            by_name[e.name] = by_name.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e6 / steps
+    return wall, sum(by_name.values()), by_name
+
+
+def against_plain(topo, batch: int = 16) -> dict:
+    from minitrain.bench.throughput import PlainLoop, ThroughputOptions, bench_config
+
+    cfg = bench_config(ThroughputOptions(preset=PRESET, precisions=["bf16"], batch_size=batch), "bf16")
+    with Trainer(cfg, topo.single(topo.device)) as trainer:
+        ours = _kernel_times(trainer.train_step)
+    plain = _kernel_times(PlainLoop(cfg, topo.device).train_step)
+    names = set(ours[2]) | set(plain[2])
+    diff = sorted(((ours[2].get(n, 0.0) - plain[2].get(n, 0.0), n) for n in names), reverse=True)
+    return {"batch": batch, "ours": {"wall_s": ours[0], "busy_s": ours[1]}, "plain": {"wall_s": plain[0],
+            "busy_s": plain[1]}, "kernels_more": [{"name": n[:90], "extra_ms": 1000 * d} for d, n in diff[:12]],
+            "kernels_less": [{"name": n[:90], "extra_ms": 1000 * d} for d, n in diff[-5:]]}
+
+
 def _measure(topo, batch: int, steps: int) -> dict:
     topo = topo.issuing_alone()  # every collective through NCCL, as at world > 1, so that its costs show
     return {"device": torch.cuda.get_device_name(), "cuda": torch.version.cuda, "nccl": ".".join(
         map(str, torch.cuda.nccl.version())), "backend": topo.backend, "memory": memory_rows(topo, batch),
-            "timings": timing_rows(topo, batch, steps), "top_kernels": top_kernels(topo, batch)}
+            "timings": timing_rows(topo, batch, steps), "top_kernels": top_kernels(topo, batch),
+            "against_plain": against_plain(topo)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -124,6 +164,12 @@ def main(argv: list[str] | None = None) -> None:
     print(format_table(["kernel", "calls", "device ms", "share"],
                        [[k["name"], k["calls"], f"{k['device_ms']:.2f}", f"{k['share']:.1%}"]
                         for k in body["top_kernels"]]))
+    vs = body["against_plain"]
+    print(f"against the plain loop, batch {vs['batch']}: step {1000 * vs['ours']['wall_s']:.1f} vs "
+          f"{1000 * vs['plain']['wall_s']:.1f} ms wall, device busy {1000 * vs['ours']['busy_s']:.1f} vs "
+          f"{1000 * vs['plain']['busy_s']:.1f} ms")
+    print(format_table(["kernel (ours - plain)", "ms per step"],
+                       [[k["name"], f"{k['extra_ms']:+.2f}"] for k in vs["kernels_more"] + vs["kernels_less"]]))
     print(f"wrote {path}")
 
 

@@ -123,20 +123,26 @@ def test_an_async_snapshot_goes_to_pinned_host_memory(tmp_path):
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 @pytest.mark.parametrize("offload", ["cpu", "disk"])
 def test_offload_keeps_the_state_on_the_host_and_trains_as_without(zero, offload, tmp_path):
-    # The model on the GPU, the master and Adam state (and at ZeRO-2/3 the gradient shard) on the host: the same
-    # numbers as without offload (one rank, so the order of operations is the same on both sides).
+    # The model on the GPU, the master and Adam state (and at ZeRO-2/3 the gradient shard) on the host. The host's
+    # Adam kernel rounds otherwise than the GPU's (on a CPU-only machine the two runs are bit-identical:
+    # tests/test_offload.py), so here the masters agree to far less than one step's change: an update lost, doubled
+    # or taken with a stale gradient would move them by about a whole step.
     def run(mode):
         values = {"train.precision": "bf16", "train.zero": zero, "train.offload": mode, "out": str(tmp_path / mode)}
         with _trainer(**values) as trainer:
-            losses = [trainer.train_step().loss for _ in range(3)]
             s = trainer.strategy
+            before = s.optimizer.master.detach().cpu().clone()
+            losses = [trainer.train_step().loss for _ in range(3)]
             where = {"params": s.held_params().device.type, "master": s.optimizer.master.device.type,
                      "grads": s.held_grads().device.type}
-            return losses, s.full_params().cpu(), where
+            return losses, before, s.optimizer.master.detach().cpu().clone(), where
 
     plain, ours = run("none"), run(offload)
-    assert ours[0] == plain[0] and torch.equal(ours[1], plain[1])
-    assert ours[2] == {"params": "cuda", "master": "cpu", "grads": "cpu" if zero >= 2 else "cuda"}, ours[2]
+    torch.testing.assert_close(ours[0], plain[0], rtol=1e-3, atol=0)
+    assert torch.equal(ours[1], plain[1])
+    moved = (plain[2] - plain[1]).abs().max()
+    assert (ours[2] - plain[2]).abs().max() < 0.02 * moved, ((ours[2] - plain[2]).abs().max(), moved)
+    assert ours[3] == {"params": "cuda", "master": "cpu", "grads": "cpu" if zero >= 2 else "cuda"}, ours[3]
 
 
 def _losses(steps=4, **values):
@@ -186,11 +192,13 @@ def test_a_hugging_face_model_on_the_gpu_equals_plain_pytorch_on_the_cpu(zero):
         opt.zero_grad()
         losses.append(loss.item())
     # float64 on both sides; the GPU's kernels sum in other orders than the CPU's, and Adam's first steps move a
-    # weight by about lr whatever its gradient's size, so the tolerance is far below one step (lr = 1e-2).
+    # weight by about lr whatever its gradient's size, so a gradient near zero (its sum nearly cancelling) can take
+    # a last-digit difference to 1e-8 (measured on an H200: 27 of 1,024 embedding weights). The tolerance is
+    # still 1e-5 of one step (lr = 1e-2).
     torch.testing.assert_close(losses, reference["losses"], rtol=1e-9, atol=0)
     state = minitrain.full_state_dict(model)
     for name, value in reference["state"].items():
-        torch.testing.assert_close(state[name].cpu(), value, rtol=1e-7, atol=1e-9, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(state[name].cpu(), value, rtol=1e-7, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
 
 
 LAYOUTS = [(0, "bucketed"), (0, "naive"), (0, "torch"), (1, "bucketed"), (2, "bucketed"), (3, "bucketed")]

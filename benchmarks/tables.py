@@ -244,16 +244,17 @@ def multinode(docs: list[dict]) -> list[str]:
 def throughput(docs: list[dict]) -> list[str]:
     doc = docs[0]
     rows = []
-    for r in doc["results"]:
+    for r in (r for d in docs for r in d["results"]):
         ratios = [x["ours"] / x["plain"] for x in r["rounds"]]
         rows.append([r["preset"], r["precision"], str(r["batch_size"]), "yes" if r["compile"] else "no",
                      f"{r['tokens_per_s']:,.0f}",
                      f"{r['plain_tokens_per_s']:,.0f}",
                      fmt_range((r["ratio"], min(ratios), max(ratios)), "{:.3f}"),
-                     f"{r['step_ms']:.2f}", f"{r['plain_step_ms']:.2f}", f"{100 * r['mfu']:.1f}%"])
+                     f"{r['step_ms']:.2f}", f"{r['plain_step_ms']:.2f}", f"{100 * r['mfu']:.1f}%",
+                     f"{100 * r['plain_mfu']:.1f}%"])
     return [f"Device: {doc['device']}; MFU peak: {doc['results'][0]['peak_source']}.", "",
             *_table(["preset", "precision", "batch", "compile", "ours tok/s", "plain tok/s", "ours / plain",
-                     "ours ms", "plain ms", "MFU"], "<<><>>>>>>", rows)]
+                     "ours ms", "plain ms", "MFU", "plain MFU"], "<<><>>>>>>>", rows)]
 
 
 def before_after(docs: list[dict]) -> list[str]:
@@ -280,6 +281,50 @@ def experts(docs: list[dict]) -> list[str]:
                   ">>>>>>", rows)
 
 
+def gpu_memory(docs: list[dict]) -> list[str]:
+    doc = docs[0]
+    rows = [[str(r["zero"]), r["activation_checkpointing"], f"{r['predicted_bytes'] / 2**30:.2f} GiB",
+             f"{r['measured_bytes'] / 2**30:.2f} GiB", f"{100 * r['error']:+.1f}%"] for r in doc["memory"]]
+    return [f"{doc['device']}, {doc['preset']} {doc['precision']}, batch {doc['batch']} x "
+            "1024 tokens, one process.", "",
+            *_table(["ZeRO", "activation checkpointing", "`minitrain plan`", "max_memory_allocated", "plan error"],
+                    "><>>>", rows)]
+
+
+def gpu_timings(docs: list[dict]) -> list[str]:
+    doc = docs[0]
+    base = {r["zero"]: r["step_s"] for r in doc["timings"] if r["offload"] == "none"}
+    rows = [[str(r["zero"]), r["offload"], f"{1000 * r['step_s']:.1f}", f"{r['step_s'] / base[r['zero']]:.2f}",
+             f"{r['tokens_per_s']:,.0f}", f"{1000 * r['comm_s']:.2f}", str(r["comm_calls"]),
+             "-" if r["overlap"] is None else f"{100 * r['overlap']:.0f}%", f"{1000 * r['busy_s']:.1f}",
+             f"{100 * r['timed_share']:.0f}%"] for r in doc["timings"]]
+    return [f"{doc['device']}, NCCL {doc['nccl']}, {doc['preset']} {doc['precision']}, batch {doc['batch']}; "
+            "medians of 5 steps.", "",
+            *_table(["ZeRO", "offload", "step ms", "vs none", "tokens/s", "comm ms", "collectives",
+                     "sync overlap", "busy ms", "phases timed"], "><>>>>>>>>", rows)]
+
+
+def gpu_against_plain(docs: list[dict]) -> list[str]:
+    vs = docs[0]["against_plain"]
+    rows = [[side, f"{1000 * vs[side]['wall_s']:.1f}", f"{1000 * vs[side]['busy_s']:.1f}",
+             f"{1000 * (vs[side]['wall_s'] - vs[side]['busy_s']):.1f}"] for side in ("ours", "plain")]
+    kernels = [[f"`{k['name'].replace('|', '/')}`", f"{k['extra_ms']:+.2f}"] for k in vs["kernels_more"][:6]]
+    return [*_table(["under torch.profiler, batch 16", "wall ms", "device busy ms", "device idle ms"], "<>>>", rows),
+            "", *_table(["kernels ours runs more of", "ms per step"], "<>", kernels)]
+
+
+def gpu_before_after(docs: list[dict]) -> list[str]:
+    """The first GPU run (the CPU's chunk sizes) against the current one, step time per layout."""
+    before = next(d for d in docs if "before" in d["path"])
+    after = next(d for d in docs if d is not before)
+    old = {(r["zero"], r["offload"]): r["step_s"] for r in before["timings"]}
+    rows = [[str(r["zero"]), r["offload"], f"{1000 * old[(r['zero'], r['offload'])]:.1f}",
+             f"{1000 * r['step_s']:.1f}", f"{r['step_s'] / old[(r['zero'], r['offload'])]:.2f}"]
+            for r in after["timings"] if (r["zero"], r["offload"]) in old]
+    return [f"{after['device']}, {after['preset']} {after['precision']}, batch {after['batch']}.", "",
+            *_table(["ZeRO", "offload", "before ms", "after ms", "after / before"], "><>>>", rows)]
+
+
 # Table name -> (result files, renderer). Benchmarks run at several sizes write one file per size.
 TABLES = {
     "prepare_vs_peers": ("prepare_vs_peers.json", prepare_vs_peers),
@@ -295,6 +340,11 @@ TABLES = {
     "precision_memory": ("precision_memory.json", precision_memory),
     "torchrun_restarts": ("torchrun_restarts_*.json", torchrun_restarts),
     "throughput": ("throughput.json", throughput),
+    "throughput_gpu": ("throughput_gpu*.json", throughput),
+    "gpu_memory": ("gpu.json", gpu_memory),
+    "gpu_timings": ("gpu.json", gpu_timings),
+    "gpu_against_plain": ("gpu.json", gpu_against_plain),
+    "gpu_before_after": ("gpu*.json", gpu_before_after),
     "multinode": ("multinode.json", multinode),
     "before_after": ("before_after.json", before_after),
 }

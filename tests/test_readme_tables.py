@@ -20,7 +20,10 @@ KEYS = {"prepare_vs_peers": TIMED | {"world", "warmup"}, "zero_stages": TIMED | 
         "comm": {"world_size", "backend", "ops"}, "precision_memory": {"world_size", "preset", "results"},
         "torchrun_restarts": {"label", "minitrain_src", "trials", "results"},
         "throughput": {"device", "format", "results"}, "before_after": {"before", "repeats", "format", "results"},
-        "multinode": {"repeats", "elastic_trials", "rdzv_conf", "exactness", "elastic"}}
+        "multinode": {"repeats", "elastic_trials", "rdzv_conf", "exactness", "elastic"},
+        "throughput_gpu": {"device", "format", "results"}, "gpu_before_after": {"device", "nccl", "memory", "timings"}}
+# A lent GPU machine runs every GPU benchmark through one script (its results come back from there).
+GPU_SESSION = "OUT=DIR bash tools/gpu_session.sh"
 MACHINE = {"platform", "cpus", "torch", "python"}
 
 
@@ -80,7 +83,7 @@ def test_every_result_file_belongs_to_a_table_and_has_its_keys():
         # Older files recorded neither; a file that records one records both.
         assert ("command" in doc) == ("machine" in doc), path.name
         if "machine" in doc:
-            assert doc["command"].startswith("python benchmarks/"), path.name
+            assert doc["command"].startswith(("python benchmarks/", GPU_SESSION)), path.name
             assert MACHINE <= doc["machine"].keys(), path.name
 
 

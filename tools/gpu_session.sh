@@ -6,8 +6,9 @@
 #
 # A machine without this project's dependencies gets them from wheels in .whl/ (pip download ... -d .whl); the
 # package itself runs from src/. Writes under $OUT: all.log (everything printed), gpu.json (benchmarks/gpu.py:
-# memory against the plan, NCCL timings, offload, top kernels), throughput-eager.json and throughput-compile.json
-# (minitrain bench throughput: tokens/s and MFU against a plain PyTorch loop).
+# memory against the plan, NCCL timings, offload, top kernels, against the plain loop), throughput_gpu.json and
+# throughput_gpu_compiled.json (benchmarks/throughput.py: tokens/s and MFU against a plain PyTorch loop). Copied
+# into benchmarks/results/, `python benchmarks/tables.py` renders them into the README's "On a GPU".
 set -u
 OUT=${OUT:-/tmp/gpu-session}
 mkdir -p "$OUT"
@@ -28,13 +29,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm 
 python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), torch.cuda.get_device_name())"
 
 part 120 "benchmarks/gpu.py" python3 benchmarks/gpu.py --out "$OUT/gpu.json"
-part 70 "throughput, eager" python3 -m minitrain bench throughput --preset gpt2-124m --precision bf16 \
-    --batch-size 16 --steps 10 --rounds 3 --out /tmp/tp-eager
-cp /tmp/tp-eager/throughput.json "$OUT/throughput-eager.json" 2>/dev/null
+part 70 "throughput, eager" python3 benchmarks/throughput.py --configs gpt2-124m/bf16 --batch-size 16 --rounds 3 \
+    --out "$OUT/throughput_gpu.json"
 part 170 "GPU tests" python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --timeout 160 tests/test_gpu.py
-part 150 "throughput, compiled" python3 -m minitrain bench throughput --preset gpt2-124m --precision bf16 \
-    --batch-size 16 --steps 10 --rounds 3 --compile --out /tmp/tp-compile
-cp /tmp/tp-compile/throughput.json "$OUT/throughput-compile.json" 2>/dev/null
+part 150 "throughput, compiled" python3 benchmarks/throughput.py --configs gpt2-124m/bf16 --batch-size 16 \
+    --rounds 3 --compile --out "$OUT/throughput_gpu_compiled.json"
 part 45 "minitrain train on the GPU, as a user runs it" python3 -m minitrain train --preset small --zero 2 \
     --precision bf16 --steps 30 --train.log_every 10 --memory-profile --out /tmp/cli-run
 echo "=== done $(date +%T)"

@@ -1,12 +1,10 @@
-"""Tracking sinks: TensorBoard read back from its event files; W&B and MLflow against fakes in sys.modules
-(neither package is installed here)."""
+"""Tracking sinks: TensorBoard read back from its event files; the tracker's rules (a failing sink dropped, each
+step once) against stand-ins. The real W&B and MLflow packages: tests/test_tracking_real.py."""
 import importlib.machinery
-import importlib.util
+import json
 import math
-import os
 import sys
 import types
-from pathlib import Path
 
 import pytest
 
@@ -82,6 +80,8 @@ def fake_wandb(monkeypatch):
     wandb = fake_module(monkeypatch, "wandb")
 
     class Run:
+        id = "run-1"
+
         def log(self, scalars, step):
             wandb.calls.append(("log", dict(scalars), step))
 
@@ -96,62 +96,13 @@ def fake_wandb(monkeypatch):
     return wandb
 
 
-@pytest.fixture
-def fake_mlflow(monkeypatch):
-    mlflow = fake_module(monkeypatch, "mlflow")
-    for fn in ("set_tracking_uri", "set_experiment", "start_run", "log_params", "log_metrics", "end_run"):
-        setattr(mlflow, fn, lambda *a, _fn=fn, **kw: mlflow.calls.append((_fn, a, kw)))
-    return mlflow
-
-
-def test_wandb_sink(tmp_path, fake_wandb, monkeypatch):
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    out = tmp_path / "run7"
-    check_available(log_cfg(wandb=True))
-    log_all(Tracker.open(log_cfg(wandb=True), out, RUN_CONFIG))
-    calls = fake_wandb.calls
-    assert calls[0] == ("init", {"project": "proj", "name": "run7", "dir": str(out), "config": RUN_CONFIG})
-    assert calls[1:-1] == [("log", scalars_of(r), r["step"]) for r in RECORDS if "event" not in r]
-    assert calls[-1] == ("finish",)
-    assert os.environ["WANDB_MODE"] == "offline"  # left as the user set it
-
-
-def test_wandb_run_name(tmp_path, fake_wandb):
-    Tracker.open(log_cfg(wandb=True, run_name="named"), tmp_path, {}).close()
-    assert fake_wandb.calls[0][1]["name"] == "named"
-
-
-def test_mlflow_sink(tmp_path, fake_mlflow, monkeypatch):
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    check_available(log_cfg(mlflow=True))
-    log_all(Tracker.open(log_cfg(mlflow=True), tmp_path / "r", RUN_CONFIG))
-    names = [c[0] for c in fake_mlflow.calls]
-    assert names[:4] == ["set_tracking_uri", "set_experiment", "start_run", "log_params"]
-    assert names[4:] == ["log_metrics"] * 3 + ["end_run"]
-    uri = fake_mlflow.calls[0][1][0]
-    assert uri.startswith("file:") and Path(uri.removeprefix("file://")) == (tmp_path / "r" / "mlruns").resolve()
-    assert fake_mlflow.calls[1][1] == ("proj",)
-    assert fake_mlflow.calls[2][2] == {"run_name": "r"}
-    params = fake_mlflow.calls[3][1][0]
-    assert params == {"model.n_layer": "2", "model.d_model": "64", "train.lr": "0.0003", "train.steps": "3",
-                      "note": "x" * 6000}
-    metrics = [(c[1][0], c[2]) for c in fake_mlflow.calls[4:7]]
-    assert metrics == [(scalars_of(r), {"step": r["step"]}) for r in RECORDS if "event" not in r]
-
-
-def test_mlflow_tracking_uri_from_environment(tmp_path, fake_mlflow, monkeypatch):
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://tracker:5000")
-    Tracker.open(log_cfg(mlflow=True), tmp_path, {}).close()
-    assert fake_mlflow.calls[0] == ("set_tracking_uri", ("http://tracker:5000",), {})
-
-
 def test_flatten_nests_and_truncates():
     assert flatten({"a": {"b": {"c": None}}, "d": [1, 2]}) == {"a.b.c": "None", "d": "[1, 2]"}
     assert len(flatten({"long": "y" * 10_000})["long"]) == 6000
 
 
-@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")
-def test_check_available_names_the_missing_package():
+def test_check_available_names_the_missing_package(monkeypatch):
+    monkeypatch.setattr("minitrain.train.tracking._installed", lambda package: package != "wandb")
     with pytest.raises(ConfigError) as err:
         check_available(log_cfg(wandb=True, tensorboard=True))
     message = str(err.value)
@@ -162,7 +113,7 @@ def test_check_available_names_the_missing_package():
 
 def test_a_failing_sink_is_dropped_with_one_warning(capsys):
     class Broken:
-        name = "broken"
+        name, run_id = "broken", "b"
 
         def __init__(self):
             self.closed = False
@@ -174,6 +125,8 @@ def test_a_failing_sink_is_dropped_with_one_warning(capsys):
             self.closed = True
 
     class Recorder:
+        run_id = "r"
+
         def __init__(self):
             self.steps, self.closed = [], False
 
@@ -204,3 +157,32 @@ def test_open_sinks_closes_the_started_ones_when_one_fails(tmp_path, fake_wandb,
     with pytest.raises(RuntimeError, match="not logged in"):
         open_sinks(log_cfg(tensorboard=True, wandb=True), tmp_path, {})
     assert closed == [True]
+
+
+def test_each_step_is_mirrored_once_and_a_resume_continues_the_same_runs(tmp_path):
+    class Recorder:
+        name = "recorder"
+
+        def __init__(self, run_id):
+            self.run_id, self.steps = run_id, []
+
+        def log(self, step, scalars):
+            self.steps.append(step)
+
+        def close(self):
+            pass
+
+    first = Recorder("abc")
+    tracker = Tracker([first], tmp_path / "tracking.json")
+    for step in (1, 2, 3, 4, 2, 3, 5):  # steps 2-3 again, as after a rollback: mirrored once, the first time
+        tracker.log_record(step_record(step))
+    tracker.close()
+    assert first.steps == [1, 2, 3, 4, 5]
+    state = json.loads((tmp_path / "tracking.json").read_text())
+    assert state == {"runs": {"recorder": "abc"}, "logged_through": 5}
+    # A resume from a checkpoint of step 3 redoes 4 and 5: the same values, already in the tracker.
+    again = Recorder(state["runs"]["recorder"])
+    resumed = Tracker([again], tmp_path / "tracking.json", state["logged_through"])
+    for step in (4, 5, 6):
+        resumed.log_record(step_record(step))
+    assert again.steps == [6]

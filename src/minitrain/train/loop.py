@@ -33,7 +33,7 @@ from .metrics import (
 from ..runtime.signals import StopRequest
 from .guards import SpikeError
 from .resume import resume_path
-from .run_files import write_run_start
+from .run_files import write_json, write_run_start
 from .step_timer import StepProfiler
 from ..runtime.topology import Topology
 from .tracking import Tracker
@@ -64,7 +64,7 @@ class TrainingRun:
         self.tracker = None
         if topo.is_main:  # what the run is, on what, with which tokenizer: before its first step
             write_run_start(self.out, cfg, topo, self.start_path)
-            self.tracker = Tracker.open(cfg.log, self.out, cfg.to_dict())
+            self.tracker = Tracker.open(cfg.log, self.out, cfg.to_dict(), resumed=self.start_path is not None)
         self.cadence = SaveCadence(cfg, topo)
         self.saved: list[str] = []
         self.records: list[StepRecord] = []
@@ -112,14 +112,18 @@ class TrainingRun:
                              f"checkpoint {self.saved[-1]}; continue with --resume auto")
                     break
             self._commit_pending()  # the run is done only when its last checkpoint is durable
-            return self._summary()
+            summary = self._summary()
+            if self.topo.is_main:
+                write_json(self.out / "summary.json", summary)
+            return summary
         finally:
             self.profiler.stop()
             self.stop_request.uninstall()
             if self.writer:
                 self.writer.close()
-            if self.tracker:
-                self.tracker.close()
+            if self.tracker:  # what ran, on what, and how it went: the run's files as the trackers' artifacts
+                self.tracker.close([self.out / name for name in ("config.json", "env.json", "metrics.jsonl",
+                                                                 "summary.json")])
             t.close()  # its hooks off the model: nothing keeps the finished trainer alive
 
     def _evaluated(self, r: StepRecord) -> StepRecord:

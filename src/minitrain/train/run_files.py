@@ -33,8 +33,8 @@ CONFIG, ENVIRONMENT, TOKENIZER = "config.json", "env.json", "tokenizer.json"
 
 
 def write_run_start(out: Path, cfg: RunConfig, topo: Topology, resumed_from: Path | None) -> None:
-    _write_json(out / CONFIG, cfg.to_dict())
-    _write_json(out / ENVIRONMENT, environment(cfg, topo, resumed_from))
+    write_json(out / CONFIG, cfg.to_dict())
+    write_json(out / ENVIRONMENT, environment(cfg, topo, resumed_from))
     copy_tokenizer(cfg.data.corpus, out / TOKENIZER)
 
 
@@ -88,7 +88,8 @@ def copy_tokenizer(corpus: str, target: Path) -> bool:
     return False
 
 
-def _write_json(path: Path, doc: dict) -> None:
+def write_json(path: Path, doc: dict) -> None:
+    """`doc` as JSON at `path`, whole or not at all (values JSON has no type for are written as text)."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    tmp.write_text(json.dumps(doc, indent=2, default=str) + "\n")
     os.replace(tmp, path)

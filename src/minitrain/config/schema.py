@@ -199,7 +199,13 @@ class CheckpointConfig:
                                "clock decides for all ranks); 0 = off")
     keep_last: int = opt(0, "keep only the newest K complete checkpoints (older ones are deleted after a save); "
                          "0 = keep all")
-    resume: str = opt("", "'' = start fresh, 'auto' = newest checkpoint under OUT if any, or a checkpoint path")
+    resume: str = opt("", "'' = start fresh, 'auto' = newest checkpoint under OUT (or --ckpt.dir) if any, or a "
+                      "checkpoint path")
+    dir: str = opt("", "object storage the checkpoints also go to: a URL (s3://bucket/prefix, or any fsspec "
+                   "location) each checkpoint is uploaded to once saved in OUT/checkpoints, committed when every "
+                   "rank's files are there; --resume auto fetches a newer one from it (a node's disk lost). s3:// "
+                   "needs s3fs and reads the AWS_* variables (AWS_ENDPOINT_URL for an S3-compatible server); "
+                   "'' = OUT/checkpoints only")
     async_save: bool = opt(False, "write checkpoint files in a background thread from a CPU snapshot while training "
                            "goes on; `latest` moves only once every rank's file is durable")
     final_save: bool = opt(True, "save a checkpoint after the last step, so every run leaves a model to export "
@@ -324,6 +330,9 @@ def _check_run(cfg: RunConfig) -> None:
     for name in ("every_steps", "every_minutes", "keep_last"):
         if getattr(cfg.ckpt, name) < 0:
             raise ConfigError(f"ckpt.{name} must be >= 0, got {getattr(cfg.ckpt, name)}")
+    if cfg.ckpt.dir and ("://" not in cfg.ckpt.dir or cfg.ckpt.dir.startswith("file://")):
+        raise ConfigError(f"--ckpt.dir {cfg.ckpt.dir}: give a URL of object storage (s3://bucket/prefix); a run's "
+                          "local checkpoints are in OUT/checkpoints (choose --out)")
     if t.spike_factor and not t.spike_factor > 1:
         raise ConfigError(f"train.spike_factor must be > 1 (or 0 to turn the check off), got {t.spike_factor}")
     _require_positive("train.spike_window", t.spike_window)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .. import checkpoint
+from ..checkpoint import remote
 from ..config import ConfigError, RunConfig, build_config, field_specs
 from ..data import corpus_fingerprint, load_corpus, num_examples
 
@@ -16,6 +17,8 @@ def resume_path(cfg: RunConfig, warnings: list[str] | None = None) -> Path | Non
     if not cfg.ckpt.resume:
         return None
     if cfg.ckpt.resume == "auto":
+        if cfg.ckpt.dir:  # the store's newest, fetched into OUT/checkpoints unless a local one is as new
+            remote.newest_locally(cfg.ckpt.dir, Path(cfg.out) / "checkpoints")
         return checkpoint.find_latest(cfg.out, warnings)
     return checkpoint.resolve(cfg.ckpt.resume)
 

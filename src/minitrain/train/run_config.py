@@ -1,9 +1,10 @@
 """A run's configuration, checked against what is outside the settings too: the corpus on disk (its vocabulary,
 which the model takes unless one is given; its held-out split, for --eval-every) and the tracking packages the
---log switches need, disk offload's directory. The settings alone are config/'s; this is what `minitrain train` and the tests build runs
+--log switches need, disk offload's directory, the object storage checkpoints go to. The settings alone are config/'s; this is what `minitrain train` and the tests build runs
 from."""
 from __future__ import annotations
 
+from ..checkpoint.remote import check_location
 from ..config import RunConfig, build_config
 from ..data import check_corpus, check_eval_split, corpus_vocab_size
 from .offload import check_offload_directory
@@ -25,4 +26,6 @@ def check_run(cfg: RunConfig) -> RunConfig:
         check_eval_split(cfg)
     check_available(cfg.log)  # a sink switched on without its package: refused before the run
     check_offload_directory(cfg)
+    if cfg.ckpt.dir:  # reachable, and its package installed: found now, not at the first save
+        check_location(cfg.ckpt.dir)
     return cfg

@@ -1,0 +1,268 @@
+"""Checkpoints on object storage: `--ckpt.dir URL` (s3://bucket/prefix, memory://, any fsspec URL).
+
+A run still writes each checkpoint into OUT/checkpoints first (the local, crash-safe save of files.py and
+writing.py); once that is complete, the ranks upload it and the checkpoint exists in the store when its commit
+object does:
+
+  URL/step-000006/<sha>/manifest.json      the step directory's files, under a prefix named after the manifest's
+  URL/step-000006/<sha>/rank-00000....      sha256: a retried save of the same checkpoint writes the same objects,
+  URL/step-000006.json                      a different one (after a rollback) other ones, never over committed ones
+                                            the commit: {"step", "prefix", "manifest_sha256", "files": {name: bytes}},
+                                            written last, create-only (If-None-Match: *), after every rank's uploads
+
+Object stores have no atomic rename, so the commit object plays the part the directory rename plays on a disk: a
+step without one does not exist for resume, listing or keep_last, and its objects are swept by a later save. A
+reader downloads a committed checkpoint into OUT/checkpoints (a directory of a unique name, renamed into place
+once every file arrived and the whole checkpoint verified against its manifest, whose own sha256 must be the
+commit's): a tampered or truncated object is refused naming it. Listings are read afresh (fsspec's listing cache
+invalidated) every time.
+
+Transient failures (a dropped connection, a throttled request) are retried with bounded exponential backoff;
+after the last try the error names the object. A failed upload leaves the previous committed checkpoint as it was.
+
+Credentials, region and endpoint come from the usual AWS variables and files (AWS_ENDPOINT_URL for an S3-compatible
+server); s3:// needs the s3fs package.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+from .files import _write_durably, complete_steps, read_manifest, verify
+from .format import LATEST, MANIFEST, MANIFEST_SHA, CheckpointError, step_dir_name, step_of
+
+TRIES = 5  # attempts of one operation on the store before it fails the save or the load
+FIRST_BACKOFF_S = 0.5  # then 1, 2, 4: 7.5 s of waiting in all
+# Raised by the store for what retrying cannot mend (these are answers, not failures to answer).
+_FINAL = (FileExistsError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+
+
+def is_url(path: str) -> bool:
+    """A location fsspec reaches through a protocol other than the local filesystem's."""
+    return "://" in str(path) and not str(path).startswith("file://")
+
+
+def store(url: str):
+    """(fsspec filesystem, root path inside it) for URL; ConfigError-worthy problems as CheckpointError."""
+    import fsspec  # only runs that write or read a URL import it
+
+    # One bounded retry loop, ours (retried): the S3 client's own retries, several deep, would multiply it to
+    # minutes before a dead store is reported.
+    options = {"config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 10}} \
+        if url.startswith(("s3://", "s3a://")) else {}
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **options)
+    except (ImportError, ValueError) as e:
+        raise CheckpointError(f"cannot use checkpoint location {url}: {e}") from None
+    if hasattr(fs, "retries"):  # s3fs's own loop around each request (a class setting, 5 by default)
+        fs.retries = 1
+    return fs, root.rstrip("/")
+
+
+def check_location(url: str) -> None:
+    """Before a run: the store's package is installed and the location answers (ConfigError, one line)."""
+    from ..errors import ConfigError
+
+    try:
+        fs, root = store(url)
+        retried(f"reaching {url}", lambda: fs.ls(root.split("/", 1)[0], detail=False), tries=2)
+    except ImportError as e:  # the protocol's package (s3fs for s3://) is missing
+        hint = " (pip install 'minitrain[s3]')" if url.startswith("s3") else ""
+        raise ConfigError(f"--ckpt.dir {url}: {str(e).splitlines()[0]}{hint}") from None
+    except (CheckpointError, Exception) as e:  # noqa: BLE001 - whatever the store's client says is the reason
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"--ckpt.dir {url}: cannot use it: {reason}") from None
+
+
+def retried(what: str, fn, tries: int = TRIES):
+    """fn() with bounded exponential backoff on transient errors; CheckpointError naming `what` at the end."""
+    for attempt in range(tries):
+        try:
+            return fn()
+        except _FINAL:
+            raise
+        except Exception as e:  # noqa: BLE001 - the store's client raises many kinds for "try again"
+            if attempt == tries - 1:
+                raise CheckpointError(f"{what} failed {tries} times; the last error: {type(e).__name__}: {e}") \
+                    from e
+            time.sleep(FIRST_BACKOFF_S * 2 ** attempt)
+
+
+def _commit_name(step: int) -> str:
+    return f"{step_dir_name(step)}.json"
+
+
+def committed_steps(url: str) -> list[int]:
+    """Steps with a commit object under URL, newest first (read afresh: no cached listing)."""
+    fs, root = store(url)
+    fs.invalidate_cache()
+    try:
+        names = retried(f"listing {url}", lambda: fs.ls(root, detail=False))
+    except FileNotFoundError:
+        return []
+    steps = []
+    for name in names:
+        base = name.rstrip("/").rsplit("/", 1)[-1]
+        if base.startswith("step-") and base.endswith(".json") and base[5:-5].isdigit():
+            steps.append(int(base[5:-5]))
+    return sorted(steps, reverse=True)
+
+
+def read_commit(url: str, step: int) -> dict:
+    fs, root = store(url)
+    path = f"{root}/{_commit_name(step)}"
+    try:
+        commit = json.loads(retried(f"reading {url}/{_commit_name(step)}", lambda: fs.cat_file(path)))
+    except FileNotFoundError:
+        raise CheckpointError(f"no committed checkpoint of step {step} under {url}") from None
+    except ValueError as e:
+        raise CheckpointError(f"{url}/{_commit_name(step)} is not a commit object: {e}") from None
+    if not (isinstance(commit, dict) and isinstance(commit.get("files"), dict) and "prefix" in commit):
+        raise CheckpointError(f"{url}/{_commit_name(step)} is not a commit object")
+    return commit
+
+
+def upload_files(step_dir: Path, url: str, names: list[str]) -> None:
+    """Put these files of a complete local step directory under the prefix its manifest names (one rank's share
+    of the upload; large files go up in parts, as the store's client does)."""
+    fs, root = store(url)
+    prefix = f"{root}/{_prefix(step_dir)}"
+    for name in names:
+        retried(f"uploading {url}/{_prefix(step_dir)}/{name}",
+                lambda name=name: fs.put_file(str(step_dir / name), f"{prefix}/{name}"))
+
+
+def commit_upload(step_dir: Path, url: str) -> dict:
+    """After every rank's upload_files: write the commit object, create-only. The same checkpoint committed
+    before is left as it is; another one of the same step (a line resumed from an older step) is replaced, its
+    objects deleted. Returns the commit object."""
+    fs, root = store(url)
+    step = step_of(step_dir)
+    manifest = read_manifest(step_dir)
+    commit = {"step": step, "prefix": _prefix(step_dir), "manifest_sha256": _manifest_sha(step_dir),
+              "files": {e["name"]: e["bytes"] for e in manifest["files"]}
+              | {MANIFEST: (step_dir / MANIFEST).stat().st_size, MANIFEST_SHA: (step_dir / MANIFEST_SHA).stat().st_size}}
+    path, text = f"{root}/{_commit_name(step)}", json.dumps(commit, indent=1).encode()
+    what = f"committing {url}/{_commit_name(step)}"
+    try:
+        retried(what, lambda: _create_only(fs, path, text))
+    except FileExistsError:
+        before = read_commit(url, step)
+        if before.get("manifest_sha256") == commit["manifest_sha256"]:
+            return before  # a retried save: that checkpoint is already there
+        retried(f"replacing {url}/{_commit_name(step)}", lambda: fs.rm_file(path))
+        retried(what, lambda: _create_only(fs, path, text))
+        _remove_prefix(fs, f"{root}/{before['prefix']}")
+    return commit
+
+
+def _create_only(fs, path: str, data: bytes) -> None:
+    # Mode "xb": s3fs sends If-None-Match: * (the store refuses if the object exists: FileExistsError); the local
+    # and memory filesystems refuse likewise.
+    with fs.open(path, "xb") as f:
+        f.write(data)
+
+
+def sweep(url: str, keep_last: int = 0) -> list[int]:
+    """Rank 0, after a commit: delete the objects no commit names (saves that failed or were cut off), and with
+    keep_last > 0 all but the newest keep_last committed checkpoints (each commit object first, so that a step is
+    never listed without its files). Returns the steps deleted."""
+    fs, root = store(url)
+    steps = committed_steps(url)
+    doomed = steps[keep_last:] if keep_last else []
+    for step in doomed:
+        commit = read_commit(url, step)
+        retried(f"deleting {url}/{_commit_name(step)}", lambda step=step: fs.rm_file(f"{root}/{_commit_name(step)}"))
+        _remove_prefix(fs, f"{root}/{commit['prefix']}")
+    live = {read_commit(url, step)["prefix"] for step in steps[:keep_last or None]}
+    fs.invalidate_cache()
+    for step_prefix in retried(f"listing {url}", lambda: fs.glob(f"{root}/step-*/*")):
+        relative = step_prefix[len(root) + 1:]
+        if fs.isdir(step_prefix) and relative not in live:
+            _remove_prefix(fs, step_prefix)
+    return doomed
+
+
+def _remove_prefix(fs, prefix: str) -> None:
+    try:
+        retried(f"deleting {prefix}", lambda: fs.rm(prefix, recursive=True))
+    except FileNotFoundError:
+        pass
+
+
+def fetch(url: str, step: int, local_root: Path) -> Path:
+    """Download the committed checkpoint of `step` into local_root/step-N (verified against its manifest, whose
+    own sha256 must be the commit's) and return that directory. A complete local copy that verifies is kept."""
+    local_root = Path(local_root)
+    final = local_root / step_dir_name(step)
+    commit = read_commit(url, step)
+    if (final / MANIFEST).is_file() and _manifest_sha(final) == commit["manifest_sha256"]:
+        try:
+            verify(final)
+            return final
+        except CheckpointError:
+            pass  # a damaged local copy: fetched afresh below
+    fs, root = store(url)
+    local_root.mkdir(parents=True, exist_ok=True)
+    # Into a directory of its own (other ranks of this node may fetch at the same time), then renamed into place.
+    holder = local_root / f".fetch-{uuid.uuid4().hex[:12]}"
+    scratch = holder / step_dir_name(step)
+    scratch.mkdir(parents=True)
+    try:
+        for name, size in commit["files"].items():
+            if "/" in name or name.startswith("."):
+                raise CheckpointError(f"{url}/{_commit_name(step)} names a file '{name}' outside its checkpoint")
+            source = f"{root}/{commit['prefix']}/{name}"
+            try:
+                retried(f"downloading {url}/{commit['prefix']}/{name}",
+                        lambda source=source, name=name: fs.get_file(source, str(scratch / name)))
+            except FileNotFoundError:
+                raise CheckpointError(f"{url}/{commit['prefix']}/{name} is missing from the store") from None
+            if (scratch / name).stat().st_size != size:
+                raise CheckpointError(f"{url}/{commit['prefix']}/{name} has {(scratch / name).stat().st_size} bytes, "
+                                      f"its commit says {size}")
+        if _manifest_sha(scratch) != commit["manifest_sha256"]:
+            raise CheckpointError(f"{url}/{commit['prefix']}/{MANIFEST} is not the manifest its commit names "
+                                  "(sha256 differs): refused")
+        try:
+            verify(scratch)
+        except CheckpointError as e:
+            raise CheckpointError(f"checkpoint {url}/{commit['prefix']} refused: {e}") from None
+        if (final / MANIFEST).is_file() and _manifest_sha(final) == commit["manifest_sha256"]:
+            return final  # another process of this node fetched it meanwhile
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(scratch, final)
+    finally:
+        shutil.rmtree(holder, ignore_errors=True)
+    return final
+
+
+def newest_locally(url: str, local_root: Path) -> Path | None:
+    """For --resume auto with a store: make sure the newest committed checkpoint is in local_root (fetched if the
+    local copies are older or gone, e.g. with the node that held them) and return its directory; None if the store
+    has none."""
+    steps = committed_steps(url)
+    if not steps:
+        return None
+    local_root = Path(local_root)
+    local = complete_steps(local_root) if local_root.is_dir() else []
+    if local and step_of(local[0]) > steps[0]:
+        return None  # the local copies are newer (their upload failed): resume from them
+    fetched = fetch(url, steps[0], local_root)
+    _write_durably(local_root / LATEST, fetched.name + "\n")  # what --resume auto looks at first
+    return fetched
+
+
+def _manifest_sha(step_dir: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256((step_dir / MANIFEST).read_bytes()).hexdigest()
+
+
+def _prefix(step_dir: Path) -> str:
+    return f"{step_dir.name}/{_manifest_sha(step_dir)[:16]}"

@@ -1,0 +1,240 @@
+"""Checkpoints on object storage, against a real S3-compatible server (moto's, in a thread on a free port, started
+here: no network, nobody's credentials): a run that loses its disk resumes from the store bit-identically; what
+the store holds; tampered objects refused; transient failures retried, then named; two runs under different
+prefixes of one bucket kept apart; a re-save of a step; bad locations refused at startup."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from minitrain import checkpoint
+from minitrain.checkpoint import remote
+from minitrain.runtime.launch import free_port
+
+from .dist import run_cli
+
+pytest.importorskip("s3fs", reason="s3fs is not installed (pip install 'minitrain[s3]')")
+moto_server = pytest.importorskip("moto.server", reason="moto is not installed (the test extra installs it)")
+
+BUCKET = "minitrain-test"
+TINY = ("--preset", "tiny", "--steps", "6", "--train.log_every", "0")
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """The server, and the AWS variables every client here (and every rank started from here) reads."""
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+    port = free_port()
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION",
+                                              "AWS_ENDPOINT_URL")}
+    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
+                      AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}")
+    fs, _ = remote.store(f"s3://{BUCKET}")
+    fs.mkdir(BUCKET)
+    yield fs
+    server.stop()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def _train(out: Path, *extra: str):
+    result = run_cli("train", *TINY, "--out", str(out), *extra, timeout_s=120)
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+def _final_tensors(out: Path) -> dict[str, torch.Tensor]:
+    step_dir = checkpoint.resolve(out)
+    from safetensors.torch import load_file
+
+    return {f"{f.name}:{k}": v for f in sorted(step_dir.glob("rank-*.safetensors"))
+            for k, v in load_file(str(f)).items()}
+
+
+def test_a_run_that_loses_its_disk_resumes_from_the_store_bit_identically(s3, tmp_path):
+    url = f"s3://{BUCKET}/lost-disk"
+    _train(tmp_path / "reference")  # six steps, no store
+    out = tmp_path / "run"
+    _train(out, "--ckpt.dir", url, "--ckpt-every-steps", "3", "--stop-at", "3")
+    assert remote.committed_steps(url) == [3]
+    shutil.rmtree(out)  # the node, its disk and everything on it are gone; the store is not
+    resumed = _train(out, "--ckpt.dir", url, "--ckpt-every-steps", "3", "--resume", "auto")
+    assert "resumed from" in resumed.stdout and "step-000003" in resumed.stdout
+    assert remote.committed_steps(url) == [6, 3]
+    mine, reference = _final_tensors(out), _final_tensors(tmp_path / "reference")
+    assert mine.keys() == reference.keys() and all(torch.equal(mine[k], reference[k]) for k in mine)
+    # What the store holds: each step's commit and the files it names, under the manifest's prefix; nothing else.
+    for step in (3, 6):
+        commit = remote.read_commit(url, step)
+        assert commit["prefix"].startswith(f"step-{step:06d}/")
+        listed = {p.rsplit("/", 1)[-1]: s3.size(p) for p in s3.ls(f"{BUCKET}/lost-disk/{commit['prefix']}")}
+        assert listed == commit["files"]
+    assert {p.rsplit("/", 1)[-1] for p in s3.ls(f"{BUCKET}/lost-disk")} == {
+        "step-000003", "step-000003.json", "step-000006", "step-000006.json"}
+
+
+def _committed(s3, tmp_path, url: str) -> Path:
+    """A checkpoint of a 2-step tiny run, committed under url; returns the run's OUT."""
+    out = tmp_path / "saved"
+    _train(out, "--steps", "2", "--ckpt.dir", url)
+    return out
+
+
+def test_tampered_objects_are_refused_naming_them(s3, tmp_path):
+    url = f"s3://{BUCKET}/tampered"
+    _committed(s3, tmp_path, url)
+    commit = remote.read_commit(url, 2)
+    shard = f"{BUCKET}/tampered/{commit['prefix']}/rank-00000.safetensors"
+    data = bytearray(s3.cat_file(shard))
+    data[-1] ^= 0xFF  # one flipped bit in the last tensor's bytes: same size, other content
+    s3.pipe_file(shard, bytes(data))
+    with pytest.raises(checkpoint.CheckpointError, match="rank-00000.safetensors is corrupt"):
+        remote.fetch(url, 2, tmp_path / "elsewhere")
+    assert not list((tmp_path / "elsewhere").iterdir())  # nothing half-fetched left behind
+    manifest = f"{BUCKET}/tampered/{commit['prefix']}/manifest.json"
+    s3.pipe_file(manifest, s3.cat_file(manifest).replace(b'"step": 2', b'"step": 3', 1))  # same size, other step
+    with pytest.raises(checkpoint.CheckpointError, match="is not the manifest its commit names"):
+        remote.fetch(url, 2, tmp_path / "elsewhere")
+
+
+def test_transient_failures_are_retried_then_fail_naming_the_object(s3, tmp_path, monkeypatch):
+    url = f"s3://{BUCKET}/flaky"
+    out = _committed(s3, tmp_path, url)
+    step_dir = checkpoint.resolve(out)
+    monkeypatch.setattr(remote, "FIRST_BACKOFF_S", 0.01)
+    real_put, failures = s3.put_file, []
+
+    def flaky(*args, **kwargs):  # the connection drops twice, then the upload goes through
+        if len(failures) < 2:
+            failures.append(1)
+            raise ConnectionResetError("connection reset by peer")
+        return real_put(*args, **kwargs)
+
+    monkeypatch.setattr(s3, "put_file", flaky)
+    remote.upload_files(step_dir, f"s3://{BUCKET}/flaky-again", ["rank-00000.safetensors"])
+    assert len(failures) == 2 and s3.exists(f"{BUCKET}/flaky-again/{remote._prefix(step_dir)}/rank-00000.safetensors")
+
+    def down(*args, **kwargs):
+        raise ConnectionRefusedError("connection refused")
+
+    monkeypatch.setattr(s3, "put_file", down)
+    with pytest.raises(checkpoint.CheckpointError, match=r"uploading s3://.*/rank-00000.safetensors failed 5 times"):
+        remote.upload_files(step_dir, url, ["rank-00000.safetensors"])
+    assert remote.committed_steps(url) == [2]  # the committed checkpoint is as it was, and loads
+    monkeypatch.setattr(s3, "put_file", real_put)
+    assert checkpoint.verify(remote.fetch(url, 2, tmp_path / "again"))[1]["step"] == 2
+
+
+class Cable:
+    """A TCP relay to the server that can be pulled: while `down`, every connection is closed as it is made."""
+
+    def __init__(self, target_port: int):
+        self.target, self.down = ("127.0.0.1", target_port), False
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            client, _ = self.listener.accept()
+            if self.down:
+                client.close()
+                continue
+            upstream = socket.create_connection(self.target)
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source, sink) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for end in (source, sink):
+                with contextlib.suppress(OSError):
+                    end.shutdown(socket.SHUT_RDWR)
+
+
+def test_a_store_that_goes_away_mid_run_stops_it_naming_the_object_and_keeps_what_was_committed(s3, tmp_path):
+    url = f"s3://{BUCKET}/goes-away"
+    cable = Cable(int(os.environ["AWS_ENDPOINT_URL"].rsplit(":", 1)[1]))
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{cable.port}"}
+    argv = ["train", *TINY, "--out", str(tmp_path / "run"), "--ckpt.dir", url, "--ckpt-every-steps", "2", "--steps",
+            "4", "--fault.kind", "slow", "--fault.step", "3", "--fault.slow_s", "2"]
+    proc = subprocess.Popen([sys.executable, "-m", "minitrain", *argv], env={**os.environ, **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while remote.committed_steps(url) != [2]:  # step 2 is in the store: now the network goes
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        cable.down = True
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+    assert proc.returncode != 0, err
+    assert "uploading step-000004" in err and "goes-away/step-000004" in err and "failed 5 times" in err, err
+    assert remote.committed_steps(url) == [2]
+    assert checkpoint.verify(remote.fetch(url, 2, tmp_path / "fetched"))[1]["step"] == 2
+
+
+def test_two_runs_under_different_prefixes_of_one_bucket_are_kept_apart(s3, tmp_path):
+    a, b = f"s3://{BUCKET}/team/a", f"s3://{BUCKET}/team/b"
+    _train(tmp_path / "a", "--steps", "2", "--ckpt.dir", a)
+    _train(tmp_path / "b", "--steps", "3", "--ckpt.dir", b)
+    assert remote.committed_steps(a) == [2] and remote.committed_steps(b) == [3]
+    assert remote.newest_locally(a, tmp_path / "fresh").name == "step-000002"
+
+
+def test_a_save_of_the_same_step_again(s3, tmp_path):
+    url = f"s3://{BUCKET}/again"
+    out = _committed(s3, tmp_path, url)
+    step_dir = checkpoint.resolve(out)
+    first = remote.read_commit(url, 2)
+    assert remote.commit_upload(step_dir, url) == first  # a retried save: the committed one stays
+    # Another checkpoint of step 2 (a line resumed from an older step): replaces it, its old objects deleted.
+    other = tmp_path / "other"
+    _train(other, "--steps", "2", "--seed", "7")
+    other_dir = checkpoint.resolve(other)
+    names = sorted(p.name for p in other_dir.iterdir())
+    remote.upload_files(other_dir, url, names)
+    second = remote.commit_upload(other_dir, url)
+    assert second["prefix"] != first["prefix"] and remote.read_commit(url, 2) == second
+    assert not s3.exists(f"{BUCKET}/again/{first['prefix']}")
+
+
+def test_keep_last_deletes_old_checkpoints_from_the_store_too(s3, tmp_path):
+    url = f"s3://{BUCKET}/keep"
+    _train(tmp_path / "run", "--ckpt.dir", url, "--ckpt-every-steps", "2", "--ckpt.keep_last", "2")
+    assert remote.committed_steps(url) == [6, 4]
+    assert {p.rsplit("/", 1)[-1] for p in s3.ls(f"{BUCKET}/keep")} == {
+        "step-000004", "step-000004.json", "step-000006", "step-000006.json"}
+
+
+@pytest.mark.parametrize("url,message", [
+    ("hdfs://namenode:9000/runs", "--ckpt.dir hdfs://namenode:9000/runs"),
+    ("nosuchscheme://x/y", "--ckpt.dir nosuchscheme://x/y"),
+])
+def test_a_location_that_cannot_be_used_is_refused_before_the_run(tmp_path, url, message):
+    result = run_cli("train", *TINY, "--out", str(tmp_path / "r"), "--ckpt.dir", url, timeout_s=60)
+    assert result.returncode == 2 and message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "r").exists()  # nothing half-written

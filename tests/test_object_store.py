@@ -5,12 +5,14 @@ prefixes of one bucket kept apart; a re-save of a step; bad locations refused at
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -238,3 +240,25 @@ def test_a_location_that_cannot_be_used_is_refused_before_the_run(tmp_path, url,
     result = run_cli("train", *TINY, "--out", str(tmp_path / "r"), "--ckpt.dir", url, timeout_s=60)
     assert result.returncode == 2 and message in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "r").exists()  # nothing half-written
+
+
+def test_the_checkpoint_tools_and_export_read_the_store(s3, tmp_path):
+    url = f"s3://{BUCKET}/tools"
+    out = tmp_path / "run"
+    _train(out, "--ckpt.dir", url, "--ckpt-every-steps", "3")
+    listed = run_cli("ckpt", "list", url)
+    assert listed.returncode == 0 and "2 complete checkpoint(s)" in listed.stdout, listed.stderr
+    assert [line.split()[0] for line in listed.stdout.splitlines()[3:]] == ["6", "3"]
+    verified = run_cli("ckpt", "verify", f"{url}/step-000003")
+    assert verified.returncode == 0 and verified.stdout.startswith("OK: ") and "step-000003" in verified.stdout
+    merged = run_cli("ckpt", "consolidate", url, str(tmp_path / "model.safetensors"))
+    assert merged.returncode == 0, merged.stderr
+    local = run_cli("ckpt", "consolidate", str(out), str(tmp_path / "local.safetensors"))
+    assert local.returncode == 0 and (tmp_path / "model.safetensors").read_bytes() == \
+        (tmp_path / "local.safetensors").read_bytes()
+    exported = run_cli("export", url, str(tmp_path / "export"))
+    assert exported.returncode == 0 and url in exported.stdout, exported.stderr
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["source"] == url
+    missing = run_cli("ckpt", "verify", f"{url}/step-000009")
+    assert missing.returncode == 1 and "no committed checkpoint of step 9" in missing.stderr
+    assert not list(Path(tempfile.gettempdir()).glob("minitrain-fetch-*"))  # the fetched copies are gone

@@ -1,5 +1,10 @@
-"""`minitrain ckpt inspect | verify | consolidate`: look into a sharded checkpoint without training.
+"""`minitrain ckpt list | inspect | verify | consolidate`: look into a sharded checkpoint without training.
 
+PATH is a local checkpoint (a step, checkpoints/ or run directory) or a URL of object storage that a run's
+--ckpt.dir names (its newest committed checkpoint, or URL/step-NNNNNN), fetched and verified into a temporary
+directory first.
+
+- list PATH: the complete checkpoints there, newest first.
 - inspect PATH: step, topology, strategy, model, files, and every stored tensor
   with the logical range it covers.
 - verify PATH: every file's size and sha256 against the manifest.
@@ -22,6 +27,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from .. import checkpoint
+from ..checkpoint import remote
 from ..config import ConfigError
 from ..train.metrics import format_table, human_bytes
 
@@ -85,12 +91,14 @@ def consolidate(path: str, out: str) -> str:
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    ckpt = sub.add_parser("ckpt", help="inspect, verify or consolidate a checkpoint",
+    ckpt = sub.add_parser("ckpt", help="list, inspect, verify or consolidate checkpoints",
                           description="Look into a sharded checkpoint. PATH is a step directory, a checkpoints/ "
-                          "directory or a run directory (its `latest` is used). Exit 0 valid, 1 invalid (what is wrong named), 2 a "
-                          "usage error (no such PATH, a bad argument).")
+                          "directory or a run directory (its `latest` is used), or a --ckpt.dir URL (s3://bucket/"
+                          "prefix: its newest committed checkpoint; .../step-NNNNNN: that one). Exit 0 valid, 1 "
+                          "invalid (what is wrong named), 2 a usage error (no such PATH, a bad argument).")
     ckpt_sub = ckpt.add_subparsers(dest="ckpt", required=True, parser_class=type(ckpt), metavar="ACTION")
-    for action, text in (("inspect", "step, topology, files and tensors"),
+    for action, text in (("list", "the complete checkpoints, newest first"),
+                         ("inspect", "step, topology, files and tensors"),
                          ("verify", "every file's size and sha256 against the manifest")):
         ckpt_sub.add_parser(action, help=text, description=text).add_argument("path", metavar="PATH")
     merge = ckpt_sub.add_parser("consolidate", help="one plain state dict that MiniGPT.load_state_dict accepts",
@@ -102,16 +110,37 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return ckpt
 
 
+def listing(location: str) -> str:
+    """The complete checkpoints of a run directory, a checkpoints/ directory or a store's URL, newest first."""
+    if remote.is_url(location):
+        rows = remote.listing(location)
+        where = location
+    else:
+        root = Path(location)
+        root = root / "checkpoints" if (root / "checkpoints").is_dir() else root
+        rows = [{"step": checkpoint.step_of(d), "bytes": sum(f.stat().st_size for f in d.iterdir()),
+                 "prefix": d.name} for d in checkpoint.complete_steps(root)]
+        where = str(root)
+    if not rows:
+        return f"{where}: no complete checkpoint"
+    return f"{where}: {len(rows)} complete checkpoint(s), newest first\n" + format_table(
+        ["step", "bytes", "where"], [[r["step"], human_bytes(r["bytes"]), r["prefix"]] for r in rows], "><<")
+
+
 def run(args) -> int:
-    if not os.path.lexists(args.path):  # a mistyped path is the caller's error, not an invalid checkpoint
+    if not remote.is_url(args.path) and not os.path.lexists(args.path):  # a mistyped path is the caller's error
         raise ConfigError(f"no such file or directory: {args.path}")
     try:
-        if args.ckpt == "inspect":
-            print(inspect(args.path))
-        elif args.ckpt == "verify":
-            print(verify(args.path))
-        else:
-            print(consolidate(args.path, args.out))
+        if args.ckpt == "list":
+            print(listing(args.path))
+            return 0
+        with remote.local_copy(args.path) as path:  # a URL's checkpoint, fetched and verified
+            if args.ckpt == "inspect":
+                print(inspect(path))
+            elif args.ckpt == "verify":
+                print(verify(path))
+            else:
+                print(consolidate(path, args.out))
     except checkpoint.CheckpointError as e:  # a failed check, not a usage error
         print(f"minitrain ckpt {args.ckpt}: FAILED: {e}", file=sys.stderr)
         return 1

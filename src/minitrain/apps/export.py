@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 
 from ..version import __version__
 from .. import checkpoint
+from ..checkpoint import remote
 from ..config import ModelConfig
 from ..errors import ConfigError
 from ..models.minigpt.model import MiniGPT
@@ -83,7 +84,11 @@ def _check_minigpt(state: dict, model_config: dict, step_dir: Path) -> None:
                 f"checkpoint {step_dir} consolidated for MiniGPT", checkpoint.CheckpointError)
 
 
-def export(source: str, out: str) -> str:
+def export(source: str, out: str, origin: str | None = None) -> str:
+    """origin: where the checkpoint came from, when `source` is a local copy of it (recorded in config.json)."""
+    if remote.is_url(source):  # a checkpoint in object storage: fetched, verified, exported, the copy removed
+        with remote.local_copy(source) as local:
+            return export(local, out, origin=source)
     target = Path(out)
     step_dir = source_step_dir(source)
     check_out(target)
@@ -92,7 +97,7 @@ def export(source: str, out: str) -> str:
     state = checkpoint.consolidated_state_dict(str(step_dir))
     _check_minigpt(state, run_config["model"], step_dir)
     config = {"format": FORMAT, "model_type": "minigpt", "minitrain_version": __version__,
-              "model": run_config["model"], "step": manifest["step"], "source": str(step_dir.resolve()),
+              "model": run_config["model"], "step": manifest["step"], "source": origin or str(step_dir.resolve()),
               "corpus": run_config["data"]["corpus"], "tokenizer": None}
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
@@ -114,7 +119,7 @@ def export(source: str, out: str) -> str:
     tokenizer = f", tokenizer {target / TOKENIZER}" if config["tokenizer"] else " (no tokenizer: its corpus had none)"
     # Values, not parameters: a tied weight is stored under both of its keys.
     return (f"wrote {target}: {WEIGHTS} ({numel:,} values, {human_bytes((target / WEIGHTS).stat().st_size)}) "
-            f"from {step_dir} (step {manifest['step']}), {CONFIG}{tokenizer}")
+            f"from {origin or step_dir} (step {manifest['step']}), {CONFIG}{tokenizer}")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -126,7 +131,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                             epilog="Example:\n  minitrain export runs/notes runs/notes/model",
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", metavar="RUN_OR_CKPT", help="a run directory, or a checkpoints/ or step-NNNNNN "
-                        "directory")
+                        "directory, or a --ckpt.dir URL (its newest committed checkpoint, or URL/step-NNNNNN)")
     parser.add_argument("out", metavar="OUT", help="the directory to write (must not exist, or be empty)")
     return parser
 

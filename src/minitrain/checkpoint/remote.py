@@ -25,9 +25,12 @@ server); s3:// needs the s3fs package.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -240,6 +243,36 @@ def fetch(url: str, step: int, local_root: Path) -> Path:
     finally:
         shutil.rmtree(holder, ignore_errors=True)
     return final
+
+
+def split_step(location: str) -> tuple[str, int | None]:
+    """URL/step-000006 -> (URL, 6); URL -> (URL, None)."""
+    head, _, last = location.rstrip("/").rpartition("/")
+    named = re.fullmatch(r"step-([0-9]+)", last)
+    return (head, int(named.group(1))) if named else (location.rstrip("/"), None)
+
+
+@contextlib.contextmanager
+def local_copy(location: str):
+    """A checkpoint to read, as a local path: a PATH as it is; a URL (its newest committed checkpoint, or
+    URL/step-N for that one) fetched and verified into a temporary directory, removed afterwards."""
+    if not is_url(location):
+        yield location
+        return
+    url, step = split_step(location)
+    if step is None:
+        steps = committed_steps(url)
+        if not steps:
+            raise CheckpointError(f"no committed checkpoint under {url}")
+        step = steps[0]
+    with tempfile.TemporaryDirectory(prefix="minitrain-fetch-") as scratch:
+        yield str(fetch(url, step, Path(scratch)))
+
+
+def listing(url: str) -> list[dict]:
+    """The committed checkpoints under URL, newest first: step, bytes, prefix."""
+    return [{"step": step, "bytes": sum(commit["files"].values()), "prefix": commit["prefix"]}
+            for step in committed_steps(url) for commit in [read_commit(url, step)]]
 
 
 def newest_locally(url: str, local_root: Path) -> Path | None:

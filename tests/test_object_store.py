@@ -71,16 +71,18 @@ def _final_tensors(out: Path) -> dict[str, torch.Tensor]:
 
 def test_a_run_that_loses_its_disk_resumes_from_the_store_bit_identically(s3, tmp_path):
     url = f"s3://{BUCKET}/lost-disk"
-    _train(tmp_path / "reference")  # six steps, no store
+    two_ranks = ("--nproc", "2", "--zero", "2")  # each rank uploads its share
+    _train(tmp_path / "reference", *two_ranks)  # six steps, no store
     out = tmp_path / "run"
-    _train(out, "--ckpt.dir", url, "--ckpt-every-steps", "3", "--stop-at", "3")
+    _train(out, *two_ranks, "--ckpt.dir", url, "--ckpt-every-steps", "3", "--stop-at", "3")
     assert remote.committed_steps(url) == [3]
     shutil.rmtree(out)  # the node, its disk and everything on it are gone; the store is not
-    resumed = _train(out, "--ckpt.dir", url, "--ckpt-every-steps", "3", "--resume", "auto")
+    resumed = _train(out, *two_ranks, "--ckpt.dir", url, "--ckpt-every-steps", "3", "--resume", "auto")
     assert "resumed from" in resumed.stdout and "step-000003" in resumed.stdout
     assert remote.committed_steps(url) == [6, 3]
     mine, reference = _final_tensors(out), _final_tensors(tmp_path / "reference")
     assert mine.keys() == reference.keys() and all(torch.equal(mine[k], reference[k]) for k in mine)
+    assert len(remote.read_commit(url, 3)["files"]) == 4  # a shard per rank, the manifest and its sha256
     # What the store holds: each step's commit and the files it names, under the manifest's prefix; nothing else.
     for step in (3, 6):
         commit = remote.read_commit(url, step)
@@ -262,3 +264,80 @@ def test_the_checkpoint_tools_and_export_read_the_store(s3, tmp_path):
     missing = run_cli("ckpt", "verify", f"{url}/step-000009")
     assert missing.returncode == 1 and "no committed checkpoint of step 9" in missing.stderr
     assert not list(Path(tempfile.gettempdir()).glob("minitrain-fetch-*"))  # the fetched copies are gone
+
+
+def test_the_api_saves_to_and_loads_from_the_store(s3, tmp_path):
+    import functools
+
+    import minitrain
+
+    url = f"s3://{BUCKET}/api"
+    adamw = functools.partial(torch.optim.AdamW, lr=1e-2)
+
+    def prepared():
+        torch.manual_seed(0)
+        return minitrain.prepare(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)),
+                                 adamw, zero=1)
+
+    def steps(model, opt, n):
+        for i in range(n):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    model, opt = prepared()
+    steps(model, opt, 2)
+    saved = minitrain.save_checkpoint(url, model, opt, 2, extra={"epoch": 1})
+    assert saved == f"{url}/step-000002" and remote.committed_steps(url) == [2]
+    steps(model, opt, 2)
+    again, again_opt = prepared()
+    assert minitrain.load_checkpoint(url, again, again_opt) == (2, {"epoch": 1})
+    steps(again, again_opt, 2)
+    a, b = minitrain.full_state_dict(model), minitrain.full_state_dict(again)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not list(Path(tempfile.gettempdir()).glob("minitrain-staging-*"))  # the local copies are gone
+
+
+API_SCRIPT = """
+import functools, sys
+import torch
+import minitrain
+
+url = sys.argv[1]
+minitrain.init_distributed()
+adamw = functools.partial(torch.optim.AdamW, lr=1e-2)
+
+def prepared():
+    torch.manual_seed(0)
+    return minitrain.prepare(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)),
+                             adamw, zero=2)
+
+def steps(model, opt, n):
+    for i in range(n):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * i + torch.distributed.get_rank()))
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+model, opt = prepared()
+steps(model, opt, 2)
+minitrain.save_checkpoint(url, model, opt, 2)
+steps(model, opt, 2)
+again, again_opt = prepared()
+step, _ = minitrain.load_checkpoint(url + "/step-000002", again, again_opt)
+steps(again, again_opt, 2)
+a, b = minitrain.full_state_dict(model), minitrain.full_state_dict(again)
+assert step == 2 and all(torch.equal(a[k], b[k]) for k in a)
+if torch.distributed.get_rank() == 0:
+    print("same after the round trip")
+"""
+
+
+def test_the_api_round_trip_through_the_store_on_two_ranks(s3, tmp_path):
+    script = tmp_path / "api_store.py"
+    script.write_text(API_SCRIPT)
+    url = f"s3://{BUCKET}/api-two"
+    result = run_cli(str(script), url, script=True, torchrun_nproc=2, timeout_s=120)
+    assert result.returncode == 0 and "same after the round trip" in result.stdout, result.stderr[-3000:]
+    assert remote.committed_steps(url) == [2] and len(remote.read_commit(url, 2)["files"]) == 4

@@ -2,13 +2,17 @@
 part, at any layout), and full_state_dict (the whole model in memory, with its own keys)."""
 from __future__ import annotations
 
+import contextlib
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from .. import checkpoint
+from ..checkpoint import remote
 from ..parallel.replica_state import check_buffers_agree
 from ..parallel.whole_state import full_model_state
 from .optimizer import PreparedOptimizer
@@ -26,10 +30,18 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_checkpoint(directory: str | Path, model: nn.Module, optimizer: PreparedOptimizer, step: int,
-                    extra: dict | None = None) -> Path:
+                    extra: dict | None = None, staging: str | Path | None = None) -> Path | str:
     """Save the model and optimizer as a sharded, sha256-verified checkpoint under directory/step-NNNNNN,
     and point directory/latest at it once it is complete. Collective (every rank writes its own shard).
-    extra: anything JSON can hold (epoch, data position, ...), returned by load_checkpoint."""
+    extra: anything JSON can hold (epoch, data position, ...), returned by load_checkpoint.
+    directory may be a URL of object storage (s3://bucket/prefix; checkpoint/remote.py): the checkpoint is written
+    in `staging` (default: a temporary directory; on several nodes, give one they share), uploaded, committed, and
+    the local copy removed; returns URL/step-NNNNNN."""
+    if remote.is_url(str(directory)):
+        with _staging(staging) as local:
+            step_dir = save_checkpoint(local, model, optimizer, step, extra)
+            remote.upload_collectively(step_dir, str(directory), state_of(model).topo)
+        return f"{str(directory).rstrip('/')}/{step_dir.name}"
     state = _with_its_optimizer(model, optimizer, "save_checkpoint")
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"step must be a non-negative integer (it names the checkpoint, step-NNNNNN), got {step!r}")
@@ -39,9 +51,17 @@ def save_checkpoint(directory: str | Path, model: nn.Module, optimizer: Prepared
     return checkpoint.save(directory, int(step), state.topo, state.strategy, train_state, {"prepare": state.settings})
 
 
-def load_checkpoint(directory: str | Path, model: nn.Module, optimizer: PreparedOptimizer) -> tuple[int, dict | None]:
+def load_checkpoint(directory: str | Path, model: nn.Module, optimizer: PreparedOptimizer,
+                    staging: str | Path | None = None) -> tuple[int, dict | None]:
     """Restore a checkpoint saved by save_checkpoint (the directory, or one step-NNNNNN in it) at any world
-    size or ZeRO stage; each rank reads only the parts it holds. Returns (step, extra). Collective."""
+    size or ZeRO stage; each rank reads only the parts it holds. Returns (step, extra). Collective.
+    directory may be a URL (its newest committed checkpoint, or URL/step-NNNNNN): fetched and verified into
+    `staging` (as for save_checkpoint) first."""
+    if remote.is_url(str(directory)):
+        url, step = remote.split_step(str(directory))
+        with _staging(staging) as local:
+            fetched = remote.fetch_collectively(url, step, Path(local), state_of(model).topo)
+            return load_checkpoint(fetched, model, optimizer)
     state = _with_its_optimizer(model, optimizer, "load_checkpoint")
     current().all_ranks_arrive("load_checkpoint")
     saved_optimizer = checkpoint.read_manifest(checkpoint.resolve(directory))["train_state"].get("optimizer")
@@ -61,6 +81,24 @@ def load_checkpoint(directory: str | Path, model: nn.Module, optimizer: Prepared
         except ValueError as e:
             raise checkpoint.CheckpointError(f"checkpoint {directory}: {e}") from None
     return train_state["step"], train_state.get("extra")
+
+
+@contextlib.contextmanager
+def _staging(staging: str | Path | None):
+    """Where a checkpoint of object storage is written or read locally: `staging` (kept), or a temporary directory
+    that rank 0 makes and removes, whose name every rank gets (collective)."""
+    if staging is not None:
+        yield Path(staging)
+        return
+    topo = current().topo
+    made = tempfile.mkdtemp(prefix="minitrain-staging-") if topo.is_main else None
+    [path, *_] = topo.everyone.gather_json(made)
+    try:
+        yield Path(path)
+    finally:
+        topo.everyone.barrier()  # every rank done with it
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
 
 
 def _with_its_optimizer(model: nn.Module, optimizer, what: str) -> Prepared:

@@ -245,6 +245,55 @@ def fetch(url: str, step: int, local_root: Path) -> Path:
     return final
 
 
+def upload_collectively(step_dir: Path, url: str, topo, keep_last: int = 0) -> None:
+    """Collective: every rank uploads its share of a complete local step directory's files to URL; once all have,
+    rank 0 commits the checkpoint there and sweeps what no commit names (and all but keep_last). A failure anywhere
+    raises CheckpointError on every rank, naming the object; what was committed before stays."""
+    everyone = topo.everyone
+    names = sorted(p.name for p in Path(step_dir).iterdir())
+    error = _failure(lambda: upload_files(step_dir, url, names[topo.rank::topo.world_size]))
+    _raise_if_any(everyone.gather_json(error), f"uploading {Path(step_dir).name} to {url}")
+    error = _failure(lambda: (commit_upload(step_dir, url), sweep(url, keep_last))) if topo.is_main else None
+    _raise_if_any(everyone.gather_json(error), f"committing {Path(step_dir).name} in {url}")
+
+
+def fetch_collectively(url: str, step: int | None, local_root: Path, topo) -> Path:
+    """Collective: rank 0 fetches the checkpoint of `step` (None: the newest committed) into local_root, which every
+    rank reads (on several nodes, a filesystem they share, as for every checkpoint); CheckpointError on every rank
+    if it cannot."""
+    fetched = None
+    if topo.is_main:
+        try:
+            if step is None:
+                steps = committed_steps(url)
+                if not steps:
+                    raise CheckpointError(f"no committed checkpoint under {url}")
+                step = steps[0]
+            fetched = str(fetch(url, step, local_root))
+        except CheckpointError as e:
+            fetched = {"error": str(e)}
+    [fetched, *_] = topo.everyone.gather_json(fetched)
+    if isinstance(fetched, dict):
+        raise CheckpointError(fetched["error"])
+    return Path(fetched)
+
+
+def _failure(action) -> str | None:
+    """None if action() went through, else what went wrong (every rank must hear of it: the caller gathers it)."""
+    try:
+        action()
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def _raise_if_any(errors: list[str | None], what: str) -> None:
+    failed = [(rank, e) for rank, e in enumerate(errors) if e]
+    if failed:
+        rank, first = failed[0]
+        raise CheckpointError(f"{what}: rank {rank}: {first}")
+
+
 def split_step(location: str) -> tuple[str, int | None]:
     """URL/step-000006 -> (URL, 6); URL -> (URL, None)."""
     head, _, last = location.rstrip("/").rpartition("/")

@@ -171,24 +171,11 @@ class TrainingRun:
 
     def _saved(self, step_dir: Path) -> None:
         self.saved.append(str(step_dir))
-        if self.cfg.ckpt.dir:
-            self._upload(step_dir)
+        if self.cfg.ckpt.dir:  # collective: committed in the store once every rank's files are there
+            remote.upload_collectively(step_dir, self.cfg.ckpt.dir, self.topo, self.cfg.ckpt.keep_last)
         self.cadence.saved()
         if self.cfg.ckpt.keep_last and self.topo.is_main:
             checkpoint.prune(self.ckpt_root, self.cfg.ckpt.keep_last)
-
-    def _upload(self, step_dir: Path) -> None:
-        """Collective: every rank uploads its share of the step's files to --ckpt.dir; once all have, rank 0
-        commits the checkpoint there and sweeps what no commit names (and all but --ckpt.keep_last). A failure
-        anywhere raises CheckpointError on every rank, naming the object; what was committed before stays."""
-        url, everyone = self.cfg.ckpt.dir, self.topo.everyone
-        names = sorted(p.name for p in step_dir.iterdir())
-        error = _failure(lambda: remote.upload_files(step_dir, url, names[self.topo.rank::self.topo.world_size]))
-        _raise_if_any(everyone.gather_json(error), f"uploading {step_dir.name} to {url}")
-        error = None
-        if self.topo.is_main:
-            error = _failure(lambda: (remote.commit_upload(step_dir, url), remote.sweep(url, self.cfg.ckpt.keep_last)))
-        _raise_if_any(everyone.gather_json(error), f"committing {step_dir.name} in {url}")
 
     # --- loss spikes -----------------------------------------------------------------------
     def _rolled_back(self, r: StepRecord) -> bool:
@@ -267,22 +254,6 @@ class TrainingRun:
                 "loss_scale": t.loss_scaler.scale if t.loss_scaler else None,
                 "rollbacks": self.rollbacks, "stopped_by": self.stopped_by,
                 "pipeline": pipeline_report([r.pipeline for r in records])}
-
-
-def _failure(upload) -> str | None:
-    """None if upload() went through, else what went wrong (every rank must hear of it: the caller gathers it)."""
-    try:
-        upload()
-    except checkpoint.CheckpointError as e:
-        return str(e)
-    return None
-
-
-def _raise_if_any(errors: list[str | None], what: str) -> None:
-    failed = [(rank, e) for rank, e in enumerate(errors) if e]
-    if failed:
-        rank, first = failed[0]
-        raise checkpoint.CheckpointError(f"{what}: rank {rank}: {first}")
 
 
 class SaveCadence:

@@ -325,6 +325,13 @@ def gpu_before_after(docs: list[dict]) -> list[str]:
             *_table(["ZeRO", "offload", "before ms", "after ms", "after / before"], "><>>>", rows)]
 
 
+def object_store(docs: list[dict]) -> list[str]:
+    doc = docs[0]
+    rows = [[op, fmt_range(stats, "{:.0f}")] for op, stats in doc["results"].items()]
+    return [f"A `{doc['preset']}` checkpoint ({doc['bytes'] / 1e6:.1f} MB), one process, median [min-max] of "
+            f"{doc['repeats']} repeats.", "", *_table(["operation", "MB/s"], "<>", rows)]
+
+
 # Table name -> (result files, renderer). Benchmarks run at several sizes write one file per size.
 TABLES = {
     "prepare_vs_peers": ("prepare_vs_peers.json", prepare_vs_peers),
@@ -345,6 +352,7 @@ TABLES = {
     "gpu_timings": ("gpu.json", gpu_timings),
     "gpu_against_plain": ("gpu.json", gpu_against_plain),
     "gpu_before_after": ("gpu*.json", gpu_before_after),
+    "object_store": ("object_store.json", object_store),
     "multinode": ("multinode.json", multinode),
     "before_after": ("before_after.json", before_after),
 }

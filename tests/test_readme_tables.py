@@ -21,7 +21,8 @@ KEYS = {"prepare_vs_peers": TIMED | {"world", "warmup"}, "zero_stages": TIMED | 
         "torchrun_restarts": {"label", "minitrain_src", "trials", "results"},
         "throughput": {"device", "format", "results"}, "before_after": {"before", "repeats", "format", "results"},
         "multinode": {"repeats", "elastic_trials", "rdzv_conf", "exactness", "elastic"},
-        "throughput_gpu": {"device", "format", "results"}, "gpu_before_after": {"device", "nccl", "memory", "timings"}}
+        "throughput_gpu": {"device", "format", "results"}, "gpu_before_after": {"device", "nccl", "memory", "timings"},
+        "object_store": {"preset", "bytes", "repeats", "format", "results"}}
 # A lent GPU machine runs every GPU benchmark through one script (its results come back from there).
 GPU_SESSION = "OUT=DIR bash tools/gpu_session.sh"
 MACHINE = {"platform", "cpus", "torch", "python"}

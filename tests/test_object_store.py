@@ -146,10 +146,11 @@ def test_transient_failures_are_retried_then_fail_naming_the_object(s3, tmp_path
 
 
 class Cable:
-    """A TCP relay to the server that can be pulled: while `down`, every connection is closed as it is made."""
+    """A TCP relay to the server that can be pulled: while `down`, every connection is closed as it is made; with
+    `slow`, every chunk sent to the server waits that many seconds (an upload in flight for a while)."""
 
     def __init__(self, target_port: int):
-        self.target, self.down = ("127.0.0.1", target_port), False
+        self.target, self.down, self.slow = ("127.0.0.1", target_port), False, 0.0
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True).start()
@@ -161,13 +162,14 @@ class Cable:
                 client.close()
                 continue
             upstream = socket.create_connection(self.target)
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+            for a, b, delayed in ((client, upstream, True), (upstream, client, False)):
+                threading.Thread(target=self._pipe, args=(a, b, delayed), daemon=True).start()
 
-    @staticmethod
-    def _pipe(source, sink) -> None:
+    def _pipe(self, source, sink, delayed: bool) -> None:
         try:
             while data := source.recv(65536):
+                if delayed and self.slow:
+                    time.sleep(self.slow)
                 sink.sendall(data)
         except OSError:
             pass
@@ -267,77 +269,54 @@ def test_the_checkpoint_tools_and_export_read_the_store(s3, tmp_path):
 
 
 def test_the_api_saves_to_and_loads_from_the_store(s3, tmp_path):
-    import functools
-
-    import minitrain
+    from .store_round_trip import round_trip
 
     url = f"s3://{BUCKET}/api"
-    adamw = functools.partial(torch.optim.AdamW, lr=1e-2)
-
-    def prepared():
-        torch.manual_seed(0)
-        return minitrain.prepare(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)),
-                                 adamw, zero=1)
-
-    def steps(model, opt, n):
-        for i in range(n):
-            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
-            model(x).pow(2).mean().backward()
-            opt.step()
-            opt.zero_grad()
-
-    model, opt = prepared()
-    steps(model, opt, 2)
-    saved = minitrain.save_checkpoint(url, model, opt, 2, extra={"epoch": 1})
-    assert saved == f"{url}/step-000002" and remote.committed_steps(url) == [2]
-    steps(model, opt, 2)
-    again, again_opt = prepared()
-    assert minitrain.load_checkpoint(url, again, again_opt) == (2, {"epoch": 1})
-    steps(again, again_opt, 2)
-    a, b = minitrain.full_state_dict(model), minitrain.full_state_dict(again)
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert round_trip(url, zero=1) == (f"{url}/step-000002", (2, {"epoch": 1}), True)
+    assert remote.committed_steps(url) == [2]
     assert not list(Path(tempfile.gettempdir()).glob("minitrain-staging-*"))  # the local copies are gone
 
 
-API_SCRIPT = """
-import functools, sys
-import torch
-import minitrain
-
-url = sys.argv[1]
-minitrain.init_distributed()
-adamw = functools.partial(torch.optim.AdamW, lr=1e-2)
-
-def prepared():
-    torch.manual_seed(0)
-    return minitrain.prepare(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)),
-                             adamw, zero=2)
-
-def steps(model, opt, n):
-    for i in range(n):
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * i + torch.distributed.get_rank()))
-        model(x).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-
-model, opt = prepared()
-steps(model, opt, 2)
-minitrain.save_checkpoint(url, model, opt, 2)
-steps(model, opt, 2)
-again, again_opt = prepared()
-step, _ = minitrain.load_checkpoint(url + "/step-000002", again, again_opt)
-steps(again, again_opt, 2)
-a, b = minitrain.full_state_dict(model), minitrain.full_state_dict(again)
-assert step == 2 and all(torch.equal(a[k], b[k]) for k in a)
-if torch.distributed.get_rank() == 0:
-    print("same after the round trip")
-"""
-
-
-def test_the_api_round_trip_through_the_store_on_two_ranks(s3, tmp_path):
-    script = tmp_path / "api_store.py"
-    script.write_text(API_SCRIPT)
+def test_the_api_round_trip_through_the_store_on_two_ranks(s3):
     url = f"s3://{BUCKET}/api-two"
-    result = run_cli(str(script), url, script=True, torchrun_nproc=2, timeout_s=120)
+    result = run_cli(str(Path(__file__).with_name("store_round_trip.py")), url, script=True, torchrun_nproc=2,
+                     timeout_s=120)
     assert result.returncode == 0 and "same after the round trip" in result.stdout, result.stderr[-3000:]
     assert remote.committed_steps(url) == [2] and len(remote.read_commit(url, 2)["files"]) == 4
+
+
+def test_a_run_killed_mid_upload_loses_nothing_committed_and_its_leftovers_are_swept(s3, tmp_path):
+    url = f"s3://{BUCKET}/killed"
+    cable = Cable(int(os.environ["AWS_ENDPOINT_URL"].rsplit(":", 1)[1]))
+    env = {**os.environ, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{cable.port}"}
+    out = tmp_path / "run"
+    argv = ["train", *TINY, "--out", str(out), "--ckpt.dir", url, "--ckpt-every-steps", "2", "--steps", "4",
+            "--nproc", "2"]
+    proc = subprocess.Popen([sys.executable, "-m", "minitrain", *argv], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while remote.committed_steps(url) != [2]:
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+        cable.slow = 0.5  # step 4's upload crawls ...
+        while not s3.glob(f"{BUCKET}/killed/step-000004/*/*"):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+        os.killpg(proc.pid, 9)  # ... and the whole run dies in the middle of it
+        proc.communicate()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+    assert remote.committed_steps(url) == [2]  # step 4 was never committed; step 2 is whole
+    assert s3.glob(f"{BUCKET}/killed/step-000004/*/*")  # what it left behind
+    shutil.rmtree(out)
+    cable.slow = 0.0
+    resumed = run_cli("train", *TINY, "--out", str(out), "--ckpt.dir", url, "--ckpt-every-steps", "2", "--steps",
+                      "4", "--nproc", "2", "--resume", "auto", env={"AWS_ENDPOINT_URL": env["AWS_ENDPOINT_URL"]},
+                      timeout_s=120)
+    assert resumed.returncode == 0 and "step-000002" in resumed.stdout, resumed.stderr
+    assert remote.committed_steps(url) == [4, 2]
+    commit = remote.read_commit(url, 4)
+    # The leftovers of the killed upload are gone: step 4 holds only what its commit names.
+    assert {p.rsplit("/", 1)[-1] for p in s3.glob(f"{BUCKET}/killed/step-000004/*/*")} == set(commit["files"])

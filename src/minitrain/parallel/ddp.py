@@ -38,7 +38,7 @@ class ReplicatedStrategy(FlatStrategy):
                  **kwargs):
         super().__init__(model, comm, pcfg, make_optimizer, **kwargs)
         self._synced = False
-        self.to_reduce = GradientToReduce(self.flat, self.ledger, self.reduce_dtype)
+        self.to_reduce = GradientToReduce(self.flat, self.ledger, self.sum_dtype)
 
     def _sync(self) -> None:
         raise NotImplementedError

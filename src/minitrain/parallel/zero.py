@@ -104,7 +104,7 @@ class Zero1(ShardedStrategy):
     def __init__(self, model: nn.Module, comm: Comm, pcfg: ParallelConfig, make_optimizer: OptimizerFactory,
                  **kwargs):
         super().__init__(model, comm, pcfg, make_optimizer, **kwargs)
-        self.to_reduce = GradientToReduce(self.flat, self.ledger, self.reduce_dtype)
+        self.to_reduce = GradientToReduce(self.flat, self.ledger, self.sum_dtype)
         self.overlapped = OverlappedAllReduce(self.flat, comm, self.to_reduce, int(pcfg.bucket_mb * 2**20))
         self.hooks += self.overlapped.handles
         self.buckets = self.overlapped.buckets

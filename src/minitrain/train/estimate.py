@@ -234,7 +234,8 @@ def update_transients(inp: PlanInput) -> tuple[int, int]:
     reduce-scatter lands in. Update: that copy, and in mixed precision
     the optimizer's upcast gradient chunk (its fused kernel needs no other temporary)."""
     mixed, P = inp.precision != "fp32", layout_params(inp)
-    wide = 4 * P if inp.zero <= 1 and mixed and reduce_bytes(inp) == 4 else 0
+    # (one data-parallel rank sums nothing: no copy; parallel/flat.py's sum_dtype)
+    wide = 4 * P if inp.zero <= 1 and mixed and reduce_bytes(inp) == 4 and inp.dp > 1 else 0
     landing = 0
     if inp.offload != "none" and inp.zero >= 2 and inp.model is not None:
         # The gradient shard is on the host: each unit's reduce-scatter lands in a device chunk first.

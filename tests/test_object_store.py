@@ -90,7 +90,8 @@ def test_a_run_that_loses_its_disk_resumes_from_the_store_bit_identically(s3, tm
         listed = {p.rsplit("/", 1)[-1]: s3.size(p) for p in s3.ls(f"{BUCKET}/lost-disk/{commit['prefix']}")}
         assert listed == commit["files"]
     assert {p.rsplit("/", 1)[-1] for p in s3.ls(f"{BUCKET}/lost-disk")} == {
-        "step-000003", "step-000003.json", "step-000006", "step-000006.json"}
+        "step-000003", "step-000003.json", "step-000006", "step-000006.json", "latest.json"}
+    assert remote.latest_step(url) == 6
 
 
 def _committed(s3, tmp_path, url: str) -> Path:
@@ -233,7 +234,7 @@ def test_keep_last_deletes_old_checkpoints_from_the_store_too(s3, tmp_path):
     _train(tmp_path / "run", "--ckpt.dir", url, "--ckpt-every-steps", "2", "--ckpt.keep_last", "2")
     assert remote.committed_steps(url) == [6, 4]
     assert {p.rsplit("/", 1)[-1] for p in s3.ls(f"{BUCKET}/keep")} == {
-        "step-000004", "step-000004.json", "step-000006", "step-000006.json"}
+        "step-000004", "step-000004.json", "step-000006", "step-000006.json", "latest.json"}
 
 
 @pytest.mark.parametrize("url,message", [
@@ -320,3 +321,69 @@ def test_a_run_killed_mid_upload_loses_nothing_committed_and_its_leftovers_are_s
     commit = remote.read_commit(url, 4)
     # The leftovers of the killed upload are gone: step 4 holds only what its commit names.
     assert {p.rsplit("/", 1)[-1] for p in s3.glob(f"{BUCKET}/killed/step-000004/*/*")} == set(commit["files"])
+
+
+def test_keep_last_in_the_store_follows_the_run_s_line_as_the_local_one_does(s3, tmp_path):
+    # A run to step 8 (the store keeps 6 and 8), then resumed from step 6 with another learning rate and stopped at
+    # 7: the store's current line is 6-7; step 8 belongs to the abandoned one. Losing the disk must lead back to 7.
+    url = f"s3://{BUCKET}/lines"
+    out = tmp_path / "run"
+    common = ("--steps", "8", "--ckpt.dir", url, "--ckpt-every-steps", "2")
+    _train(out, *common, "--ckpt.keep_last", "2")
+    assert remote.committed_steps(url) == [8, 6]
+    _train(out, *common, "--ckpt.keep_last", "1", "--resume", str(out / "checkpoints" / "step-000006"),
+           "--lr", "0.0005", "--stop-at", "7")
+    assert remote.latest_step(url) == 7 and remote.committed_steps(url) == [7]  # 8 gone with its line
+    shutil.rmtree(out)
+    resumed = _train(out, *common, "--resume", "auto", "--lr", "0.0005")
+    assert "resumed from" in resumed.stdout and "step-000007" in resumed.stdout
+
+
+def test_resume_auto_takes_the_run_s_current_checkpoint_not_the_highest_step(s3, tmp_path):
+    url = f"s3://{BUCKET}/current"
+    out = tmp_path / "run"
+    _train(out, "--ckpt.dir", url, "--ckpt-every-steps", "2")  # steps 2, 4, 6 in the store
+    _train(out, "--ckpt.dir", url, "--ckpt-every-steps", "2", "--resume", str(out / "checkpoints" / "step-000002"),
+           "--stop-at", "3")  # a new line from step 2, stopped at 3: the run's current checkpoint
+    assert remote.latest_step(url) == 3 and 6 in remote.committed_steps(url)
+    resumed = _train(out, "--ckpt.dir", url, "--ckpt-every-steps", "2", "--resume", "auto")
+    assert "step-000003" in resumed.stdout and "already finished" not in resumed.stdout
+    # A local line the store never saw (the store stale behind it): kept, not replaced by the store's older one.
+    local = tmp_path / "local"
+    _train(local, "--steps", "4", "--ckpt.dir", f"s3://{BUCKET}/stale", "--ckpt-every-steps", "2")
+    mine = checkpoint.resolve(local / "checkpoints" / "step-000002")
+    _train(local, "--steps", "4", "--ckpt-every-steps", "2", "--resume", str(mine), "--lr", "0.0001")
+    before = (local / "checkpoints" / "step-000004" / "manifest.json").read_bytes()
+    assert remote.newest_locally(f"s3://{BUCKET}/stale", local / "checkpoints") is None
+    assert (local / "checkpoints" / "step-000004" / "manifest.json").read_bytes() == before
+
+
+def test_a_failed_replacement_of_a_commit_leaves_the_old_one(s3, tmp_path, monkeypatch):
+    url = f"s3://{BUCKET}/replace"
+    _committed(s3, tmp_path, url)
+    first = remote.read_commit(url, 2)
+    other = tmp_path / "other"
+    _train(other, "--steps", "2", "--seed", "7")
+    other_dir = checkpoint.resolve(other)
+    remote.upload_files(other_dir, url, sorted(p.name for p in other_dir.iterdir()))
+    monkeypatch.setattr(remote, "FIRST_BACKOFF_S", 0.01)
+
+    def refused(*args, **kwargs):
+        raise ConnectionResetError("connection reset by peer")
+
+    monkeypatch.setattr(s3, "pipe_file", refused)
+    with pytest.raises(checkpoint.CheckpointError, match="committing"):
+        remote.commit_upload(other_dir, url)
+    assert remote.read_commit(url, 2) == first and s3.exists(f"{BUCKET}/replace/{first['prefix']}/manifest.json")
+
+
+def test_a_damaged_local_copy_is_fetched_again_not_returned(s3, tmp_path):
+    url = f"s3://{BUCKET}/damaged"
+    _committed(s3, tmp_path, url)
+    fetched = remote.fetch(url, 2, tmp_path / "copy")
+    shard = fetched / "rank-00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    again = remote.fetch(url, 2, tmp_path / "copy")
+    assert checkpoint.verify(again)[1]["step"] == 2

@@ -9,6 +9,9 @@ object does:
   URL/step-000006.json                      a different one (after a rollback) other ones, never over committed ones
                                             the commit: {"step", "prefix", "manifest_sha256", "files": {name: bytes}},
                                             written last, create-only (If-None-Match: *), after every rank's uploads
+  URL/latest.json                           {"step": 6}: the run's current checkpoint, rewritten after each commit (a
+                                            run resumed from an older step makes a new line: the store's `latest`,
+                                            like OUT/checkpoints/latest, says which line is the run's)
 
 Object stores have no atomic rename, so the commit object plays the part the directory rename plays on a disk: a
 step without one does not exist for resume, listing or keep_last, and its objects are swept by a later save. A
@@ -26,22 +29,27 @@ server); s3:// needs the s3fs package.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
 
-from .files import _write_durably, complete_steps, read_manifest, verify
+from .files import _write_durably, find_latest, read_manifest, verify
 from .format import LATEST, MANIFEST, MANIFEST_SHA, CheckpointError, step_dir_name, step_of
 
 TRIES = 5  # attempts of one operation on the store before it fails the save or the load
 FIRST_BACKOFF_S = 0.5  # then 1, 2, 4: 7.5 s of waiting in all
 # Raised by the store for what retrying cannot mend (these are answers, not failures to answer).
 _FINAL = (FileExistsError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+# OSError numbers that s3fs gives a 4xx answer other than throttling, and the local disk's own refusals.
+_CLIENT_ERRORS = (errno.EINVAL, errno.ENOSPC, errno.EROFS, errno.EDQUOT)
+LATEST_NAME = "latest.json"
 
 
 def is_url(path: str) -> bool:
@@ -55,7 +63,7 @@ def store(url: str):
 
     # One bounded retry loop, ours (retried): the S3 client's own retries, several deep, would multiply it to
     # minutes before a dead store is reported.
-    options = {"config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 10}} \
+    options = {"config_kwargs": {"retries": {"total_max_attempts": 1}, "connect_timeout": 10, "read_timeout": 60}} \
         if url.startswith(("s3://", "s3a://")) else {}
     try:
         fs, root = fsspec.core.url_to_fs(url, **options)
@@ -88,6 +96,13 @@ def retried(what: str, fn, tries: int = TRIES):
             return fn()
         except _FINAL:
             raise
+        except OSError as e:
+            if e.errno in _CLIENT_ERRORS:  # a request the store refuses as such, or the local disk full: final
+                raise CheckpointError(f"{what} failed: {type(e).__name__}: {e}") from e
+            if attempt == tries - 1:
+                raise CheckpointError(f"{what} failed {tries} times; the last error: {type(e).__name__}: {e}") \
+                    from e
+            time.sleep(FIRST_BACKOFF_S * 2 ** attempt)
         except Exception as e:  # noqa: BLE001 - the store's client raises many kinds for "try again"
             if attempt == tries - 1:
                 raise CheckpointError(f"{what} failed {tries} times; the last error: {type(e).__name__}: {e}") \
@@ -124,9 +139,36 @@ def read_commit(url: str, step: int) -> dict:
         raise CheckpointError(f"no committed checkpoint of step {step} under {url}") from None
     except ValueError as e:
         raise CheckpointError(f"{url}/{_commit_name(step)} is not a commit object: {e}") from None
-    if not (isinstance(commit, dict) and isinstance(commit.get("files"), dict) and "prefix" in commit):
-        raise CheckpointError(f"{url}/{_commit_name(step)} is not a commit object")
+    if not _well_formed(commit, step):
+        raise CheckpointError(f"{url}/{_commit_name(step)} is not a commit object of step {step}")
     return commit
+
+
+def _well_formed(commit, step: int) -> bool:
+    """The fields a commit needs, of their types; its prefix inside its step (never the run's root)."""
+    return (isinstance(commit, dict) and commit.get("step") == step
+            and isinstance(commit.get("prefix"), str)
+            and re.fullmatch(rf"{step_dir_name(step)}/[0-9a-f]{{16}}", commit["prefix"]) is not None
+            and isinstance(commit.get("manifest_sha256"), str)
+            and re.fullmatch(r"[0-9a-f]{64}", commit["manifest_sha256"]) is not None
+            and isinstance(commit.get("files"), dict) and MANIFEST in commit["files"]
+            and all(isinstance(n, str) and isinstance(b, int) and not isinstance(b, bool) and b >= 0
+                    for n, b in commit["files"].items()))
+
+
+def latest_step(url: str) -> int | None:
+    """The run's current checkpoint in the store: what URL/latest.json names if that is committed, else the newest
+    committed one (a store written before the pointer, or a pointer lost); None if none is."""
+    steps = committed_steps(url)
+    if not steps:
+        return None
+    fs, root = store(url)
+    try:
+        named = json.loads(retried(f"reading {url}/{LATEST_NAME}", lambda: fs.cat_file(f"{root}/{LATEST_NAME}")))
+        step = named["step"] if isinstance(named, dict) else None
+    except (FileNotFoundError, ValueError, KeyError):
+        step = None
+    return step if step in steps else steps[0]
 
 
 def upload_files(step_dir: Path, url: str, names: list[str]) -> None:
@@ -151,16 +193,19 @@ def commit_upload(step_dir: Path, url: str) -> dict:
               | {MANIFEST: (step_dir / MANIFEST).stat().st_size, MANIFEST_SHA: (step_dir / MANIFEST_SHA).stat().st_size}}
     path, text = f"{root}/{_commit_name(step)}", json.dumps(commit, indent=1).encode()
     what = f"committing {url}/{_commit_name(step)}"
+    before = None
     try:
         retried(what, lambda: _create_only(fs, path, text))
     except FileExistsError:
         before = read_commit(url, step)
-        if before.get("manifest_sha256") == commit["manifest_sha256"]:
-            return before  # a retried save: that checkpoint is already there
-        retried(f"replacing {url}/{_commit_name(step)}", lambda: fs.rm_file(path))
-        retried(what, lambda: _create_only(fs, path, text))
-        _remove_prefix(fs, f"{root}/{before['prefix']}")
-    return commit
+        if before["manifest_sha256"] != commit["manifest_sha256"]:
+            # Another checkpoint of this step (a line resumed from an older one): one PUT replaces the commit, whole
+            # (a failure leaves the old one committed); only then do the old objects go.
+            retried(what, lambda: fs.pipe_file(path, text))
+            _remove_prefix(fs, f"{root}/{before['prefix']}")
+    retried(f"writing {url}/{LATEST_NAME}",
+            lambda: fs.pipe_file(f"{root}/{LATEST_NAME}", json.dumps({"step": step}).encode()))
+    return before if before is not None and before["manifest_sha256"] == commit["manifest_sha256"] else commit
 
 
 def _create_only(fs, path: str, data: bytes) -> None:
@@ -172,16 +217,22 @@ def _create_only(fs, path: str, data: bytes) -> None:
 
 def sweep(url: str, keep_last: int = 0) -> list[int]:
     """Rank 0, after a commit: delete the objects no commit names (saves that failed or were cut off), and with
-    keep_last > 0 all but the newest keep_last committed checkpoints (each commit object first, so that a step is
-    never listed without its files). Returns the steps deleted."""
+    keep_last > 0, as OUT/checkpoints' keep_last does, all but the newest keep_last checkpoints of the run's current
+    line: never the one latest.json names, and those of higher steps (a line abandoned by resuming from an older
+    step) too; each commit object first, so that a step is never listed without its files. Returns the steps
+    deleted."""
     fs, root = store(url)
-    steps = committed_steps(url)
-    doomed = steps[keep_last:] if keep_last else []
+    steps, current = committed_steps(url), latest_step(url)
+    doomed = []
+    if keep_last and current is not None:
+        line = [step for step in steps if step <= current]
+        keep = set(line[:keep_last]) | {current}
+        doomed = [step for step in steps if step not in keep]
     for step in doomed:
         commit = read_commit(url, step)
         retried(f"deleting {url}/{_commit_name(step)}", lambda step=step: fs.rm_file(f"{root}/{_commit_name(step)}"))
         _remove_prefix(fs, f"{root}/{commit['prefix']}")
-    live = {read_commit(url, step)["prefix"] for step in steps[:keep_last or None]}
+    live = {read_commit(url, step)["prefix"] for step in steps if step not in doomed}
     fs.invalidate_cache()
     for step_prefix in retried(f"listing {url}", lambda: fs.glob(f"{root}/step-*/*")):
         relative = step_prefix[len(root) + 1:]
@@ -203,12 +254,8 @@ def fetch(url: str, step: int, local_root: Path) -> Path:
     local_root = Path(local_root)
     final = local_root / step_dir_name(step)
     commit = read_commit(url, step)
-    if (final / MANIFEST).is_file() and _manifest_sha(final) == commit["manifest_sha256"]:
-        try:
-            verify(final)
-            return final
-        except CheckpointError:
-            pass  # a damaged local copy: fetched afresh below
+    if _verifies(final, commit):
+        return final
     fs, root = store(url)
     local_root.mkdir(parents=True, exist_ok=True)
     # Into a directory of its own (other ranks of this node may fetch at the same time), then renamed into place.
@@ -235,7 +282,7 @@ def fetch(url: str, step: int, local_root: Path) -> Path:
             verify(scratch)
         except CheckpointError as e:
             raise CheckpointError(f"checkpoint {url}/{commit['prefix']} refused: {e}") from None
-        if (final / MANIFEST).is_file() and _manifest_sha(final) == commit["manifest_sha256"]:
+        if _verifies(final, commit):
             return final  # another process of this node fetched it meanwhile
         if final.exists():
             shutil.rmtree(final)
@@ -253,8 +300,13 @@ def upload_collectively(step_dir: Path, url: str, topo, keep_last: int = 0) -> N
     names = sorted(p.name for p in Path(step_dir).iterdir())
     error = _failure(lambda: upload_files(step_dir, url, names[topo.rank::topo.world_size]))
     _raise_if_any(everyone.gather_json(error), f"uploading {Path(step_dir).name} to {url}")
-    error = _failure(lambda: (commit_upload(step_dir, url), sweep(url, keep_last))) if topo.is_main else None
+    error = _failure(lambda: commit_upload(step_dir, url)) if topo.is_main else None
     _raise_if_any(everyone.gather_json(error), f"committing {Path(step_dir).name} in {url}")
+    if topo.is_main:  # the checkpoint is committed; leftovers that stay are swept by a later save
+        swept = _failure(lambda: sweep(url, keep_last))
+        if swept:
+            print(f"minitrain: warning: sweeping {url} after committing {Path(step_dir).name}: {swept}",
+                  file=sys.stderr, flush=True)
 
 
 def fetch_collectively(url: str, step: int | None, local_root: Path, topo) -> Path:
@@ -265,13 +317,12 @@ def fetch_collectively(url: str, step: int | None, local_root: Path, topo) -> Pa
     if topo.is_main:
         try:
             if step is None:
-                steps = committed_steps(url)
-                if not steps:
+                step = latest_step(url)
+                if step is None:
                     raise CheckpointError(f"no committed checkpoint under {url}")
-                step = steps[0]
             fetched = str(fetch(url, step, local_root))
-        except CheckpointError as e:
-            fetched = {"error": str(e)}
+        except Exception as e:  # noqa: BLE001 - the other ranks wait for word of it in the gather below
+            fetched = {"error": str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"}
     [fetched, *_] = topo.everyone.gather_json(fetched)
     if isinstance(fetched, dict):
         raise CheckpointError(fetched["error"])
@@ -279,11 +330,12 @@ def fetch_collectively(url: str, step: int | None, local_root: Path, topo) -> Pa
 
 
 def _failure(action) -> str | None:
-    """None if action() went through, else what went wrong (every rank must hear of it: the caller gathers it)."""
+    """None if action() went through, else what went wrong (every rank must hear of it: the caller gathers it, so
+    nothing may escape past that collective)."""
     try:
         action()
-    except CheckpointError as e:
-        return str(e)
+    except Exception as e:  # noqa: BLE001 - whatever it was, the other ranks wait for word of it
+        return str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
     return None
 
 
@@ -310,10 +362,9 @@ def local_copy(location: str):
         return
     url, step = split_step(location)
     if step is None:
-        steps = committed_steps(url)
-        if not steps:
+        step = latest_step(url)
+        if step is None:
             raise CheckpointError(f"no committed checkpoint under {url}")
-        step = steps[0]
     with tempfile.TemporaryDirectory(prefix="minitrain-fetch-") as scratch:
         yield str(fetch(url, step, Path(scratch)))
 
@@ -325,19 +376,34 @@ def listing(url: str) -> list[dict]:
 
 
 def newest_locally(url: str, local_root: Path) -> Path | None:
-    """For --resume auto with a store: make sure the newest committed checkpoint is in local_root (fetched if the
-    local copies are older or gone, e.g. with the node that held them) and return its directory; None if the store
-    has none."""
-    steps = committed_steps(url)
-    if not steps:
+    """For --resume auto with a store: when the store's current checkpoint (latest.json) is ahead of the one
+    OUT/checkpoints would resume from (its `latest`, verified), or OUT has none (the node and its disk were lost),
+    fetch it into local_root, point local `latest` at it and return it; else None (resume from the local one: a
+    store behind it, e.g. after a failed upload, is not used)."""
+    step = latest_step(url)
+    if step is None:
         return None
     local_root = Path(local_root)
-    local = complete_steps(local_root) if local_root.is_dir() else []
-    if local and step_of(local[0]) > steps[0]:
-        return None  # the local copies are newer (their upload failed): resume from them
-    fetched = fetch(url, steps[0], local_root)
+    try:
+        chosen = find_latest(local_root.parent)
+    except CheckpointError:
+        chosen = None  # saved here, but nothing verifies: the store's is the one to resume from
+    if chosen is not None and step_of(chosen) >= step:
+        return None
+    fetched = fetch(url, step, local_root)
     _write_durably(local_root / LATEST, fetched.name + "\n")  # what --resume auto looks at first
     return fetched
+
+
+def _verifies(step_dir: Path, commit: dict) -> bool:
+    """step_dir holds this commit's checkpoint, whole (every file checked)."""
+    if not (step_dir / MANIFEST).is_file() or _manifest_sha(step_dir) != commit["manifest_sha256"]:
+        return False
+    try:
+        verify(step_dir)
+    except CheckpointError:
+        return False
+    return True
 
 
 def _manifest_sha(step_dir: Path) -> str:

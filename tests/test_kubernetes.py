@@ -1,6 +1,6 @@
 """examples/kubernetes/pytorchjob.yaml: read as Kubernetes would (YAML, anchors resolved), checked against what
 minitrain and torchrun expect, and its command run as two local "Pods" (the operator's MASTER_ADDR on loopback,
-the shared volume a temporary directory, a tiny model)."""
+the shared volume a temporary directory, the object store moto's S3 server, a tiny model)."""
 import os
 import shlex
 import subprocess
@@ -51,6 +51,9 @@ def test_every_pod_runs_the_same_torchrun_agent_sized_to_the_job(job):
     [volume] = [v for v in pods[0]["volumes"] if v["name"] == mount["name"]]
     assert "persistentVolumeClaim" in volume and f'--out "{mount["mountPath"]}/' in script
     assert all(job["spec"]["pytorchReplicaSpecs"][k]["restartPolicy"] == "OnFailure" for k in ("Master", "Worker"))
+    # Checkpoints also go to object storage, its credentials from a Secret (AWS_* variables).
+    assert env["CKPT_DIR"].startswith("s3://") and '${CKPT_DIR:+--ckpt.dir "$CKPT_DIR"}' in script
+    assert {"secretRef": {"name": "minitrain-s3"}} in container["envFrom"]
 
 
 def test_the_train_arguments_are_ones_minitrain_accepts(job):
@@ -62,7 +65,19 @@ def test_the_train_arguments_are_ones_minitrain_accepts(job):
     build_parser().parse_args(argv)  # exits 2 on a flag minitrain does not know
 
 
-def test_its_command_trains_as_two_local_pods(job, tmp_path):
+def test_its_command_trains_as_two_local_pods_with_checkpoints_in_the_store(job, tmp_path):
+    pytest.importorskip("s3fs", reason="s3fs is not installed (pip install 'minitrain[s3]')")
+    pytest.importorskip("moto.server", reason="moto is not installed (the test extra installs it)")
+    from minitrain.checkpoint import remote
+
+    from .s3_server import s3_server
+
+    with s3_server("k8s"):
+        _two_pods(job, tmp_path, "s3://k8s/runs/x")
+        assert remote.committed_steps("s3://k8s/runs/x") == [4, 2] and remote.latest_step("s3://k8s/runs/x") == 4
+
+
+def _two_pods(job: dict, tmp_path: Path, ckpt_dir: str) -> None:
     [container] = _pods(job)[0]["containers"]
     mount = container["volumeMounts"][0]["mountPath"]
     script = container["args"][0].replace(f'"{mount}/', f'"{tmp_path}/')  # the shared volume, here
@@ -70,6 +85,7 @@ def test_its_command_trains_as_two_local_pods(job, tmp_path):
            "MASTER_ADDR": "127.0.0.1",  # what the operator sets in every Pod
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",  # `python` is this one
            "RDZV_PORT": str(free_port()), "NPROC_PER_NODE": "1", "CKPT_EVERY": "2", "MAX_RESTARTS": "0",
+           "CKPT_DIR": ckpt_dir,
            "TRAIN_ARGS": "--preset tiny --steps 4 --backend gloo --train.log_every 0"}
     pods = [subprocess.Popen([*container["command"], script], env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, start_new_session=True) for _ in range(2)]

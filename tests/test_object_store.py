@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import shutil
 import socket
@@ -22,9 +21,9 @@ import torch
 
 from minitrain import checkpoint
 from minitrain.checkpoint import remote
-from minitrain.runtime.launch import free_port
 
 from .dist import run_cli
+from .s3_server import s3_server
 
 pytest.importorskip("s3fs", reason="s3fs is not installed (pip install 'minitrain[s3]')")
 moto_server = pytest.importorskip("moto.server", reason="moto is not installed (the test extra installs it)")
@@ -35,24 +34,8 @@ TINY = ("--preset", "tiny", "--steps", "6", "--train.log_every", "0")
 
 @pytest.fixture(scope="module")
 def s3():
-    """The server, and the AWS variables every client here (and every rank started from here) reads."""
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
-    port = free_port()
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
-    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION",
-                                              "AWS_ENDPOINT_URL")}
-    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
-                      AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}")
-    fs, _ = remote.store(f"s3://{BUCKET}")
-    fs.mkdir(BUCKET)
-    yield fs
-    server.stop()
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    with s3_server(BUCKET) as fs:
+        yield fs
 
 
 def _train(out: Path, *extra: str):

@@ -15,7 +15,6 @@ AWS_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGI
 @contextlib.contextmanager
 def s3_server(bucket: str):
     """Start the server, make `bucket`, and yield an s3fs filesystem on it; the environment is restored after."""
-    import s3fs
     from moto.server import ThreadedMotoServer
 
     from minitrain.checkpoint import remote
@@ -28,14 +27,14 @@ def s3_server(bucket: str):
     os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
                       AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}")
     # fsspec keeps one filesystem per set of options, which here would still be talking to an earlier server.
-    s3fs.S3FileSystem.clear_instance_cache()
+    remote.s3_filesystem_class().clear_instance_cache()
     try:
         fs, _ = remote.store(f"s3://{bucket}")
         fs.mkdir(bucket)
         yield fs
     finally:
         server.stop()
-        s3fs.S3FileSystem.clear_instance_cache()
+        remote.s3_filesystem_class().clear_instance_cache()
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)

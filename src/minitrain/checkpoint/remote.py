@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import os
 import re
@@ -58,20 +59,34 @@ def is_url(path: str) -> bool:
 
 
 def store(url: str):
-    """(fsspec filesystem, root path inside it) for URL; ConfigError-worthy problems as CheckpointError."""
+    """(fsspec filesystem, root path inside it) for URL; a missing package or unknown scheme as CheckpointError."""
     import fsspec  # only runs that write or read a URL import it
 
-    # One bounded retry loop, ours (retried): the S3 client's own retries, several deep, would multiply it to
-    # minutes before a dead store is reported.
-    options = {"config_kwargs": {"retries": {"total_max_attempts": 1}, "connect_timeout": 10, "read_timeout": 60}} \
-        if url.startswith(("s3://", "s3a://")) else {}
     try:
-        fs, root = fsspec.core.url_to_fs(url, **options)
+        if url.startswith(("s3://", "s3a://")):
+            fs = s3_filesystem_class()(config_kwargs=s3_client_settings())
+            return fs, fs._strip_protocol(url).rstrip("/")
+        fs, root = fsspec.core.url_to_fs(url)
     except (ImportError, ValueError) as e:
-        raise CheckpointError(f"cannot use checkpoint location {url}: {e}") from None
-    if hasattr(fs, "retries"):  # s3fs's own loop around each request (a class setting, 5 by default)
-        fs.retries = 1
+        hint = " (pip install 'minitrain[s3]')" if url.startswith("s3") else ""
+        raise CheckpointError(f"cannot use checkpoint location {url}: {str(e).splitlines()[0]}{hint}") from None
     return fs, root.rstrip("/")
+
+
+def s3_client_settings() -> dict:
+    """One bounded retry loop, ours (retried): the S3 client's own retries, several deep, would multiply it to
+    minutes before a dead store is reported. A new dict each time: s3fs changes the one it is given, and fsspec
+    finds its cached filesystem by these arguments."""
+    return {"retries": {"total_max_attempts": 1}, "connect_timeout": 10, "read_timeout": 60}
+
+
+@functools.cache
+def s3_filesystem_class():
+    """s3fs's filesystem without its own retry loop around each request (a class setting, 5 by default): a class
+    of ours, so that other users of s3fs in the process keep theirs (and fsspec caches its instances apart)."""
+    import s3fs
+
+    return type("OneTryS3FileSystem", (s3fs.S3FileSystem,), {"retries": 1})
 
 
 def check_location(url: str) -> None:
@@ -81,10 +96,7 @@ def check_location(url: str) -> None:
     try:
         fs, root = store(url)
         retried(f"reaching {url}", lambda: fs.ls(root.split("/", 1)[0], detail=False), tries=2)
-    except ImportError as e:  # the protocol's package (s3fs for s3://) is missing
-        hint = " (pip install 'minitrain[s3]')" if url.startswith("s3") else ""
-        raise ConfigError(f"--ckpt.dir {url}: {str(e).splitlines()[0]}{hint}") from None
-    except (CheckpointError, Exception) as e:  # noqa: BLE001 - whatever the store's client says is the reason
+    except Exception as e:  # noqa: BLE001 - whatever the store's client says is the reason
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ConfigError(f"--ckpt.dir {url}: cannot use it: {reason}") from None
 
@@ -193,19 +205,20 @@ def commit_upload(step_dir: Path, url: str) -> dict:
               | {MANIFEST: (step_dir / MANIFEST).stat().st_size, MANIFEST_SHA: (step_dir / MANIFEST_SHA).stat().st_size}}
     path, text = f"{root}/{_commit_name(step)}", json.dumps(commit, indent=1).encode()
     what = f"committing {url}/{_commit_name(step)}"
-    before = None
     try:
         retried(what, lambda: _create_only(fs, path, text))
     except FileExistsError:
         before = read_commit(url, step)
-        if before["manifest_sha256"] != commit["manifest_sha256"]:
+        if before["manifest_sha256"] == commit["manifest_sha256"]:
+            commit = before  # a retried save: that checkpoint is already there
+        else:
             # Another checkpoint of this step (a line resumed from an older one): one PUT replaces the commit, whole
             # (a failure leaves the old one committed); only then do the old objects go.
             retried(what, lambda: fs.pipe_file(path, text))
             _remove_prefix(fs, f"{root}/{before['prefix']}")
     retried(f"writing {url}/{LATEST_NAME}",
             lambda: fs.pipe_file(f"{root}/{LATEST_NAME}", json.dumps({"step": step}).encode()))
-    return before if before is not None and before["manifest_sha256"] == commit["manifest_sha256"] else commit
+    return commit
 
 
 def _create_only(fs, path: str, data: bytes) -> None:

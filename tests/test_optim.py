@@ -66,9 +66,8 @@ def test_the_device_side_skip_and_clip_equal_the_host_decisions_bit_for_bit():
             assert all(torch.equal(getattr(host, n), getattr(device, n)) for n in FlatAdamW.STATE_NAMES), dtype
         before = {n: getattr(device, n).clone() for n in FlatAdamW.STATE_NAMES}
         device.step(grad.clone() * float("nan"), 1e-2, torch.tensor(float("nan")), found_inf=torch.ones(()))
-        device.unstep()
         assert all(torch.equal(getattr(device, n), before[n]) for n in FlatAdamW.STATE_NAMES), dtype
-        assert device.steps_taken == host.steps_taken == 3
+        assert device.steps_taken == host.steps_taken == 3  # the kernel took the skipped step back from its count
         host.step(grad.clone(), 1e-2)
         device.step(grad.clone(), 1e-2, found_inf=torch.zeros(()))
         assert all(torch.equal(getattr(host, n), getattr(device, n)) for n in FlatAdamW.STATE_NAMES), dtype

@@ -71,11 +71,13 @@ class FlatAdamW:
             lambda name: store.zeros(name, self.master.numel(), self.master.dtype))
         self.exp_avg = zeros("exp_avg")
         self.exp_avg_sq = zeros("exp_avg_sq")
-        self.steps_taken = 0
         self.decay_ranges = list(decay_ranges)
-        # The kernel counts steps in a tensor it increments itself (float32: exact to 2**24 steps).
-        # Where the master is (the host's when offloaded): the fused kernel wants its step count beside it.
-        self._step = torch.zeros((), dtype=torch.float32, device=self.master.device)
+        # The kernel counts steps in tensors it increments itself, one per chunk (each chunk's call adds its 1),
+        # float32 (exact to 2**24 steps), where the master is (the host's when offloaded). A step the fused kernel
+        # skips (found_inf) it also takes back from the count: the count is right on the device without the host
+        # ever reading the gradient norm, so the trainer can read a step's statistics after the next step began.
+        chunks = max(1, -(-self.master.numel() // self.chunk))
+        self._steps = [torch.zeros((), dtype=torch.float32, device=self.master.device) for _ in range(chunks)]
         self._kernel = {"fused": True} if self.master.device.type in FUSED_DEVICES else {"foreach": True}
 
     @property
@@ -83,9 +85,10 @@ class FlatAdamW:
         """Whether step() can take the skip decision as a tensor (the fused kernel's found_inf)."""
         return "fused" in self._kernel
 
-    def unstep(self) -> None:
-        """Take back the count of a step the device skipped (found_inf): its bias correction must not count."""
-        self.steps_taken -= 1
+    @property
+    def steps_taken(self) -> int:
+        """Updates applied (skipped ones not counted): read from the device, so only when saving or inspecting."""
+        return int(self._steps[0].item())
 
     @torch.no_grad()
     def step(self, grad: torch.Tensor, lr: float | None, grad_scale: float | torch.Tensor = 1.0,
@@ -97,13 +100,12 @@ class FlatAdamW:
         gradients are not flushed to zero by the unscaling.
         found_inf (a float32 0/1 tensor on the device, with skips_on_device): 1 leaves master, m and v
         untouched, decided on the device, so the host need not read the gradient norm to skip; the
-        caller then calls unstep() once it knows."""
+        kernel also takes the step back from its count."""
         if lr is None:
             raise ValueError("FlatAdamW takes its learning rate from each step (the caller's schedule)")
         beta1, beta2 = self.betas
         if self.store is not None:
             self.store.check()  # a file truncated under its mapping: one clear error, not SIGBUS below
-        self.steps_taken += 1
         where = self.master.device  # the device's, or the host's when the state is offloaded
         decay = 1.0 - lr * self.weight_decay
         if found_inf is not None:  # the same double arithmetic, as a tensor: 1 when skipping
@@ -124,9 +126,8 @@ class FlatAdamW:
             g = grad[a:b].to(device=where, dtype=w.dtype)
             if isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0:
                 g.mul_(grad_scale)
-            self._step.fill_(self.steps_taken - 1)  # the kernel adds the 1
-            adamw([w], [g], [self.exp_avg[a:b]], [self.exp_avg_sq[a:b]], [], [self._step], amsgrad=False,
-                  beta1=beta1, beta2=beta2, lr=lr, weight_decay=0.0, eps=self.eps, maximize=False,
+            adamw([w], [g], [self.exp_avg[a:b]], [self.exp_avg_sq[a:b]], [], [self._steps[a // self.chunk]],
+                  amsgrad=False, beta1=beta1, beta2=beta2, lr=lr, weight_decay=0.0, eps=self.eps, maximize=False,
                   found_inf=found_inf, **self._kernel)
             if self.store is not None:  # disk: this chunk's pages go back to the kernel, the file keeps them
                 for t in (w, self.exp_avg[a:b], self.exp_avg_sq[a:b]):
@@ -160,7 +161,8 @@ class FlatAdamW:
             t.copy_(tensors[name])
             if self.store is not None:
                 self.store.release(t)  # in the file now
-        self.steps_taken = int(scalars["steps_taken"])
+        for count in self._steps:
+            count.fill_(int(scalars["steps_taken"]))
 
 
 def flat_adamw_factory(cfg: TrainConfig, store: OffloadStore | None = None):

@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--late-stats", default="auto", choices=("auto", "on", "off"),
+                        help="ours: --train.late_stats (default auto: on a GPU)")
     parser.add_argument("--out", default=str(RESULTS / "throughput.json"), help="the result file")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -41,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         preset, precision = config.split("/")
         settings = {"steps": 10, "batch_size": args.batch_size, "warmup": 3, **SETTINGS.get(config, {})}
         opts = ThroughputOptions(preset=preset, precisions=[precision], compile=args.compile, rounds=args.rounds,
-                                 **settings)
+                                 late_stats=args.late_stats, **settings)
         results.append(measure(opts, precision, device))
         r = results[-1]
         print(f"{config}: ours {r['tokens_per_s']:,.0f} tok/s, plain {r['plain_tokens_per_s']:,.0f}, "

@@ -49,6 +49,29 @@ def test_a_step_syncs_the_host_twice_at_most():
     assert len(syncs) <= 2, [str(w.message) for w in syncs]
 
 
+def test_a_late_step_never_makes_the_host_wait_for_the_device():
+    # --train.late_stats (auto: on here): each step's statistics are read while the next step runs, so the host
+    # launches step after step without waiting; the figures are the read-at-once ones, a step later.
+    late, at_once = _trainer(**{"train.precision": "bf16"}), _trainer(**{"train.precision": "bf16"})
+    assert late.late_stats
+    late.launch_step()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            records = [late.launch_step() for _ in range(3)]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [f"{w.filename}:{w.lineno} {w.message}" for w in caught if "synchroniz" in str(w.message)]
+    assert syncs == [], syncs
+    records.append(late.settle())
+    expected = [at_once.train_step() for _ in range(4)]
+    assert [r.step for r in records] == [1, 2, 3, 4]
+    assert records[0].loss == expected[0].loss  # the same first forward, bit for bit
+    torch.testing.assert_close([r.loss for r in records], [r.loss for r in expected], rtol=1e-3, atol=0)
+    assert late.strategy.optimizer.steps_taken == 4
+
+
 def test_compiled_bf16_matches_eager_on_the_gpu():
     eager, compiled = _trainer(**{"train.precision": "bf16"}), _trainer(**{"train.precision": "bf16",
                                                                             "train.compile": True})

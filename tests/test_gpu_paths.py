@@ -201,6 +201,9 @@ class FakeClock:
     def ready(self, mark):
         return mark.time is not None
 
+    def wait(self, mark):
+        assert mark.time is not None, "waited for a mark the device never reaches: it would hang"
+
     def seconds(self, mark):
         return mark.time
 

@@ -49,6 +49,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     speed.add_argument("--steps", type=int, default=5, help="measured steps per side and round (default 5)")
     speed.add_argument("--rounds", type=int, default=3, help="rounds, alternating which side goes first (default 3)")
     speed.add_argument("--warmup", type=int, default=2, help="unmeasured steps per side first (default 2)")
+    speed.add_argument("--late-stats", default="auto", choices=("auto", "on", "off"),
+                       help="ours: read each step's statistics while the next step runs (--train.late_stats; "
+                       "default auto: on a GPU)")
     speed.add_argument("--out", default="runs/bench-throughput", metavar="DIR",
                        help="output directory (default runs/bench-throughput)")
 
@@ -66,7 +69,8 @@ def run(args) -> int:
         )
 
         opts = ThroughputOptions(out=args.out, preset=args.preset, precisions=args.precision, compile=args.compile,
-                                 batch_size=args.batch_size, steps=args.steps, rounds=args.rounds, warmup=args.warmup)
+                                 batch_size=args.batch_size, steps=args.steps, rounds=args.rounds, warmup=args.warmup,
+                                 late_stats=args.late_stats)
         check_throughput_options(opts)
         prepare_out_dir(args.out)
         return run_throughput(opts)

@@ -52,6 +52,7 @@ class ThroughputOptions:
     steps: int = 5  # measured steps per side and round
     rounds: int = 3
     warmup: int = 2
+    late_stats: str = "auto"  # ours: --train.late_stats (auto: on a GPU, statistics read while the next step runs)
 
 
 def check_throughput_options(opts: ThroughputOptions) -> None:
@@ -72,6 +73,7 @@ def bench_config(opts: ThroughputOptions, precision: str) -> RunConfig:
     return run_config(cli_values={
         "model.preset": opts.preset, "train.precision": precision, "train.compile": opts.compile,
         "train.batch_size": opts.batch_size, "train.steps": steps, "train.warmup_steps": 1, "train.log_every": 0,
+        "train.late_stats": opts.late_stats,
         "data.synthetic_tokens": max(65536, 4 * opts.batch_size * (PRESETS[opts.preset]["seq_len"] + 1)),
     })
 
@@ -160,20 +162,23 @@ def measure(opts: ThroughputOptions, precision: str, device: torch.device) -> di
     ours = Trainer(cfg, Topology.single(device))
     plain = PlainLoop(cfg, device)
     for _ in range(opts.warmup):  # compiles, allocates, warms caches
-        ours.train_step()
+        ours.launch_step()
         plain.train_step()
     tokens = opts.steps * opts.batch_size * cfg.model.seq_len
     rounds = []
     for r in range(opts.rounds):
-        sides = [("ours", ours.train_step), ("plain", plain.train_step)]
+        # Ours steps as the run loop does (launch_step: with late statistics the step before's are read meanwhile).
+        sides = [("ours", ours.launch_step), ("plain", plain.train_step)]
         timed = {name: _timed_steps(step, opts.steps, device) for name, step in (sides if r % 2 == 0 else sides[::-1])}
         rounds.append({name: tokens / seconds for name, seconds in timed.items()})
+    ours.settle()
     ours.close()
     ours_tps = statistics.median(r["ours"] for r in rounds)
     plain_tps = statistics.median(r["plain"] for r in rounds)
     per_token, _ = flops_per_token(PlanInput(model=cfg.model, params=ours.model.num_params()))
     peak, source = peak_flops(device, compute_dtype(cfg.train))
     return {"preset": opts.preset, "precision": precision, "compile": opts.compile, "batch_size": opts.batch_size,
+            "late_stats": ours.late_stats,
             "seq_len": cfg.model.seq_len, "params": ours.model.num_params(), "tokens_per_s": ours_tps,
             "plain_tokens_per_s": plain_tps, "ratio": statistics.median(r["ours"] / r["plain"] for r in rounds),
             "step_ms": 1000 * opts.batch_size * cfg.model.seq_len / ours_tps,

@@ -135,6 +135,11 @@ class TrainConfig:
                              "OUT/profile: Chrome/Perfetto JSON, a directory TensorBoard's profile plugin reads")
     compile: bool = opt(False, "torch.compile each transformer block (after activation checkpointing, before the "
                         "strategy's hooks); the first steps are slow while it compiles")
+    late_stats: str = opt("auto", "on | off | auto: read each step's statistics (loss, norms, what the ranks "
+                          "agree on) while the next step runs, so the host never waits for the device between "
+                          "steps; a step's line is then printed and acted on (evaluation and saves excepted, which "
+                          "wait for their step) one step later. auto: on a GPU, where it applies (not with "
+                          "fp16's loss scaler or a pipeline)")
 
 
 @dataclass
@@ -282,6 +287,10 @@ def _check_sync(cfg: RunConfig) -> None:
                           "own reduce-scatter")
     if not ddp.bucket_mb > 0:
         raise ConfigError(f"ddp.bucket_mb must be > 0, got {ddp.bucket_mb}")
+    _require_choice("train.late_stats", t.late_stats, ("auto", "on", "off"))
+    if t.late_stats == "on" and (t.precision == "fp16" or cfg.dist.pp > 1 or cfg.dist.microbatches > 1):
+        raise ConfigError("--train.late_stats on: fp16 (its loss scale) and pipelines need each step's statistics "
+                          "before the next step; use auto or off")
 
 
 def _check_precision(t: TrainConfig) -> None:

@@ -42,6 +42,19 @@ def same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(bit_equal(a[k], b[k]) for k in a)
 
 
+def sync_figures(marks: tuple, clock, wait: bool = False) -> dict | None:
+    """A sync's figures from its marks (FlatStrategy.sync_at): None while a mark is not done, unless `wait`."""
+    buckets, intervals, backward_end = marks
+    every = [m for pair in intervals for m in pair] + ([backward_end] if backward_end is not None else [])
+    for mark in every if wait else ():
+        clock.wait(mark)
+    if not all(clock.ready(m) for m in every):
+        return None
+    seconds = [(clock.seconds(a), clock.seconds(b)) for a, b in intervals]
+    end = None if backward_end is None else clock.seconds(backward_end)
+    return {"buckets": buckets, **sync_summary(seconds, end)}
+
+
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     merged: list[tuple[float, float]] = []
     for start, done in sorted(intervals):
@@ -152,14 +165,16 @@ class FlatStrategy:
     def last_sync(self) -> dict:
         """The last step's gradient-sync figures (sync_summary), once its marks can be read."""
         if self._sync_marks is not None:
-            buckets, intervals, backward_end = self._sync_marks
-            clock = self.comm.clock
-            marks = [m for pair in intervals for m in pair] + ([backward_end] if backward_end is not None else [])
-            if all(clock.ready(m) for m in marks):
-                seconds = [(clock.seconds(a), clock.seconds(b)) for a, b in intervals]
-                end = None if backward_end is None else clock.seconds(backward_end)
-                self._last_sync, self._sync_marks = {"buckets": buckets, **sync_summary(seconds, end)}, None
+            figures = sync_figures(self._sync_marks, self.comm.clock)
+            if figures is not None:
+                self._last_sync, self._sync_marks = figures, None
         return self._last_sync
+
+    def take_sync_marks(self) -> tuple | None:
+        """The last sync's marks, for a caller that reads them itself later (sync_figures): the trainer, when it
+        reads a step's figures after the next step has begun (and sets last_sync to them)."""
+        marks, self._sync_marks = self._sync_marks, None
+        return marks
 
     @last_sync.setter
     def last_sync(self, value: dict) -> None:

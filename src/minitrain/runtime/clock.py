@@ -8,7 +8,7 @@ collective would take about nothing and overlap nothing. `DeviceClock` records C
 instead: a mark on the compute stream where an operation is issued, and the completion of a collective as
 an event on a side stream made to wait for it (so measuring it never holds the compute stream back). The
 marks are read after the step's one host synchronisation (the statistics exchange), when they are done:
-`ready(mark)` says whether one is, `seconds(mark)` gives its time since the clock began.
+`ready(mark)` says whether one is, `wait(mark)` waits for it, `seconds(mark)` gives its time since the clock began.
 
 `HostClock.mark_done(work)` returns None: the collective's completion time comes from its future's callback
 (PendingCollective). Tests stand in for a GPU with a clock of their own (tests/test_gpu_paths.py).
@@ -31,6 +31,9 @@ class HostClock:
 
     def ready(self, _mark) -> bool:
         return True
+
+    def wait(self, _mark) -> None:
+        return None
 
     def seconds(self, mark: float) -> float:
         return mark
@@ -60,6 +63,10 @@ class DeviceClock:
 
     def ready(self, mark: torch.cuda.Event) -> bool:
         return mark.query()
+
+    def wait(self, mark: torch.cuda.Event) -> None:
+        """Until the device has passed the mark (the host waits for this event only, not the whole device)."""
+        mark.synchronize()
 
     def seconds(self, mark: torch.cuda.Event) -> float:
         return self._origin.elapsed_time(mark) / 1000

@@ -385,10 +385,14 @@ class Comm:
     def gather_rows(self, row: torch.Tensor) -> torch.Tensor:
         """Every rank's small 1-D `row`, stacked into a CPU tensor (world_size, len(row)) on
         every rank. Moves through the group's device, so callers may build rows on the CPU."""
+        return self.gather_rows_on_device(row).cpu()
+
+    def gather_rows_on_device(self, row: torch.Tensor) -> torch.Tensor:
+        """gather_rows, the result left on the group's device: the host need not wait for it."""
         row = row.to(self.device).contiguous()
         out = torch.empty(self.world_size * row.numel(), dtype=row.dtype, device=self.device)
         self.all_gather(out, row)
-        return out.view(self.world_size, -1).cpu()
+        return out.view(self.world_size, -1)
 
     def gather_ragged(self, values: list[int]) -> list[list[int]]:
         """Every rank's list of ints, of any length, on every rank (two fixed-size gathers)."""

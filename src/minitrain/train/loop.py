@@ -93,18 +93,19 @@ class TrainingRun:
                 self.profiler.before_step(t.step + 1)
                 # This rank's news for the step's exchange, which makes every rank agree on it (t.agreed).
                 requests = StepRequests(self.stop_request, self.pending)
-                record = t.train_step(requests)
+                record = t.launch_step(requests)  # with late statistics, the step before's (trainer.py)
                 self.profiler.after_step(t.step)
-                record = self._evaluated(record)
-                self.records.append(record)
-                self._log(record)
-                if self.pending is not None and t.agreed.save_written:
-                    self._commit_pending()
-                if self._rolled_back(record):
+                if record is not None and self._took(record):
                     continue
                 stop_at = t.step == self.cfg.train.stop_at
+                due = self.cadence.due(t.step)
+                if due or stop_at or t.agreed.stop_signal or self._evaluates(t.step) or t.step == total:
+                    # What acts on the state (a save, an evaluation, a stop) waits for this step's statistics.
+                    record = t.settle()
+                    if record is not None and self._took(record):
+                        continue
                 stopping = bool(t.agreed.stop_signal) or stop_at
-                if self.cadence.due(t.step) or stopping:
+                if due or stopping:
                     self._save(background=self.cfg.ckpt.async_save and not stopping)
                 if stopping:
                     self.stopped_by = "--stop-at" if stop_at else StopRequest.name(t.agreed.stop_signal)
@@ -127,12 +128,26 @@ class TrainingRun:
                                                                  "summary.json")])
             t.close()  # its hooks off the model: nothing keeps the finished trainer alive
 
+    def _took(self, record: StepRecord) -> bool:
+        """Log a step's record and act on it: its evaluation, a background save every rank has written, a loss
+        spike. True when the spike rolled the run back."""
+        record = self._evaluated(record)
+        self.records.append(record)
+        self._log(record)
+        if self.pending is not None and self.trainer.agreed.save_written:
+            self._commit_pending()
+        return self._rolled_back(record)
+
+    def _evaluates(self, step: int) -> bool:
+        every = self.cfg.eval.every
+        return bool(every) and (step % every == 0 or step == self.cfg.train.steps)
+
     def _evaluated(self, r: StepRecord) -> StepRecord:
         """The step's record with the time so far and, on an evaluation step (every eval.every steps and the
-        last), the held-out loss (collective: every rank evaluates alike)."""
-        every, total = self.cfg.eval.every, self.cfg.train.steps
+        last), the held-out loss (collective: every rank evaluates alike; the trainer is at that step, since
+        the loop reads an evaluation step's statistics before the next step)."""
         val = {}
-        if every and (r.step % every == 0 or r.step == total):
+        if self._evaluates(r.step):
             loss = self.trainer.evaluate()
             val = {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}  # exp overflows past ~709
             if self.best_val is None or loss < self.best_val[0]:

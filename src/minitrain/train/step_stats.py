@@ -57,7 +57,9 @@ class RankStats:
                 host.extend(float(v) for v in value)
             else:
                 host.append(float(value))
-        row = torch.tensor(host, dtype=torch.float64).to(device)
+        row = torch.tensor(host, dtype=torch.float64)
+        # To a GPU from pinned memory without blocking: a copy from pageable memory waits for the whole stream.
+        row = row.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else row.to(device)
         for at, value in on_device:
             row[at] = value.reshape(())  # a copy on the device: nothing read back
         return row

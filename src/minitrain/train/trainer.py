@@ -31,10 +31,12 @@ from ..models import ModelSpec, spec_for
 from ..models.minigpt.moe import MoEMLP
 from ..parallel import Pipeline, cast_parameters, parallelize
 from ..parallel.config import ParallelConfig
+from ..parallel.flat import sync_figures
 from ..parallel.memory_math import MEMORY_KINDS
 from ..runtime.topology import Topology
 from .faults import Faults
 from .guards import NonFiniteGuard, SpikeGuard
+from .late_stats import LaunchedStep, reads_late
 from .memory import DevicePeak
 from .offload import offload_directory, offload_store
 from .optim import flat_adamw_factory, lr_at
@@ -147,6 +149,10 @@ class Trainer:
         self.agreed = Agreed()  # what the ranks agreed on at the last step boundary (step_stats.py)
         self._last_exchange_end: float | None = None  # when this rank's last statistics exchange returned
         self._device_busy = 0.0  # on a GPU: the last step's busy seconds, from its events (train_step)
+        self.late_stats = reads_late(cfg, topo.device, self.strategy, self.loss_scaler, self.pipeline)
+        self._unread: LaunchedStep | None = None  # late statistics: the step launched and not read yet
+        self._last_read_end = 0.0  # when the last step's statistics were read
+        self._comm_at_read: OpStats | None = None  # a device clock's collective totals at the last read
 
     @property
     def skipped_steps(self) -> int:
@@ -182,27 +188,62 @@ class Trainer:
 
     def train_step(self, requests: StepRequests = StepRequests(), measure_sync: bool | None = None) -> StepRecord:
         """One step: forward and backward over grad_accum micro-batches, the gradient sync, the update, and the
-        statistics exchange that also shares `requests` (what every rank then agrees on is in `self.agreed`).
-        measure_sync: bracket the step with barriers to time its compute and exposed sync (None: the config's
-        --measure-sync); every rank must pass the same."""
+        statistics exchange that also shares `requests` (what every rank then agrees on is in `self.agreed`);
+        returns its record, read at once (the host waits for the device). measure_sync: bracket the step with
+        barriers to time its compute and exposed sync (None: the config's --measure-sync); every rank must pass
+        the same."""
+        if self._unread is not None:
+            raise RuntimeError("a step from launch_step is not read yet: call settle() first")
+        return self._guarded(lambda: self._read(self._launch(requests, measure_sync)))
+
+    def launch_step(self, requests: StepRequests = StepRequests(),
+                    measure_sync: bool | None = None) -> StepRecord | None:
+        """train_step as the run loop takes it: with late statistics (`self.late_stats`, --train.late_stats) the
+        step's exchange is only issued and read while the next step runs, so the host never waits for the device
+        between steps: this returns the record of the step before (None when there is none), and `self.agreed`
+        is what the ranks agreed on then; settle() reads this one's. Without, this step's record. The trainer's
+        state is this step's either way."""
+        def step():
+            launched = self._launch(requests, measure_sync)
+            if not self.late_stats:
+                return self._read(launched)
+            earlier, self._unread = self._unread, launched
+            return None if earlier is None else self._read(earlier)
+        return self._guarded(step)
+
+    def _guarded(self, step):
+        """step() (the next step's launch, and maybe reads), a failed collective's error naming the step."""
+        number = self.step + 1
         if self.topo.watch is not None:  # hang diagnoses name the step; every N steps, the fingerprint check
-            self.topo.watch.at_step(self.step + 1, self.cfg.dist.fingerprint_every)
+            self.topo.watch.at_step(number, self.cfg.dist.fingerprint_every)
         try:
-            return self._train_step(requests, self.cfg.ddp.measure_sync if measure_sync is None else measure_sync)
+            return step()
         except CollectiveError as e:
             # The comm layer names the op and the rank; the step says when (a peer hung or died).
-            raise CollectiveError(f"step {self.step + 1}: {e}") from e
+            raise CollectiveError(f"step {number}: {e}") from e
 
-    def _train_step(self, requests: StepRequests, measure_sync: bool) -> StepRecord:
-        comm, strategy, timer = self.topo.dp, self.strategy, self.timer
+    def settle(self) -> StepRecord | None:
+        """The record of the last step whose statistics are not read yet (late statistics), read now: the host
+        waits for the device. None when every step has been read."""
+        launched, self._unread = self._unread, None
+        return None if launched is None else self._read(launched)
+
+    def _launch(self, requests: StepRequests, measure_sync: bool | None) -> LaunchedStep:
+        """The step's work and its statistics exchange, issued (on a GPU: queued; nothing read back)."""
+        comm, strategy = self.topo.dp, self.strategy
+        measure_sync = self.cfg.ddp.measure_sync if measure_sync is None else measure_sync
         # This rank's busy time runs from the end of the last exchange: a straggler's slowness before the step
         # counts, and the other ranks' wait for it (in the gradient sync) is taken out below.
         since = self._last_exchange_end or time.perf_counter()
         self.faults.at_step_start(self.step + 1)
-        before = self._comm_totals()
+        on_device = comm.clock.on_device
+        # On the host every collective is booked when it ends: the step's are those booked while it ran. A device
+        # clock books them once their events are done, so there a step's are those booked since the last read.
+        before = None if on_device and self._comm_at_read is not None else self._comm_totals()
         if measure_sync:
             comm.barrier()  # every rank starts the step together
         start = time.perf_counter()
+        timer = self.timer = StepTimer(self.topo.device)
         timer.start()
         strategy.ledger.reset_peak()
         self.device_peak.reset()
@@ -222,28 +263,44 @@ class Trainer:
         lr = lr_at(self.step, self.cfg.train) * self.faults.lr_factor(self.step + 1)
         norm, update_comm = self._update(lr, loss_scale)
         waited += update_comm
-        # This rank's busy seconds: host time since the last exchange less its waits; on a GPU, the step before's
-        # device time in its phases but comm (events are read after this step's exchange, the one host sync).
-        busy = self._device_busy if self.topo.dp.clock.on_device else time.perf_counter() - since - waited
+        # This rank's busy seconds: host time since the last exchange less its waits; on a GPU, the device time in
+        # its phases but comm of the last step read (its events are read after its exchange).
+        busy = self._device_busy if on_device else time.perf_counter() - since - waited
         self.step += 1
         self.tokens_seen += self.tokens_per_step
-        rows = self._exchange(loss_sum, norm, busy, requests)
+        rows, copied = self._exchange(loss_sum, norm, busy, requests)
+        return LaunchedStep(step=self.step, lr=lr, loss_scale=loss_scale, tokens_seen=self.tokens_seen, start=start,
+                            timer=timer, sync_marks=strategy.take_sync_marks(), bracketed=bracketed, rows=rows,
+                            copied=copied, comm=(before, None if on_device else self._comm_totals()))
+
+    def _read(self, launched: LaunchedStep) -> StepRecord:
+        """A launched step's record, from its exchange (the host waits for the device up to there, no further)."""
+        if launched.copied is not None:
+            launched.copied.synchronize()
+        rows = [RankStats.unpack(row) for row in launched.rows.tolist()]
         self.agreed = Agreed.of(rows)
-        skipped = not math.isfinite(rows[0].grad_norm)  # global: the same on every rank
-        if skipped and strategy.steps_on_device:
-            strategy.optimizer.unstep()  # the device skipped it: its bias correction must not count
-        overflow = self.nonfinite.after_step(self.step, skipped)
-        elapsed = time.perf_counter() - start
-        phases = self._phases(elapsed)
-        after = self._comm_totals()
+        skipped = not math.isfinite(rows[0].grad_norm)  # global: the same on every rank (the kernel un-counted it)
+        overflow = self.nonfinite.after_step(launched.step, skipped)
+        now = time.perf_counter()
+        # The step's time: from its start, or, when it was launched before the last step was read, from that read
+        # (steps then follow one another on the device, and this is the interval between their ends).
+        elapsed = now - max(launched.start, self._last_read_end)
+        self._last_read_end = now
+        phases = self._phases(launched.timer, elapsed)
+        before, after = launched.comm
+        if after is None:  # a device clock: what was booked since the last read (this step's events are done)
+            after = self._comm_totals()
+            before, self._comm_at_read = before or self._comm_at_read, after
+        if launched.sync_marks is not None:
+            self.strategy.last_sync = sync_figures(launched.sync_marks, self.topo.dp.clock, wait=True)
         return StepRecord(
-            step=self.step,
+            step=launched.step,
             loss=sum(r.loss * r.holds_loss for r in rows) / sum(r.holds_loss for r in rows),  # over the holders
             grad_norm=rows[0].grad_norm,
             param_norm=rows[0].param_norm,
-            lr=lr,
+            lr=launched.lr,
             tokens=self.tokens_per_step,
-            tokens_seen=self.tokens_seen,
+            tokens_seen=launched.tokens_seen,
             step_time_s=elapsed,
             tokens_per_s=self.tokens_per_step / elapsed,
             comm_time_s=after.seconds - before.seconds,
@@ -252,9 +309,9 @@ class Trainer:
             param_norm_per_rank=[r.param_norm for r in rows],
             memory={kind: [int(r.at_rest[i]) for r in rows] for i, kind in enumerate(MEMORY_KINDS)},
             memory_peak={kind: [int(r.peak[i]) for r in rows] for i, kind in enumerate(PEAK_KINDS)},
-            sync={**strategy.last_sync, **bracketed},
+            sync={**self.strategy.last_sync, **launched.bracketed},
             skipped=skipped,
-            loss_scale=loss_scale if self.loss_scaler else None,
+            loss_scale=launched.loss_scale if self.loss_scaler else None,
             overflow=overflow,
             pipeline=self._pipeline_record([[r.bubble, r.in_flight] for r in rows]),
             phases_s=phases,
@@ -319,8 +376,9 @@ class Trainer:
         return norm, update_comm
 
     def _exchange(self, loss_sum: torch.Tensor, norm: torch.Tensor, busy: float,
-                  requests: StepRequests) -> list[RankStats]:
-        """Every rank's RankStats (one gather_rows: the step's one read of device values)."""
+                  requests: StepRequests) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Every rank's RankStats, packed (one gather_rows: the step's one read of device values), issued: the rows
+        and, on a GPU, the event after which their copy in pinned host memory is complete (_read waits for it)."""
         held, peak = self.strategy.memory_bytes(), self.strategy.peak_memory_bytes()
         peak["device"] = self.device_peak.bytes()
         measured = self.pipeline.measured if self.pipeline is not None else {}
@@ -332,18 +390,26 @@ class Trainer:
             stop_signal=requests.stop_signal(), save_written=requests.save_written(), busy_s=busy,
             expert_load=[v for layer in self._moe_layers for load, dropped in [layer.take_load()]
                          for v in (*load, dropped)])
-        rows = self.topo.everyone.gather_rows(mine.pack(self.topo.device)).tolist()
+        rows = self.topo.everyone.gather_rows_on_device(mine.pack(self.topo.device))
+        copied = None
+        if rows.device.type == "cuda":
+            host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+            host.copy_(rows, non_blocking=True)
+            rows, copied = host, torch.cuda.Event()
+            copied.record()
+        else:
+            rows = rows.cpu()
         self._last_exchange_end = time.perf_counter()
-        return [RankStats.unpack(row) for row in rows]
+        return rows, copied
 
-    def _phases(self, elapsed: float) -> dict:
+    def _phases(self, timer: StepTimer, elapsed: float) -> dict:
         """Where this rank's step went (step_timer.py). On a GPU the update's collectives are known only now, after
-        the exchange synchronised, and the busy seconds the next step reports are this step's device time."""
+        the exchange was read, and the busy seconds the next step reports are this step's device time."""
         on_device = self.topo.dp.clock.on_device
         if on_device:
             groups = (self.topo.dp, self.topo.tp, self.topo.pp)
-            self.timer.move(sum(group.take_tagged("update") for group in groups), "optimizer", "comm")
-        phases = self.timer.finish(elapsed)
+            timer.move(sum(group.take_tagged("update") for group in groups), "optimizer", "comm")
+        phases = timer.finish(elapsed)
         if on_device:
             self._device_busy = sum(phases[k] or 0.0 for k in ("data", "forward", "backward", "forward_backward",
                                                                 "optimizer"))
@@ -420,7 +486,9 @@ class Trainer:
                                     self.cfg.to_dict(), after_written=self.faults.after_shard_written)
 
     def load_checkpoint(self, path: str | Path) -> None:
+        """Collective: the state of a checkpoint (a step launched and not read yet is dropped with its record)."""
         state = checkpoint.load(path, self.topo, self.strategy)
+        self._unread = None
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         self.loader.load_state_dict(state["loader"])
         t = self.cfg.train

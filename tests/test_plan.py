@@ -1,5 +1,6 @@
 """The planner against the literature (ZeRO paper, Figure 1) and against measurement."""
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,6 +17,9 @@ from minitrain.train.trainer import Trainer
 
 from .dist import run_cli, run_main, run_ranks
 
+# The memory terms of the machine these tests measure on, a CPU (its autocast keeps the loss in float32); the
+# data sheet's FLOP and link figures are not used by them.
+HERE = replace(plan.PRESETS["h100-sxm"], device="cpu")
 MODELS = {"tiny": {}, "mid": {"model.n_layer": 4, "model.d_model": 64, "model.n_head": 4, "model.vocab_size": 128,
                               "model.seq_len": 32, "model.tie_weights": True}}
 # (model, --precision, --reduce-dtype): full precision on both models, and both mixed-precision layouts.
@@ -87,7 +91,7 @@ def test_activation_formula_matches_what_autograd_stores(name, mode, precision, 
         loss.backward()
     measured = stored["bytes"]  # selective: the recomputed core's inputs (q, k, v) are among them
     predicted = plan.activation_bytes(plan.PlanInput(model=m, params=0, micro_batch=b, activation_checkpointing=mode,
-                                                     precision=precision))
+                                                     precision=precision, hardware=HERE))
     assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
 
 
@@ -137,7 +141,8 @@ def test_predicted_peak_is_within_15_percent_of_the_measured_tensor_peak(world):
         for (name, precision, zero), peak in peaks.items():
             model = run_config(cli_values=MODELS[name]).model
             predicted = plan.plan(plan.PlanInput(model=model, params=plan.model_params(model), zero=zero,
-                                                 micro_batch=8, precision=precision, dp=world))["bytes_per_rank"]
+                                                 micro_batch=8, precision=precision, dp=world,
+                                                 hardware=HERE))["bytes_per_rank"]
             assert abs(predicted["total"] - peak) <= 0.15 * peak, (rank, name, precision, zero, predicted, peak)
 
 
@@ -155,7 +160,8 @@ def test_the_peak_counts_the_loss_backward_of_a_large_vocabulary(zero, checkpoin
     trainer.train_step()
     peak = sum(trainer.strategy.memory_bytes().values()) + allocated_peak_bytes(trainer.train_step)
     predicted = plan.plan(plan.PlanInput(model=cfg.model, params=plan.model_params(cfg.model), zero=zero, micro_batch=4,
-                                         precision="bf16", activation_checkpointing=checkpointing))["bytes_per_rank"]
+                                         precision="bf16", activation_checkpointing=checkpointing,
+                                         hardware=HERE))["bytes_per_rank"]
     assert predicted["loss_backward"] == 2 * 4 * 4 * 256 * 50304
     assert abs(predicted["total"] - peak) <= 0.03 * peak, (predicted["total"], peak)
 
@@ -212,3 +218,21 @@ def test_the_plan_reproduces_zero_offloads_headline_13b_on_one_32gb_v100():
     assert run("none", small, plan.model_params(small))["fits"]
     bigger = ModelConfig(n_layer=40, n_head=16, d_model=2048, seq_len=1024, vocab_size=50257)
     assert not run("none", bigger, plan.model_params(bigger))["fits"]
+
+
+def test_the_loss_terms_follow_the_devices_autocast():
+    # CUDA's autocast runs cross_entropy's log-softmax in the compute dtype and the NLL loss on a float32 copy:
+    # bf16 log-probabilities, that copy and the NLL's float32 gradient at the loss's peak (benchmarks/gpu.py's
+    # peak composition on an H100). The CPU's runs the cross-entropy in float32: the log-probabilities and two
+    # float32 gradients (test above). Full precision is the same on both.
+    model = run_config(cli_values={"model.preset": "gpt2-124m"}).model
+    logits = 8 * 1024 * 50304
+
+    def terms(precision, hardware):
+        inp = plan.PlanInput(model=model, params=0, micro_batch=8, precision=precision, hardware=hardware)
+        return plan.logprob_bytes(inp) // logits, plan.loss_backward_bytes(inp) // logits
+
+    cuda = plan.PRESETS["h100-sxm"]
+    assert terms("bf16", cuda) == terms("fp16", cuda) == (2 + 4, 4)
+    assert terms("bf16", HERE) == (4, 8)
+    assert terms("fp32", cuda) == terms("fp32", HERE) == (4, 8)

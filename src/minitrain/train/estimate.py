@@ -14,8 +14,9 @@ Memory per rank, by kind:
   E(8bsh + 2bsf + 4bs) + 4abs with the fused attention kernel (flash attention keeps a float32
   log-sum-exp per query row, never the scores), or E(8bsh + 2bsf + a b s^2 + 4bs) + s^2 (the
   softmax of the scores and the causal mask) with --model.attention explicit; plus, outside the blocks,
-  E(2bsh + 2bs) + E'bsV (E' = 4 in mixed precision: the loss's log-probabilities are float32
-  under autocast) and the token ids. Selective recomputation drops the attention core's term; block recomputation keeps one bsh input per layer plus one layer's full set (replayed in
+  E(2bsh + 2bs) + E'bsV (E' = 4 in mixed precision on the CPU, whose autocast computes the loss's
+  log-probabilities in float32; E + 4 on CUDA, whose keeps them in the compute dtype and the NLL loss a float32
+  copy) and the token ids. Selective recomputation drops the attention core's term; block recomputation keeps one bsh input per layer plus one layer's full set (replayed in
   backward). A pipeline stage keeps its layers' activations for every micro-batch in flight:
   min(pp, micro-batches) under 1F1B, all of them under GPipe.
 Time per step: FLOPs per token 6N + 12 L h s (Chowdhery et al., PaLM, appendix B; N all parameters),
@@ -61,7 +62,8 @@ class Hardware:
     inter: dict[str, Link]
     gpus_per_node: int = 8
     source: str = ""
-    device: str = "cuda"  # what the optimizer's chunk size is chosen for (train/optim.py)
+    # What the optimizer's chunk size is chosen for (train/optim.py), and whose autocast the loss's terms follow.
+    device: str = "cuda"
 
 
 def _links(alpha_s: float, beta_Bps: float) -> dict[str, Link]:
@@ -261,11 +263,26 @@ def layer_activation_bytes(cfg: ModelConfig, b: int, elem: int, mode: str) -> in
     return full
 
 
+def _logits(inp: PlanInput) -> int:
+    """Elements of the logits on this rank (b s V)."""
+    return inp.micro_batch * inp.model.seq_len * inp.model.vocab_size // inp.tp
+
+
+def _loss_in_compute_dtype(inp: PlanInput) -> bool:
+    """Mixed precision on CUDA: cross_entropy passes its input's dtype to the log-softmax, which CUDA autocast
+    respects (its log-probabilities are 16-bit), and the NLL loss, on autocast's float32 list, keeps a float32 copy
+    of them. The CPU's autocast runs the whole cross-entropy in float32. Measured on an H100 (gpt2-124m, 8 x 1024
+    tokens): bf16 log-probabilities, their float32 copy and the NLL's float32 gradient at the loss's peak."""
+    return inp.precision != "fp32" and inp.hardware.device == "cuda"
+
+
 def logprob_bytes(inp: PlanInput) -> int:
-    """The loss keeps its log-probabilities (b s V) in float32 under autocast, in the compute dtype otherwise."""
-    cfg = inp.model
-    elem = 4 if inp.precision != "fp32" else element_bytes(inp.precision)
-    return elem * inp.micro_batch * cfg.seq_len * cfg.vocab_size // inp.tp
+    """What the loss keeps of its log-probabilities for backward: in float32 under the CPU's autocast, in the
+    compute dtype plus the NLL loss's float32 copy under CUDA's (_loss_in_compute_dtype), in the compute dtype
+    in full precision."""
+    if _loss_in_compute_dtype(inp):
+        return (element_bytes(inp.precision) + 4) * _logits(inp)
+    return (4 if inp.precision != "fp32" else element_bytes(inp.precision)) * _logits(inp)
 
 
 def replay_bytes(inp: PlanInput) -> int:
@@ -276,10 +293,14 @@ def replay_bytes(inp: PlanInput) -> int:
 
 
 def loss_backward_bytes(inp: PlanInput) -> int:
-    """The loss's own backward: the gradient of the log-probabilities and the log-softmax's input gradient, each
-    the log-probabilities' size, alive beside them while every layer's activations are still held. With GPT-2's
-    vocabulary these are the largest tensors of the step (1.6 GB each at 8 x 1024 tokens)."""
-    return 0 if inp.model is None else 2 * logprob_bytes(inp)
+    """The loss's own backward, alive beside the log-probabilities while every layer's activations are still held:
+    the NLL's gradient and the log-softmax's input gradient, each the float32 log-probabilities' size; under CUDA's
+    autocast the NLL's float32 gradient only (its copy of the log-probabilities and that gradient are freed before
+    the 16-bit log-softmax's backward runs). With GPT-2's vocabulary these are the largest tensors of the step
+    (1.6 GB each at 8 x 1024 tokens)."""
+    if inp.model is None:
+        return 0
+    return 4 * _logits(inp) if _loss_in_compute_dtype(inp) else 2 * logprob_bytes(inp)
 
 
 def activation_bytes(inp: PlanInput) -> int:

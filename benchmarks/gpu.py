@@ -8,7 +8,10 @@
   to the state on the device, at ZeRO 0 and 2;
 - where a step's device time goes: the top kernels of one step under torch.profiler;
 - against the plain PyTorch loop of `minitrain bench throughput` (batch 16): the device's busy time per step
-  (kernels) beside the wall time, and the kernels where the two differ most: what the gap between them is made of.
+  (the union of its kernels) beside the wall time, the device's idle time by what the host was doing meanwhile,
+  and the kernels where the two differ most: what the gap between them is made of; ours stepped as the run loop
+  steps (statistics read while the next step runs) and read at once;
+- what is allocated at the peak of a ZeRO-0 step, with and without block recomputation, beside the plan's terms.
 
 Throughput and MFU against a plain loop are `minitrain bench throughput` (its own results file).
 
@@ -93,8 +96,10 @@ def top_kernels(topo, batch: int, count: int = 15) -> list[dict]:
              "share": e.self_device_time_total / total if total else 0.0} for e in events[:count]]
 
 
-def _kernel_times(step, steps: int = 3) -> tuple[float, float, dict[str, float]]:
-    """(wall seconds per step, device-busy seconds per step, seconds per step by kernel name) over `steps`."""
+def _kernel_times(step, steps: int = 3) -> dict:
+    """Over `steps` calls of step() under torch.profiler: wall seconds per step, the device's busy seconds per step
+    (the union of its kernels' and copies' intervals), seconds per step by kernel name, and the device's idle time
+    by what the host was doing meanwhile (the innermost host operation open at the middle of each gap)."""
     import time
 
     from torch.autograd import DeviceType
@@ -109,25 +114,97 @@ def _kernel_times(step, steps: int = 3) -> tuple[float, float, dict[str, float]]
             step()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - began) / steps
+    events = prof.events()
+    # Device activity: kernels, copies and sets; not the per-operator device totals the profiler also lists.
+    device = sorted(((e.time_range.start, e.time_range.end, e.name) for e in events
+                     if e.device_type == DeviceType.CUDA and not e.name.startswith("aten::")), key=lambda t: t[0])
+    host = [(e.time_range.start, e.time_range.end, e.name) for e in events if e.device_type == DeviceType.CPU]
     by_name: dict[str, float] = {}
-    for e in prof.events():
-        if e.device_type == DeviceType.CUDA:
-            by_name[e.name] = by_name.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e6 / steps
-    return wall, sum(by_name.values()), by_name
+    for a, b, name in device:
+        by_name[name] = by_name.get(name, 0.0) + (b - a) / 1e6 / steps
+    busy, gaps, end = 0.0, [], None  # microseconds
+    for a, b, _ in device:
+        if end is not None and a > end:
+            gaps.append((end, a))
+        if end is None or a > end:
+            busy, end = busy + b - a, b
+        elif b > end:
+            busy, end = busy + b - end, b
+    idle_by_phase: dict[str, float] = {}  # the trainer's phase (step_timer.py's labels) open on the host meanwhile
+    idle_by_op: dict[str, float] = {}  # the innermost host operation open meanwhile
+    for a, b in gaps:
+        if b - a < 5:  # launch latency between back-to-back kernels
+            continue
+        middle = (a + b) / 2
+        open_ops = sorted((hb - ha, name) for ha, hb, name in host if ha <= middle <= hb)
+        phase = next((name for _, name in open_ops if name.startswith("minitrain.")), "(outside the phases)")
+        op = open_ops[0][1] if open_ops else "(python only)"
+        for table, key in ((idle_by_phase, phase), (idle_by_op, op)):
+            table[key] = table.get(key, 0.0) + (b - a) / 1e6 / steps
+    top = lambda table: dict(sorted(table.items(), key=lambda kv: -kv[1])[:10])  # noqa: E731
+    return {"wall_s": wall, "busy_s": busy / 1e6 / steps, "by_name": by_name, "idle_by_phase": top(idle_by_phase),
+            "idle_by_op": top(idle_by_op)}
 
 
 def against_plain(topo, batch: int = 16) -> dict:
+    """Ours as the run loop steps (launch_step: on a GPU the statistics are read while the next step runs) and
+    read at once (train_step), against the plain loop."""
     from minitrain.bench.throughput import PlainLoop, ThroughputOptions, bench_config
 
     cfg = bench_config(ThroughputOptions(preset=PRESET, precisions=["bf16"], batch_size=batch), "bf16")
     with Trainer(cfg, topo.single(topo.device)) as trainer:
-        ours = _kernel_times(trainer.train_step)
+        ours = _kernel_times(trainer.launch_step)
+        trainer.settle()
+        at_once = _kernel_times(trainer.train_step)
     plain = _kernel_times(PlainLoop(cfg, topo.device).train_step)
-    names = set(ours[2]) | set(plain[2])
-    diff = sorted(((ours[2].get(n, 0.0) - plain[2].get(n, 0.0), n) for n in names), reverse=True)
-    return {"batch": batch, "ours": {"wall_s": ours[0], "busy_s": ours[1]}, "plain": {"wall_s": plain[0],
-            "busy_s": plain[1]}, "kernels_more": [{"name": n[:90], "extra_ms": 1000 * d} for d, n in diff[:12]],
+    names = set(ours["by_name"]) | set(plain["by_name"])
+    diff = sorted(((ours["by_name"].get(n, 0.0) - plain["by_name"].get(n, 0.0), n) for n in names), reverse=True)
+    summary = lambda k: {key: k[key] for key in ("wall_s", "busy_s", "idle_by_phase", "idle_by_op")}  # noqa: E731
+    return {"batch": batch, "late_stats": trainer.late_stats, "ours": summary(ours), "ours_read_at_once":
+            summary(at_once), "plain": summary(plain),
+            "kernels_more": [{"name": n[:90], "extra_ms": 1000 * d} for d, n in diff[:12]],
             "kernels_less": [{"name": n[:90], "extra_ms": 1000 * d} for d, n in diff[-5:]]}
+
+
+def peak_composition(topo, batch: int, zero: int, checkpointing: str, count: int = 12) -> dict:
+    """What is allocated at the step's peak (torch.cuda.memory's allocation history): the largest live blocks with
+    where each was allocated, beside the plan's terms; for the memory rows the plan misses most."""
+    cfg = run_config(cli_values=_values(batch, **{"train.zero": zero, "train.activation_checkpointing": checkpointing}))
+    with Trainer(cfg, topo) as trainer:
+        trainer.train_step()
+        torch.cuda.synchronize()
+        torch.cuda.memory._record_memory_history(max_entries=200000)
+        trainer.train_step()
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        at_rest = {k: int(v) for k, v in trainer.strategy.memory_bytes().items()}
+    torch.cuda.empty_cache()
+    live, total, peak, at_peak = {}, 0, 0, {}
+    before = sum(b["size"] for seg in snapshot["segments"] for b in seg["blocks"] if b["state"] == "active_allocated")
+    for event in snapshot["device_traces"][0]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = (event["size"], _where(event.get("frames", [])))
+            total += event["size"]
+        elif event["action"] == "free_requested":  # also of blocks allocated before the recording began
+            total -= event["size"]
+            live.pop(event["addr"], None)
+        if total > peak:
+            peak, at_peak = total, dict(live)
+    largest = sorted(at_peak.values(), key=lambda v: -v[0])[:count]
+    predicted = plan.plan(plan.PlanInput(model=cfg.model, params=plan.model_params(cfg.model), zero=zero,
+                                         micro_batch=batch, precision="bf16", activation_checkpointing=checkpointing,
+                                         hardware=plan.PRESETS["h100-sxm"]))["bytes_per_rank"]
+    return {"zero": zero, "activation_checkpointing": checkpointing, "allocated_at_end": before, "at_rest": at_rest,
+            "peak_over_start": peak, "largest_at_peak": [{"bytes": size, "where": where} for size, where in largest],
+            "plan": predicted}
+
+
+def _where(frames: list[dict]) -> str:
+    """The allocation's innermost frames in this project or torch.nn, as file:line function."""
+    picked = [f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}" for f in frames
+              if "minitrain" in f["filename"] or "torch/nn" in f["filename"] or "autograd" in f["filename"]]
+    return " < ".join(picked[:3]) or (frames[0]["name"] if frames else "?")
 
 
 def _measure(topo, batch: int, steps: int) -> dict:
@@ -135,7 +212,8 @@ def _measure(topo, batch: int, steps: int) -> dict:
     return {"device": torch.cuda.get_device_name(), "cuda": torch.version.cuda, "nccl": ".".join(
         map(str, torch.cuda.nccl.version())), "backend": topo.backend, "memory": memory_rows(topo, batch),
             "timings": timing_rows(topo, batch, steps), "top_kernels": top_kernels(topo, batch),
-            "against_plain": against_plain(topo)}
+            "against_plain": against_plain(topo), "peak": [peak_composition(topo, batch, 0, "block"),
+                                                         peak_composition(topo, batch, 0, "none")]}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -165,9 +243,17 @@ def main(argv: list[str] | None = None) -> None:
                        [[k["name"], k["calls"], f"{k['device_ms']:.2f}", f"{k['share']:.1%}"]
                         for k in body["top_kernels"]]))
     vs = body["against_plain"]
-    print(f"against the plain loop, batch {vs['batch']}: step {1000 * vs['ours']['wall_s']:.1f} vs "
-          f"{1000 * vs['plain']['wall_s']:.1f} ms wall, device busy {1000 * vs['ours']['busy_s']:.1f} vs "
-          f"{1000 * vs['plain']['busy_s']:.1f} ms")
+    for side in ("ours", "ours_read_at_once", "plain"):
+        k = vs[side]
+        print(f"{side}, batch {vs['batch']}: wall {1000 * k['wall_s']:.1f} ms/step, device busy "
+              f"{1000 * k['busy_s']:.1f}; device idle (ms/step) by the host's phase: "
+              + ", ".join(f"{name} {1000 * ms:.2f}" for name, ms in k["idle_by_phase"].items())
+              + "; by its operation: " + ", ".join(f"{name[:40]} {1000 * ms:.2f}" for name, ms in k["idle_by_op"].items()))
+    for p in body["peak"]:
+        print(f"peak, ZeRO-{p['zero']} {p['activation_checkpointing']}: {human_bytes(p['peak_over_start'])} over "
+              f"{human_bytes(p['allocated_at_end'])} at the step's end; plan {p['plan']}")
+        for block in p["largest_at_peak"]:
+            print(f"    {human_bytes(block['bytes']):>10}  {block['where']}")
     print(format_table(["kernel (ours - plain)", "ms per step"],
                        [[k["name"], f"{k['extra_ms']:+.2f}"] for k in vs["kernels_more"] + vs["kernels_less"]]))
     print(f"wrote {path}")

@@ -6,8 +6,9 @@
 #
 # A machine without this project's dependencies gets them from wheels in .whl/ (pip download ... -d .whl); the
 # package itself runs from src/. Writes under $OUT: all.log (everything printed), gpu.json (benchmarks/gpu.py:
-# memory against the plan, NCCL timings, offload, top kernels, against the plain loop), throughput_gpu.json and
-# throughput_gpu_compiled.json (benchmarks/throughput.py: tokens/s and MFU against a plain PyTorch loop). Copied
+# memory against the plan, NCCL timings, offload, top kernels, against the plain loop, what the peak holds),
+# throughput_gpu.json, throughput_gpu_read_at_once.json (--late-stats off) and throughput_gpu_compiled.json
+# (benchmarks/throughput.py: tokens/s and MFU against a plain PyTorch loop). Copied
 # into benchmarks/results/, `python benchmarks/tables.py` renders them into the README's "On a GPU".
 set -u
 OUT=${OUT:-/tmp/gpu-session}
@@ -28,12 +29,14 @@ part() {  # part SECONDS TITLE COMMAND...
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
 python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), torch.cuda.get_device_name())"
 
-part 120 "benchmarks/gpu.py" python3 benchmarks/gpu.py --out "$OUT/gpu.json"
-part 70 "throughput, eager" python3 benchmarks/throughput.py --configs gpt2-124m/bf16 --batch-size 16 --rounds 3 \
+part 110 "GPU tests" python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --timeout 100 tests/test_gpu.py
+part 60 "throughput, eager" python3 benchmarks/throughput.py --configs gpt2-124m/bf16 --batch-size 16 --rounds 7 \
     --out "$OUT/throughput_gpu.json"
-part 170 "GPU tests" python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --timeout 160 tests/test_gpu.py
-part 150 "throughput, compiled" python3 benchmarks/throughput.py --configs gpt2-124m/bf16 --batch-size 16 \
-    --rounds 3 --compile --out "$OUT/throughput_gpu_compiled.json"
-part 45 "minitrain train on the GPU, as a user runs it" python3 -m minitrain train --preset small --zero 2 \
+part 60 "throughput, eager, statistics read at once" python3 benchmarks/throughput.py --configs gpt2-124m/bf16 \
+    --batch-size 16 --rounds 7 --late-stats off --out "$OUT/throughput_gpu_read_at_once.json"
+part 170 "benchmarks/gpu.py" python3 benchmarks/gpu.py --out "$OUT/gpu.json"
+part 120 "throughput, compiled" python3 benchmarks/throughput.py --configs gpt2-124m/bf16 --batch-size 16 \
+    --rounds 7 --compile --out "$OUT/throughput_gpu_compiled.json"
+part 40 "minitrain train on the GPU, as a user runs it" python3 -m minitrain train --preset small --zero 2 \
     --precision bf16 --steps 30 --train.log_every 10 --memory-profile --out /tmp/cli-run
 echo "=== done $(date +%T)"

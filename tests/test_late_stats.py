@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import statistics
 
 import pytest
 
@@ -44,6 +45,7 @@ def _steps(topo, late: str, zero: int) -> dict:
                 trainer.train_step()
         last = trainer.settle()
         return {"records": [{k: getattr(r, k) for k in SAME} for r in records + [last] if r is not None],
+                "times": [r.step_time_s for r in records + [last] if r is not None],
                 "returned": returned, "last": None if last is None else last.step, "late": trainer.late_stats,
                 "state": trainer.strategy.state_snapshot(), "steps_taken": trainer.strategy.optimizer.steps_taken}
 
@@ -60,6 +62,8 @@ def test_late_statistics_are_the_read_at_once_ones_a_step_later(world, zero):
     assert on["returned"] == [None] + list(range(1, STEPS)) and on["last"] == STEPS  # the step before's; settle()
     assert json.dumps(on["records"]) == json.dumps(off["records"])  # the same figures to the bit, NaN step included
     assert [r["skipped"] for r in on["records"]] == [s == BAD for s in range(1, STEPS + 1)]
+    # Each step's own time, also for the one read at once by settle() (not the interval since the last read).
+    assert min(on["times"]) >= 0.2 * statistics.median(on["times"]), on["times"]
     # The fused kernel takes a skipped step back from its own count: no host read decides it.
     assert on["steps_taken"] == off["steps_taken"] == STEPS - 1
     assert same_state(on["state"], off["state"])

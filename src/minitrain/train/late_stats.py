@@ -22,11 +22,13 @@ class LaunchedStep:
     loss_scale: float
     tokens_seen: int
     start: float  # host clock when the step began
+    start_mark: torch.cuda.Event | None  # on a GPU: where the device began it
+    ended: float  # host clock when its launch returned (on the CPU, when it was done)
     timer: StepTimer  # its phases' marks
     sync_marks: tuple | None  # its gradient sync's marks (FlatStrategy.sync_at)
     bracketed: dict  # --measure-sync's figures
     rows: torch.Tensor  # every rank's packed RankStats, on the host (once `copied` has fired)
-    copied: torch.cuda.Event | None  # on a GPU: fires when `rows` is complete
+    copied: torch.cuda.Event | None  # on a GPU: fires when `rows` is complete (and ends the step's time)
     comm: tuple[OpStats | None, OpStats | None]  # collective totals before and after it (None: taken at the read)
 
 

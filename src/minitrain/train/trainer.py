@@ -151,7 +151,6 @@ class Trainer:
         self._device_busy = 0.0  # on a GPU: the last step's busy seconds, from its events (train_step)
         self.late_stats = reads_late(cfg, topo.device, self.strategy, self.loss_scaler, self.pipeline)
         self._unread: LaunchedStep | None = None  # late statistics: the step launched and not read yet
-        self._last_read_end = 0.0  # when the last step's statistics were read
         self._comm_at_read: OpStats | None = None  # a device clock's collective totals at the last read
 
     @property
@@ -243,6 +242,12 @@ class Trainer:
         if measure_sync:
             comm.barrier()  # every rank starts the step together
         start = time.perf_counter()
+        # On a GPU the step's time is the device's, from where it reaches this mark to the exchange's end: the host
+        # runs ahead of it (a step launched while the last one still runs), so its clock would not tell.
+        start_mark = None
+        if self.topo.device.type == "cuda":
+            start_mark = torch.cuda.Event(enable_timing=True)
+            start_mark.record()
         timer = self.timer = StepTimer(self.topo.device)
         timer.start()
         strategy.ledger.reset_peak()
@@ -270,7 +275,7 @@ class Trainer:
         self.tokens_seen += self.tokens_per_step
         rows, copied = self._exchange(loss_sum, norm, busy, requests)
         return LaunchedStep(step=self.step, lr=lr, loss_scale=loss_scale, tokens_seen=self.tokens_seen, start=start,
-                            timer=timer, sync_marks=strategy.take_sync_marks(), bracketed=bracketed, rows=rows,
+                            start_mark=start_mark, ended=time.perf_counter(), timer=timer, sync_marks=strategy.take_sync_marks(), bracketed=bracketed, rows=rows,
                             copied=copied, comm=(before, None if on_device else self._comm_totals()))
 
     def _read(self, launched: LaunchedStep) -> StepRecord:
@@ -281,11 +286,8 @@ class Trainer:
         self.agreed = Agreed.of(rows)
         skipped = not math.isfinite(rows[0].grad_norm)  # global: the same on every rank (the kernel un-counted it)
         overflow = self.nonfinite.after_step(launched.step, skipped)
-        now = time.perf_counter()
-        # The step's time: from its start, or, when it was launched before the last step was read, from that read
-        # (steps then follow one another on the device, and this is the interval between their ends).
-        elapsed = now - max(launched.start, self._last_read_end)
-        self._last_read_end = now
+        elapsed = (launched.start_mark.elapsed_time(launched.copied) / 1000 if launched.copied is not None
+                   else launched.ended - launched.start)
         phases = self._phases(launched.timer, elapsed)
         before, after = launched.comm
         if after is None:  # a device clock: what was booked since the last read (this step's events are done)
@@ -395,7 +397,7 @@ class Trainer:
         if rows.device.type == "cuda":
             host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
             host.copy_(rows, non_blocking=True)
-            rows, copied = host, torch.cuda.Event()
+            rows, copied = host, torch.cuda.Event(enable_timing=True)
             copied.record()
         else:
             rows = rows.cpu()

@@ -370,3 +370,47 @@ def test_a_damaged_local_copy_is_fetched_again_not_returned(s3, tmp_path):
     shard.write_bytes(bytes(data))
     again = remote.fetch(url, 2, tmp_path / "copy")
     assert checkpoint.verify(again)[1]["step"] == 2
+
+
+def _train_on_own_disks(topo, root: str, url: str, *extra: str) -> dict:
+    """One rank of a cluster whose machines share no OUT: each rank trains with an OUT of its own."""
+    from minitrain.apps.cli import build_parser, resolve_config
+    from minitrain.config import ConfigError
+    from minitrain.train.loop import train_worker
+
+    out = Path(root) / f"machine-{topo.rank}"
+    store = ("--ckpt.dir", url) if url else ()
+    cfg = resolve_config(build_parser().parse_args(["train", *TINY, "--nproc", "2", "--zero", "2", "--out", str(out),
+                                                    *store, *extra]))
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        train_worker(topo, cfg)
+    except ConfigError as e:
+        return {"error": str(e)}
+    return {"shards_left": sorted(p.parent.name + "/" + p.name for p in out.rglob("rank-*.safetensors"))}
+
+
+def test_machines_without_a_shared_out_assemble_each_checkpoint_in_the_store(s3, tmp_path, capfd):
+    # Each machine its own disk: a machine's checkpoint directory holds its own ranks' files; each rank uploads its
+    # own, rank 0 the manifest, and the checkpoint is whole in the store only. Both disks lost, the run resumes from
+    # there on every machine, bit-identical to a run on one shared OUT.
+    from .dist import run_ranks
+
+    url = f"s3://{BUCKET}/own-disks"
+    _train(tmp_path / "reference", "--nproc", "2", "--zero", "2")
+    machines = str(tmp_path / "machines")
+    stopped = run_ranks(_train_on_own_disks, 2, machines, url, "--ckpt-every-steps", "3", "--stop-at", "3")
+    assert f"checkpoint {url}/step-000003; continue with --resume auto" in capfd.readouterr().out
+    assert stopped == [{"shards_left": []}] * 2  # a machine's share resumes nothing: removed once committed
+    assert remote.committed_steps(url) == [3] and len(remote.read_commit(url, 3)["files"]) == 4
+    shutil.rmtree(machines)
+    fetched_there = [f"step-000003/rank-0000{r}.safetensors" for r in range(2)]  # whole: fetched for the resume
+    assert run_ranks(_train_on_own_disks, 2, machines, url, "--ckpt-every-steps", "3", "--resume", "auto") == [
+        {"shards_left": fetched_there}] * 2
+    assert remote.committed_steps(url) == [6, 3]
+    fetched = remote.fetch(url, 6, tmp_path / "fetched")
+    mine, reference = _final_tensors(fetched), _final_tensors(tmp_path / "reference")
+    assert mine.keys() == reference.keys() and all(torch.equal(mine[k], reference[k]) for k in mine)
+    # Without a store such a run could save nothing whole: refused before its first step, on every rank.
+    refused = run_ranks(_train_on_own_disks, 2, str(tmp_path / "nostore"), "")
+    assert all("is not one directory for every rank" in r["error"] and "--ckpt.dir" in r["error"] for r in refused)

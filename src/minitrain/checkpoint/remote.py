@@ -20,6 +20,10 @@ once every file arrived and the whole checkpoint verified against its manifest, 
 commit's): a tampered or truncated object is refused naming it. Listings are read afresh (fsspec's listing cache
 invalidated) every time.
 
+Where each machine has a disk of its own (OUT not shared), a machine's OUT/checkpoints holds its own ranks' files
+and the manifest: each rank uploads its file, rank 0 the manifest, and once committed a machine's partial copy is
+removed; the checkpoint exists whole in the store only, and a resume fetches it onto every machine.
+
 Transient failures (a dropped connection, a throttled request) are retried with bounded exponential backoff;
 after the last try the error names the object. A failed upload leaves the previous committed checkpoint as it was.
 
@@ -42,7 +46,7 @@ import uuid
 from pathlib import Path
 
 from .files import _write_durably, find_latest, read_manifest, verify
-from .format import LATEST, MANIFEST, MANIFEST_SHA, CheckpointError, step_dir_name, step_of
+from .format import LATEST, MANIFEST, MANIFEST_SHA, CheckpointError, shard_file_name, step_dir_name, step_of
 
 TRIES = 5  # attempts of one operation on the store before it fails the save or the load
 FIRST_BACKOFF_S = 0.5  # then 1, 2, 4: 7.5 s of waiting in all
@@ -309,12 +313,19 @@ def upload_collectively(step_dir: Path, url: str, topo, keep_last: int = 0) -> N
     """Collective: every rank uploads its share of a complete local step directory's files to URL; once all have,
     rank 0 commits the checkpoint there and sweeps what no commit names (and all but keep_last). A failure anywhere
     raises CheckpointError on every rank, naming the object; what was committed before stays."""
-    everyone = topo.everyone
-    names = sorted(p.name for p in Path(step_dir).iterdir())
-    error = _failure(lambda: upload_files(step_dir, url, names[topo.rank::topo.world_size]))
-    _raise_if_any(everyone.gather_json(error), f"uploading {Path(step_dir).name} to {url}")
+    everyone, step_dir = topo.everyone, Path(step_dir)
+    names = sorted(p.name for p in step_dir.iterdir())
+    whole = everyone.gather_json(_whole(step_dir))
+    # One directory for all (a shared OUT): the files dealt out. Each machine its own disk: each rank's own file,
+    # and rank 0's the manifest (writing.commit gave every machine a copy).
+    mine = (names[topo.rank::topo.world_size] if all(whole) else
+            [shard_file_name(topo.rank)] + ([MANIFEST, MANIFEST_SHA] if topo.is_main else []))
+    error = _failure(lambda: upload_files(step_dir, url, mine))
+    _raise_if_any(everyone.gather_json(error), f"uploading {step_dir.name} to {url}")
     error = _failure(lambda: commit_upload(step_dir, url)) if topo.is_main else None
-    _raise_if_any(everyone.gather_json(error), f"committing {Path(step_dir).name} in {url}")
+    _raise_if_any(everyone.gather_json(error), f"committing {step_dir.name} in {url}")
+    if not whole[topo.rank]:  # a machine's share of a checkpoint resumes nothing: the store holds it whole
+        shutil.rmtree(step_dir, ignore_errors=True)
     if topo.is_main:  # the checkpoint is committed; leftovers that stay are swept by a later save
         swept = _failure(lambda: sweep(url, keep_last))
         if swept:
@@ -406,6 +417,11 @@ def newest_locally(url: str, local_root: Path) -> Path | None:
     fetched = fetch(url, step, local_root)
     _write_durably(local_root / LATEST, fetched.name + "\n")  # what --resume auto looks at first
     return fetched
+
+
+def _whole(step_dir: Path) -> bool:
+    """step_dir holds every file its manifest names (not only this machine's ranks')."""
+    return all((step_dir / entry["name"]).is_file() for entry in read_manifest(step_dir)["files"])
 
 
 def _verifies(step_dir: Path, commit: dict) -> bool:

@@ -7,6 +7,7 @@ import math
 import os
 import shutil
 import threading
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -110,8 +111,11 @@ class ShardWrite:
     """One rank's part of one save: the snapshot to write and, once written, its outcome."""
 
     def __init__(self, root: Path, step: int, topo: Topology, strategy: FlatStrategy, train_state: dict,
-                 run_config: dict, copy: bool, after_written: Callable[[int], None] | None = None):
+                 run_config: dict, copy: bool, after_written: Callable[[int], None] | None = None,
+                 sharing: list[int] | None = None):
+        """sharing: the ranks writing into this rank's temporary directory (begin; default: every rank)."""
         self.root, self.step, self.topo, self.strategy = root, step, topo, strategy
+        self.sharing = list(range(topo.world_size)) if sharing is None else sharing
         self.train_state, self.run_config, self.after_written = train_state, run_config, after_written
         self.final, self.tmp = root / step_dir_name(step), root / f".tmp-{step_dir_name(step)}"
         self.path = self.tmp / shard_file_name(topo.rank)
@@ -164,8 +168,26 @@ class ShardWrite:
         return self.row is not None or self.error is not None
 
 
-def begin(root: str | os.PathLike, step: int, topo: Topology) -> None:
-    """Collective: rank 0 sweeps crashed saves' leftovers and makes this save's temporary directory."""
+def sharing_ranks(directory: Path, topo: Topology) -> list[int]:
+    """Collective: the ranks for which `directory` is this rank's own (the same filesystem), found by each rank
+    leaving a mark in it: every rank on a shared filesystem; this machine's ranks where each machine has a disk of
+    its own (a cluster without a shared OUT)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    # Marks of this call only: a directory left by a crashed run may hold older ones.
+    [token] = topo.everyone.gather_json(uuid.uuid4().hex[:12] if topo.is_main else None)[:1]
+    mark = directory / f".rank-{topo.rank}-{token}"
+    mark.touch()
+    topo.everyone.barrier()
+    ranks = sorted(int(p.name.split("-")[1]) for p in directory.glob(f".rank-*-{token}"))
+    topo.everyone.barrier()  # every rank has looked before any mark goes
+    mark.unlink()
+    return ranks
+
+
+def begin(root: str | os.PathLike, step: int, topo: Topology) -> list[int]:
+    """Collective: rank 0 sweeps crashed saves' leftovers and makes this save's temporary directory; where OUT is
+    not shared (each machine its own disk), each machine's ranks make one on theirs. Returns the ranks writing into
+    this rank's temporary directory (sharing_ranks)."""
     root = Path(root)
     tmp = root / f".tmp-{step_dir_name(step)}"
     if topo.is_main:
@@ -176,6 +198,9 @@ def begin(root: str | os.PathLike, step: int, topo: Topology) -> None:
             _settle_moved_aside(root, moved)
         tmp.mkdir()
     topo.everyone.barrier()
+    if not tmp.is_dir():  # another machine's disk: this save's directory there (a crashed save's is reused)
+        tmp.mkdir(parents=True, exist_ok=True)
+    return sharing_ranks(tmp, topo)
 
 
 def commit(job: ShardWrite) -> Path:
@@ -202,32 +227,45 @@ def commit(job: ShardWrite) -> Path:
             raise CheckpointError(f"{where} failed on rank {topo.rank}: {job.error}; `latest` still names the "
                                   "previous checkpoint")
         raise PeerSaveError(f"step {job.step}: checkpoint not saved: rank(s) {failed} could not write their shard")
+    text = None
     if topo.is_main:
-        root, final, tmp = job.root, job.final, job.tmp
-        manifest = _manifest(job.step, topo, job.strategy, job.train_state, job.run_config, job.keys,
-                             [r[1:] for r in rows], held, described)
-        text = json.dumps(manifest, indent=1)
-        (tmp / MANIFEST).write_text(text)
-        _fsync_file(tmp / MANIFEST)
-        (tmp / MANIFEST_SHA).write_text(hashlib.sha256(text.encode()).hexdigest() + "\n")
-        _fsync_file(tmp / MANIFEST_SHA)
-        _fsync_dir(tmp)
-        old = _move_aside(root, final) if final.exists() else None
-        os.replace(tmp, final)
-        _fsync_dir(root)
-        _write_durably(root / LATEST, final.name + "\n")
-        if old is not None:
-            shutil.rmtree(old)
+        text = json.dumps(_manifest(job.step, topo, job.strategy, job.train_state, job.run_config, job.keys,
+                                    [r[1:] for r in rows], held, described), indent=1)
+        _complete(job, text, latest=True)
+    if len(job.sharing) < topo.world_size:
+        # Each machine its own disk: the manifest goes to every machine, whose copy holds its own ranks' files
+        # (whole only in the store: --ckpt.dir, remote.upload_collectively).
+        [text] = topo.everyone.gather_json(text)[:1]
+        if 0 not in job.sharing and topo.rank == min(job.sharing):
+            _complete(job, text, latest=False)
     topo.everyone.barrier()
     return job.final
+
+
+def _complete(job: ShardWrite, text: str, latest: bool) -> None:
+    """Write the manifest into the temporary directory and rename it into place (and with `latest`, point
+    `latest` at it)."""
+    root, final, tmp = job.root, job.final, job.tmp
+    (tmp / MANIFEST).write_text(text)
+    _fsync_file(tmp / MANIFEST)
+    (tmp / MANIFEST_SHA).write_text(hashlib.sha256(text.encode()).hexdigest() + "\n")
+    _fsync_file(tmp / MANIFEST_SHA)
+    _fsync_dir(tmp)
+    old = _move_aside(root, final) if final.exists() else None
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    if latest:
+        _write_durably(root / LATEST, final.name + "\n")
+    if old is not None:
+        shutil.rmtree(old)
 
 
 def save(root: str | os.PathLike, step: int, topo: Topology, strategy: FlatStrategy,
          train_state: dict, run_config: dict, after_written: Callable[[int], None] | None = None) -> Path:
     """Collective: every rank calls it. Returns the final step directory."""
-    begin(root, step, topo)
+    sharing = begin(root, step, topo)
     job = ShardWrite(Path(root), step, topo, strategy, train_state, run_config, copy=False,
-                     after_written=after_written)
+                     after_written=after_written, sharing=sharing)
     job.write()
     return commit(job)
 
@@ -239,9 +277,9 @@ class AsyncSave:
 
     def __init__(self, root: str | os.PathLike, step: int, topo: Topology, strategy: FlatStrategy,
                  train_state: dict, run_config: dict, after_written: Callable[[int], None] | None = None):
-        begin(root, step, topo)
+        sharing = begin(root, step, topo)
         self.job = ShardWrite(Path(root), step, topo, strategy, train_state, run_config, copy=True,
-                              after_written=after_written)
+                              after_written=after_written, sharing=sharing)
         self._thread = threading.Thread(target=self.job.write, name=f"checkpoint-step-{step}", daemon=True)
         self._thread.start()
 

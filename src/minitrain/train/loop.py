@@ -21,7 +21,7 @@ import torch
 from .. import checkpoint
 from ..checkpoint import remote
 from . import memory
-from ..config import RunConfig, profile_range
+from ..config import ConfigError, RunConfig, profile_range
 from .metrics import (
     MetricsWriter,
     best_val_loss,
@@ -47,6 +47,18 @@ def train_worker(topo: Topology, cfg: RunConfig) -> dict:
     return TrainingRun(topo.with_layout(cfg.dist.tp, cfg.dist.pp), cfg).run()
 
 
+def check_shared_out(out: Path, topo: Topology, store: str) -> None:
+    """Collective: OUT must be one directory for every rank (a filesystem the machines share), or checkpoints go to
+    a store (--ckpt.dir), where each machine's ranks' files are assembled whole: else no save could be resumed."""
+    sharing = checkpoint.sharing_ranks(out, topo)
+    if len(sharing) < topo.world_size and not store:
+        others = sorted(set(range(topo.world_size)) - set(sharing))
+        raise ConfigError(f"--out {out} is not one directory for every rank: rank {topo.rank} does not see rank(s) "
+                          f"{others[:8]}{' ...' if len(others) > 8 else ''} write there (each machine its own "
+                          "disk); put OUT on a filesystem every machine shares, or give --ckpt.dir "
+                          "s3://bucket/prefix, where each checkpoint is assembled whole")
+
+
 class TrainingRun:
     def __init__(self, topo: Topology, cfg: RunConfig):
         self.topo, self.cfg = topo, cfg
@@ -54,6 +66,7 @@ class TrainingRun:
         self.stop_request = StopRequest().install()
         self.out = Path(cfg.out)
         self.ckpt_root = self.out / "checkpoints"
+        check_shared_out(self.out, topo, cfg.ckpt.dir)
         self.trainer = Trainer(cfg, topo)
         self.topo = topo = self.trainer.topo  # the groups it trains on (under expert parallelism, its own)
         self.start_path = resume_path(cfg)
@@ -185,9 +198,10 @@ class TrainingRun:
             self._saved(pending.commit())
 
     def _saved(self, step_dir: Path) -> None:
-        self.saved.append(str(step_dir))
         if self.cfg.ckpt.dir:  # collective: committed in the store once every rank's files are there
             remote.upload_collectively(step_dir, self.cfg.ckpt.dir, self.topo, self.cfg.ckpt.keep_last)
+        # Where OUT is not shared, the checkpoint is whole in the store only (the machines' shares are removed).
+        self.saved.append(str(step_dir) if step_dir.is_dir() else f"{self.cfg.ckpt.dir.rstrip('/')}/{step_dir.name}")
         self.cadence.saved()
         if self.cfg.ckpt.keep_last and self.topo.is_main:
             checkpoint.prune(self.ckpt_root, self.cfg.ckpt.keep_last)

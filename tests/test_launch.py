@@ -47,6 +47,20 @@ def test_ranks_get_identity_and_one_thread():
     assert not any(_alive(r[4]) for r in results)
 
 
+def _variable(_topo, name: str):
+    return os.environ.get(name)
+
+
+def test_a_variable_set_after_the_fork_server_started_reaches_the_ranks(monkeypatch):
+    # Ranks fork from a server started by the first launch: they got its environment, so credentials a test (or a
+    # program) set later never reached them.
+    run_ranks(_variable, 1, "MINITRAIN_SET_LATE")  # the server is up
+    monkeypatch.setenv("MINITRAIN_SET_LATE", "seen")
+    assert run_ranks(_variable, 2, "MINITRAIN_SET_LATE") == ["seen", "seen"]
+    monkeypatch.delenv("MINITRAIN_SET_LATE")
+    assert run_ranks(_variable, 1, "MINITRAIN_SET_LATE") == [None]
+
+
 def test_failure_on_one_rank_ends_all_and_names_it():
     start = time.monotonic()
     with pytest.raises(RankFailedError) as info:

@@ -121,9 +121,12 @@ def _rank_context():
     return ctx
 
 
-def _rank_main(fn, args, rank, nproc, port, backend, pg_timeout_s, threads, conn, lifeline) -> None:
+def _rank_main(fn, args, rank, nproc, port, backend, pg_timeout_s, threads, conn, lifeline, environ) -> None:
     _die_with_launcher(lifeline)
-    # Forked from the server, a rank has the server's environment, not the launcher's: set it here.
+    # Forked from the server, a rank has the server's environment (the launcher's when the server started), not
+    # the launcher's now: set that here (a variable set since, e.g. a store's credentials, reaches the ranks).
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
                       LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
@@ -198,7 +201,7 @@ def launch(fn, nproc: int, *args, backend: str = "auto", pg_timeout_s: float = 3
                 watch_end, hold_end = ctx.Pipe(duplex=False)  # held open here until the ranks are gone
                 p = ctx.Process(target=_rank_main, name=f"minitrain-rank{rank}", daemon=True,
                                 args=(fn, args, rank, nproc, port, backend, pg_timeout_s, threads_per_rank, send_end,
-                                      watch_end))
+                                      watch_end, dict(os.environ)))
                 procs.append(p)
                 p.start()
                 send_end.close()

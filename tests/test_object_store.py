@@ -384,10 +384,11 @@ def _train_on_own_disks(topo, root: str, url: str, *extra: str) -> dict:
                                                     *store, *extra]))
     out.mkdir(parents=True, exist_ok=True)
     try:
-        train_worker(topo, cfg)
+        summary = train_worker(topo, cfg)
     except ConfigError as e:
         return {"error": str(e)}
-    return {"shards_left": sorted(p.parent.name + "/" + p.name for p in out.rglob("rank-*.safetensors"))}
+    return {"shards_left": sorted(p.parent.name + "/" + p.name for p in out.rglob("rank-*.safetensors")),
+            "rolled_back_to": [event["to_step"] for event in summary["rollbacks"]]}
 
 
 def test_machines_without_a_shared_out_assemble_each_checkpoint_in_the_store(s3, tmp_path, capfd):
@@ -401,16 +402,70 @@ def test_machines_without_a_shared_out_assemble_each_checkpoint_in_the_store(s3,
     machines = str(tmp_path / "machines")
     stopped = run_ranks(_train_on_own_disks, 2, machines, url, "--ckpt-every-steps", "3", "--stop-at", "3")
     assert f"checkpoint {url}/step-000003; continue with --resume auto" in capfd.readouterr().out
-    assert stopped == [{"shards_left": []}] * 2  # a machine's share resumes nothing: removed once committed
+    # A machine's share resumes nothing: removed once committed.
+    assert stopped == [{"shards_left": [], "rolled_back_to": []}] * 2
     assert remote.committed_steps(url) == [3] and len(remote.read_commit(url, 3)["files"]) == 4
     shutil.rmtree(machines)
-    fetched_there = [f"step-000003/rank-0000{r}.safetensors" for r in range(2)]  # whole: fetched for the resume
-    assert run_ranks(_train_on_own_disks, 2, machines, url, "--ckpt-every-steps", "3", "--resume", "auto") == [
-        {"shards_left": fetched_there}] * 2
-    assert remote.committed_steps(url) == [6, 3]
+    # Step 3 fetched for the resume, then pruned by keep_last 1 when step 6 was saved; step 6's share removed.
+    assert run_ranks(_train_on_own_disks, 2, machines, url, "--ckpt-every-steps", "3", "--resume", "auto",
+                     "--ckpt.keep_last", "1") == [{"shards_left": [], "rolled_back_to": []}] * 2
+    assert remote.committed_steps(url) == [6]  # keep_last 1 in the store too
     fetched = remote.fetch(url, 6, tmp_path / "fetched")
     mine, reference = _final_tensors(fetched), _final_tensors(tmp_path / "reference")
     assert mine.keys() == reference.keys() and all(torch.equal(mine[k], reference[k]) for k in mine)
     # Without a store such a run could save nothing whole: refused before its first step, on every rank.
     refused = run_ranks(_train_on_own_disks, 2, str(tmp_path / "nostore"), "")
     assert all("is not one directory for every rank" in r["error"] and "--ckpt.dir" in r["error"] for r in refused)
+
+
+def test_a_loss_spike_on_machines_without_a_shared_out_rolls_back_to_the_store_s_checkpoint(s3, tmp_path):
+    # No machine keeps a whole checkpoint: the rollback target is the store's, fetched onto every machine.
+    from .dist import run_ranks
+
+    spike = ("--steps", "16", "--ckpt-every-steps", "5", "--fault.kind", "lr-spike", "--fault.step", "12",
+             "--fault.lr_multiplier", "1000")
+    _train(tmp_path / "shared", "--nproc", "2", "--zero", "2", *spike)
+    machines = str(tmp_path / "machines")
+    [first, _] = run_ranks(_train_on_own_disks, 2, machines, f"s3://{BUCKET}/spike", *spike)
+    assert first["rolled_back_to"] == [10]
+    mine = _final_tensors(remote.fetch(f"s3://{BUCKET}/spike", 16, tmp_path / "fetched"))
+    reference = _final_tensors(tmp_path / "shared")
+    assert mine.keys() == reference.keys() and all(torch.equal(mine[k], reference[k]) for k in mine)
+
+
+def test_a_background_save_uploads_in_the_background(s3, tmp_path, monkeypatch):
+    # With --ckpt.async_save the upload runs in a thread too: the run goes on while it is in flight, and commits it
+    # in the store once every rank's share is up (the steps' exchange agrees on it); nothing is lost at the end.
+    from minitrain.train.loop import TrainingRun
+    from minitrain.train.run_config import run_config
+    from minitrain.runtime.topology import Topology
+
+    url = f"s3://{BUCKET}/background"
+    upload, commit = remote.upload_files, remote.commit_upload
+    committed_at, uploading = {}, {}
+
+    def slow_upload(step_dir, *args):
+        began = run.trainer.step
+        time.sleep(0.5)  # a slow store
+        upload(step_dir, *args)
+        uploading[checkpoint.step_of(step_dir)] = (began, run.trainer.step)
+
+    def record_commit(step_dir, *args):
+        committed_at[checkpoint.step_of(step_dir)] = run.trainer.step
+        return commit(step_dir, *args)
+
+    monkeypatch.setattr(remote, "upload_files", slow_upload)
+    monkeypatch.setattr(remote, "commit_upload", record_commit)
+    values = {"model.preset": "tiny", "train.steps": 15, "train.log_every": 0, "ckpt.every_steps": 5,
+              "ckpt.async_save": True, "ckpt.dir": url, "out": str(tmp_path / "run")}
+    run = TrainingRun(Topology.single(), run_config(cli_values=values))
+    run.run()
+    assert sorted(committed_at) == [5, 10, 15] and remote.committed_steps(url) == [15, 10, 5]
+    # Training went on while each was uploading (the next save waits for it), and committed it after.
+    assert all(uploading[step][0] < uploading[step][1] <= step + 5 for step in (5, 10)), uploading
+    assert all(committed_at[step] > step for step in (5, 10))
+    assert committed_at[15] == 15  # the last one before the run ends
+    monkeypatch.undo()
+    fetched = _final_tensors(remote.fetch(url, 15, tmp_path / "fetched"))
+    local = _final_tensors(tmp_path / "run")
+    assert fetched.keys() == local.keys() and all(torch.equal(fetched[k], local[k]) for k in fetched)

@@ -41,6 +41,7 @@ import re
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -309,28 +310,76 @@ def fetch(url: str, step: int, local_root: Path) -> Path:
     return final
 
 
-def upload_collectively(step_dir: Path, url: str, topo, keep_last: int = 0) -> None:
-    """Collective: every rank uploads its share of a complete local step directory's files to URL; once all have,
-    rank 0 commits the checkpoint there and sweeps what no commit names (and all but keep_last). A failure anywhere
-    raises CheckpointError on every rank, naming the object; what was committed before stays."""
-    everyone, step_dir = topo.everyone, Path(step_dir)
-    names = sorted(p.name for p in step_dir.iterdir())
-    whole = everyone.gather_json(_whole(step_dir))
-    # One directory for all (a shared OUT): the files dealt out. Each machine its own disk: each rank's own file,
-    # and rank 0's the manifest (writing.commit gave every machine a copy).
-    mine = (names[topo.rank::topo.world_size] if all(whole) else
-            [shard_file_name(topo.rank)] + ([MANIFEST, MANIFEST_SHA] if topo.is_main else []))
-    error = _failure(lambda: upload_files(step_dir, url, mine))
-    _raise_if_any(everyone.gather_json(error), f"uploading {step_dir.name} to {url}")
-    error = _failure(lambda: commit_upload(step_dir, url)) if topo.is_main else None
-    _raise_if_any(everyone.gather_json(error), f"committing {step_dir.name} in {url}")
-    if not whole[topo.rank]:  # a machine's share of a checkpoint resumes nothing: the store holds it whole
-        shutil.rmtree(step_dir, ignore_errors=True)
-    if topo.is_main:  # the checkpoint is committed; leftovers that stay are swept by a later save
-        swept = _failure(lambda: sweep(url, keep_last))
-        if swept:
-            print(f"minitrain: warning: sweeping {url} after committing {Path(step_dir).name}: {swept}",
-                  file=sys.stderr, flush=True)
+class Upload:
+    """One checkpoint of OUT/checkpoints going up to the store: this rank's share of its files (one directory for
+    all: the files dealt out; each machine its own disk: each rank's own file, and rank 0's the manifest, which
+    writing.commit gave every machine), in a background thread when asked; then commit() (collective) writes the
+    commit object once every rank's share is up."""
+
+    def __init__(self, step_dir: Path, url: str, topo, keep_last: int = 0, background: bool = False):
+        """Collective (every rank says whether its copy is whole)."""
+        self.step_dir, self.url, self.topo, self.keep_last = Path(step_dir), url, topo, keep_last
+        self.whole = topo.everyone.gather_json(_whole(self.step_dir))
+        names = sorted(p.name for p in self.step_dir.iterdir())
+        self.mine = (names[topo.rank::topo.world_size] if all(self.whole) else
+                     [shard_file_name(topo.rank)] + ([MANIFEST, MANIFEST_SHA] if topo.is_main else []))
+        self.error: str | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._upload, name=f"upload-{self.step_dir.name}", daemon=True)
+        if background:
+            self._thread.start()
+        else:
+            self._upload()
+
+    def _upload(self) -> None:
+        self.error = _failure(lambda: upload_files(self.step_dir, self.url, self.mine))
+        self._done.set()
+
+    @property
+    def written(self) -> bool:
+        """This rank's share is up (or failed): commit would not wait for it."""
+        return self._done.is_set()
+
+    def commit(self) -> Path:
+        """Collective: once every rank's share is up, rank 0 commits the checkpoint in the store and sweeps what no
+        commit names (and all but keep_last); a machine's partial copy then goes. A failure anywhere raises
+        CheckpointError on every rank, naming the object; what was committed before stays. Returns the step
+        directory (gone where it held a machine's share only)."""
+        self._done.wait()
+        everyone, name = self.topo.everyone, self.step_dir.name
+        _raise_if_any(everyone.gather_json(self.error), f"uploading {name} to {self.url}")
+        error = _failure(lambda: commit_upload(self.step_dir, self.url)) if self.topo.is_main else None
+        _raise_if_any(everyone.gather_json(error), f"committing {name} in {self.url}")
+        if not self.whole[self.topo.rank]:  # a machine's share of a checkpoint resumes nothing: the store has it
+            _forget(self.step_dir)
+        if self.topo.is_main:  # the checkpoint is committed; leftovers that stay are swept by a later save
+            swept = _failure(lambda: sweep(self.url, self.keep_last))
+            if swept:
+                print(f"minitrain: warning: sweeping {self.url} after committing {name}: {swept}", file=sys.stderr,
+                      flush=True)
+        return self.step_dir
+
+
+def upload_collectively(step_dir: Path, url: str, topo, keep_last: int = 0) -> Path:
+    """Collective: Upload, at once (see there)."""
+    return Upload(step_dir, url, topo, keep_last).commit()
+
+
+def _forget(step_dir: Path) -> None:
+    """Remove a machine's share of a checkpoint, and `latest` where it names it."""
+    latest = step_dir.parent / LATEST
+    with contextlib.suppress(OSError):
+        if latest.read_text().strip() == step_dir.name:
+            latest.unlink()
+    shutil.rmtree(step_dir, ignore_errors=True)
+
+
+def fetch_each(url: str, step: int, local_root: Path, topo) -> Path:
+    """Collective: the committed checkpoint of `step` on every rank's disk (fetch: kept where a whole copy verifies,
+    downloaded elsewhere, e.g. on machines whose OUT is their own); CheckpointError on every rank if a rank cannot."""
+    error = _failure(lambda: fetch(url, step, local_root))
+    _raise_if_any(topo.everyone.gather_json(error), f"fetching {step_dir_name(step)} from {url}")
+    return Path(local_root) / step_dir_name(step)
 
 
 def fetch_collectively(url: str, step: int | None, local_root: Path, topo) -> Path:

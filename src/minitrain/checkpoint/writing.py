@@ -113,9 +113,9 @@ class ShardWrite:
     def __init__(self, root: Path, step: int, topo: Topology, strategy: FlatStrategy, train_state: dict,
                  run_config: dict, copy: bool, after_written: Callable[[int], None] | None = None,
                  sharing: list[int] | None = None):
-        """sharing: the ranks writing into this rank's temporary directory (begin; default: every rank)."""
+        """sharing: begin's sharing_ranks (default: one directory for every rank)."""
         self.root, self.step, self.topo, self.strategy = root, step, topo, strategy
-        self.sharing = list(range(topo.world_size)) if sharing is None else sharing
+        self.sharing = [list(range(topo.world_size))] * topo.world_size if sharing is None else sharing
         self.train_state, self.run_config, self.after_written = train_state, run_config, after_written
         self.final, self.tmp = root / step_dir_name(step), root / f".tmp-{step_dir_name(step)}"
         self.path = self.tmp / shard_file_name(topo.rank)
@@ -168,26 +168,32 @@ class ShardWrite:
         return self.row is not None or self.error is not None
 
 
-def sharing_ranks(directory: Path, topo: Topology) -> list[int]:
-    """Collective: the ranks for which `directory` is this rank's own (the same filesystem), found by each rank
-    leaving a mark in it: every rank on a shared filesystem; this machine's ranks where each machine has a disk of
-    its own (a cluster without a shared OUT)."""
+def sharing_ranks(directory: Path, topo: Topology) -> list[list[int]]:
+    """Collective: for every rank, the ranks for which `directory` is that rank's own (the same filesystem), found by
+    each rank leaving a mark in it: all of them on a shared filesystem; a machine's ranks where each machine has a
+    disk of its own (a cluster without a shared OUT). The same answer on every rank, so that every rank takes the
+    same branch after it."""
     directory.mkdir(parents=True, exist_ok=True)
     # Marks of this call only: a directory left by a crashed run may hold older ones.
     [token] = topo.everyone.gather_json(uuid.uuid4().hex[:12] if topo.is_main else None)[:1]
     mark = directory / f".rank-{topo.rank}-{token}"
     mark.touch()
     topo.everyone.barrier()
-    ranks = sorted(int(p.name.split("-")[1]) for p in directory.glob(f".rank-*-{token}"))
-    topo.everyone.barrier()  # every rank has looked before any mark goes
+    mine = sorted(int(p.name.split("-")[1]) for p in directory.glob(f".rank-*-{token}"))
+    everyone = topo.everyone.gather_json(mine)  # every rank has looked before any mark goes
     mark.unlink()
-    return ranks
+    return everyone
 
 
-def begin(root: str | os.PathLike, step: int, topo: Topology) -> list[int]:
+def shared_by_all(sharing: list[list[int]]) -> bool:
+    """sharing_ranks found one directory for every rank."""
+    return all(len(ranks) == len(sharing) for ranks in sharing)
+
+
+def begin(root: str | os.PathLike, step: int, topo: Topology) -> list[list[int]]:
     """Collective: rank 0 sweeps crashed saves' leftovers and makes this save's temporary directory; where OUT is
-    not shared (each machine its own disk), each machine's ranks make one on theirs. Returns the ranks writing into
-    this rank's temporary directory (sharing_ranks)."""
+    not shared (each machine its own disk), each machine's ranks make one on theirs, and its first rank sweeps that
+    machine's leftovers. Returns sharing_ranks of the temporary directory."""
     root = Path(root)
     tmp = root / f".tmp-{step_dir_name(step)}"
     if topo.is_main:
@@ -198,9 +204,17 @@ def begin(root: str | os.PathLike, step: int, topo: Topology) -> list[int]:
             _settle_moved_aside(root, moved)
         tmp.mkdir()
     topo.everyone.barrier()
-    if not tmp.is_dir():  # another machine's disk: this save's directory there (a crashed save's is reused)
+    if not tmp.is_dir():  # another machine's disk: this save's directory there
         tmp.mkdir(parents=True, exist_ok=True)
-    return sharing_ranks(tmp, topo)
+    sharing = sharing_ranks(tmp, topo)
+    mine = sharing[topo.rank]
+    if 0 not in mine and topo.rank == min(mine):  # that machine's leftovers
+        for stale in root.glob(".tmp-step-*"):
+            if stale.name != tmp.name:
+                shutil.rmtree(stale, ignore_errors=True)
+        for moved in root.glob(".old-step-*"):
+            _settle_moved_aside(root, moved)
+    return sharing
 
 
 def commit(job: ShardWrite) -> Path:
@@ -231,20 +245,20 @@ def commit(job: ShardWrite) -> Path:
     if topo.is_main:
         text = json.dumps(_manifest(job.step, topo, job.strategy, job.train_state, job.run_config, job.keys,
                                     [r[1:] for r in rows], held, described), indent=1)
-        _complete(job, text, latest=True)
-    if len(job.sharing) < topo.world_size:
+        _complete(job, text)
+    if not shared_by_all(job.sharing):
         # Each machine its own disk: the manifest goes to every machine, whose copy holds its own ranks' files
         # (whole only in the store: --ckpt.dir, remote.upload_collectively).
         [text] = topo.everyone.gather_json(text)[:1]
-        if 0 not in job.sharing and topo.rank == min(job.sharing):
-            _complete(job, text, latest=False)
+        mine = job.sharing[topo.rank]
+        if 0 not in mine and topo.rank == min(mine):
+            _complete(job, text)  # `latest` too: keep_last there must not take it for an abandoned line
     topo.everyone.barrier()
     return job.final
 
 
-def _complete(job: ShardWrite, text: str, latest: bool) -> None:
-    """Write the manifest into the temporary directory and rename it into place (and with `latest`, point
-    `latest` at it)."""
+def _complete(job: ShardWrite, text: str) -> None:
+    """Write the manifest into the temporary directory, rename it into place and point `latest` at it."""
     root, final, tmp = job.root, job.final, job.tmp
     (tmp / MANIFEST).write_text(text)
     _fsync_file(tmp / MANIFEST)
@@ -254,8 +268,7 @@ def _complete(job: ShardWrite, text: str, latest: bool) -> None:
     old = _move_aside(root, final) if final.exists() else None
     os.replace(tmp, final)
     _fsync_dir(root)
-    if latest:
-        _write_durably(root / LATEST, final.name + "\n")
+    _write_durably(root / LATEST, final.name + "\n")
     if old is not None:
         shutil.rmtree(old)
 

@@ -402,8 +402,8 @@ class FlatStrategy:
     def step_on_device(self, lr: float, loss_scale: float = 1.0) -> torch.Tensor:
         """step() without reading the gradient norm on the host: the clip coefficient and the skip of a
         non-finite step (found_inf) are computed and applied on the device; returns the norm as a float64
-        tensor, for the caller to read with the step's other statistics and then call
-        optimizer.unstep() if it was not finite. Only with steps_on_device (FlatAdamW's fused kernel)."""
+        tensor, for the caller to read with the step's other statistics (a skipped step the fused kernel also takes
+        back from its step count). Only with steps_on_device (FlatAdamW's fused kernel)."""
         try:
             norm = self._grad_norm_tensor(loss_scale)
             found_inf = (~torch.isfinite(norm)).to(torch.float32)

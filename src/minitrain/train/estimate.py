@@ -272,8 +272,9 @@ def _loss_in_compute_dtype(inp: PlanInput) -> bool:
     """Mixed precision on CUDA: cross_entropy passes its input's dtype to the log-softmax, which CUDA autocast
     respects (its log-probabilities are 16-bit), and the NLL loss, on autocast's float32 list, keeps a float32 copy
     of them. The CPU's autocast runs the whole cross-entropy in float32. Measured on an H100 (gpt2-124m, 8 x 1024
-    tokens): bf16 log-probabilities, their float32 copy and the NLL's float32 gradient at the loss's peak."""
-    return inp.precision != "fp32" and inp.hardware.device == "cuda"
+    tokens): bf16 log-probabilities, their float32 copy and the NLL's float32 gradient at the loss's peak. Not under
+    tensor parallelism, whose vocabulary-parallel loss computes its softmax in float32 on any device."""
+    return inp.precision != "fp32" and inp.hardware.device == "cuda" and inp.tp == 1
 
 
 def logprob_bytes(inp: PlanInput) -> int:

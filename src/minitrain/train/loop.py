@@ -47,16 +47,18 @@ def train_worker(topo: Topology, cfg: RunConfig) -> dict:
     return TrainingRun(topo.with_layout(cfg.dist.tp, cfg.dist.pp), cfg).run()
 
 
-def check_shared_out(out: Path, topo: Topology, store: str) -> None:
+def check_shared_out(out: Path, topo: Topology, store: str) -> list[int]:
     """Collective: OUT must be one directory for every rank (a filesystem the machines share), or checkpoints go to
-    a store (--ckpt.dir), where each machine's ranks' files are assembled whole: else no save could be resumed."""
+    a store (--ckpt.dir), where each machine's ranks' files are assembled whole: else no save could be resumed.
+    Returns the ranks whose OUT is this rank's."""
     sharing = checkpoint.sharing_ranks(out, topo)
-    if len(sharing) < topo.world_size and not store:
-        others = sorted(set(range(topo.world_size)) - set(sharing))
+    if not checkpoint.shared_by_all(sharing) and not store:  # every rank decides alike: sharing is everyone's view
+        others = sorted(set(range(topo.world_size)) - set(sharing[topo.rank]))
         raise ConfigError(f"--out {out} is not one directory for every rank: rank {topo.rank} does not see rank(s) "
                           f"{others[:8]}{' ...' if len(others) > 8 else ''} write there (each machine its own "
                           "disk); put OUT on a filesystem every machine shares, or give --ckpt.dir "
                           "s3://bucket/prefix, where each checkpoint is assembled whole")
+    return sharing[topo.rank]
 
 
 class TrainingRun:
@@ -66,7 +68,9 @@ class TrainingRun:
         self.stop_request = StopRequest().install()
         self.out = Path(cfg.out)
         self.ckpt_root = self.out / "checkpoints"
-        check_shared_out(self.out, topo, cfg.ckpt.dir)
+        # The first rank of those writing into this OUT tidies it (keep_last): rank 0's, and on each machine with a
+        # disk of its own, that machine's.
+        self.tidies_out = topo.rank == min(check_shared_out(self.out, topo, cfg.ckpt.dir))
         self.trainer = Trainer(cfg, topo)
         self.topo = topo = self.trainer.topo  # the groups it trains on (under expert parallelism, its own)
         self.start_path = resume_path(cfg)
@@ -84,7 +88,8 @@ class TrainingRun:
         self.records: list[StepRecord] = []
         self.rollbacks: list[dict] = []
         self.stopped_by: str | None = None
-        self.pending: checkpoint.AsyncSave | None = None  # a background save not yet committed
+        # A background save (its write), or a checkpoint's upload to the store, not yet committed.
+        self.pending: checkpoint.AsyncSave | remote.Upload | None = None
         self.profiler = StepProfiler(profile_range(cfg.train.profile_steps, cfg.train.steps), self.out / "profile",
                                      topo.rank, topo.device)
         # (loss, step): a resumed run's best so far is in the metrics lines before it (rank 0 reads them).
@@ -148,7 +153,7 @@ class TrainingRun:
         self.records.append(record)
         self._log(record)
         if self.pending is not None and self.trainer.agreed.save_written:
-            self._commit_pending()
+            self._commit_pending(all_of_it=False)
         return self._rolled_back(record)
 
     def _evaluates(self, step: int) -> bool:
@@ -191,20 +196,37 @@ class TrainingRun:
             return
         self._saved(self.trainer.save_checkpoint(self.ckpt_root))
 
-    def _commit_pending(self) -> None:
-        """Collective: wait for this rank's background write, then make the checkpoint complete."""
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            self._saved(pending.commit())
+    def _commit_pending(self, all_of_it: bool = True) -> None:
+        """Collective: wait for this rank's background work and complete it: a checkpoint's write (it then goes up
+        to the store, in the background too) or its upload (committed in the store). all_of_it: until none is left
+        (else the one every rank has finished: the steps' exchange agreed)."""
+        while self.pending is not None:
+            pending, self.pending = self.pending, None
+            if isinstance(pending, remote.Upload):
+                self._stored(pending.commit())
+            else:
+                self._saved(pending.commit(), background=True)
+            if not all_of_it:
+                return
 
-    def _saved(self, step_dir: Path) -> None:
-        if self.cfg.ckpt.dir:  # collective: committed in the store once every rank's files are there
-            remote.upload_collectively(step_dir, self.cfg.ckpt.dir, self.topo, self.cfg.ckpt.keep_last)
-        # Where OUT is not shared, the checkpoint is whole in the store only (the machines' shares are removed).
-        self.saved.append(str(step_dir) if step_dir.is_dir() else f"{self.cfg.ckpt.dir.rstrip('/')}/{step_dir.name}")
+    def _saved(self, step_dir: Path, background: bool = False) -> None:
+        """A checkpoint complete in OUT/checkpoints: up to the store with --ckpt.dir (collective; with a background
+        save, in the background, committed there once every rank's share is up)."""
         self.cadence.saved()
-        if self.cfg.ckpt.keep_last and self.topo.is_main:
+        if self.cfg.ckpt.keep_last and self.tidies_out:
             checkpoint.prune(self.ckpt_root, self.cfg.ckpt.keep_last)
+        if not self.cfg.ckpt.dir:
+            self._stored(step_dir)
+            return
+        upload = remote.Upload(step_dir, self.cfg.ckpt.dir, self.topo, self.cfg.ckpt.keep_last, background)
+        if background:
+            self.pending = upload
+        else:
+            self._stored(upload.commit())
+
+    def _stored(self, step_dir: Path) -> None:
+        """A checkpoint saved for good: where OUT is not shared, whole in the store only (the machines' shares go)."""
+        self.saved.append(str(step_dir) if step_dir.is_dir() else f"{self.cfg.ckpt.dir.rstrip('/')}/{step_dir.name}")
 
     # --- loss spikes -----------------------------------------------------------------------
     def _rolled_back(self, r: StepRecord) -> bool:
@@ -219,15 +241,18 @@ class TrainingRun:
         what = f"loss spike at step {r.step}: loss {r.loss:.4f} > {self.cfg.train.spike_factor:g} x running mean {mean:.4f}"
         # The loss of step s comes from the parameters after update s-1: a checkpoint of step s-1
         # already holds them, so the newest usable one is at step s-2 or earlier.
-        target = self._rollback_target(before=r.step - 1)
-        if target is None:
+        chosen = self._rollback_target(before=r.step - 1)
+        if chosen is None:
             self.say(f"minitrain train: warning: {what}; no checkpoint before step {r.step - 1} to roll back to "
                      "(set --ckpt-every-steps), continuing", err=True)
             return False
+        path, stored = chosen
+        target = checkpoint.step_of(path)
         if any(rb["to_step"] == target for rb in self.rollbacks):
             raise SpikeError(f"{what}, again after rolling back to step {target}: the spike is reproducible "
                              "(the replay sees the same data); lower --lr, raise --train.spike_factor, or check the data")
-        path = self.ckpt_root / checkpoint.step_dir_name(target)
+        if stored:  # collective: onto every machine's disk (where OUT is not shared, none holds it whole)
+            path = remote.fetch_each(self.cfg.ckpt.dir, target, self.ckpt_root, self.topo)
         self.trainer.load_checkpoint(path)
         event = {"step": target, "event": "rollback", "spike_step": r.step, "loss": r.loss, "running_mean": mean,
                  "to_step": target}
@@ -238,23 +263,33 @@ class TrainingRun:
         self.say(f"{what}; rolled back to {path} and continuing")
         return True
 
-    def _rollback_target(self, before: int) -> int | None:
-        """Rank 0 picks the newest checkpoint at a step < `before` that verifies; every rank gets its step."""
-        choice = torch.tensor([-1.0], device=self.topo.everyone.device)
-        if self.topo.is_main and self.ckpt_root.is_dir():
-            for step_dir in checkpoint.complete_steps(self.ckpt_root):
-                step = checkpoint.step_of(step_dir)
-                if step < before:
-                    try:
-                        checkpoint.verify(step_dir)
-                    except checkpoint.CheckpointError as e:
-                        self.say(f"minitrain train: warning: not rolling back to {step_dir.name}: {e}", err=True)
-                        continue
-                    choice.fill_(step)
+    def _rollback_target(self, before: int) -> tuple[Path, bool] | None:
+        """Rank 0 picks the newest checkpoint at a step < `before` that verifies in OUT/checkpoints or is committed in
+        the store (where OUT is not shared, machines keep no whole copy); every rank gets (its directory in
+        OUT/checkpoints, whether to fetch it from the store)."""
+        choice = torch.tensor([-1.0, 0.0], device=self.topo.everyone.device)
+        if self.topo.is_main:
+            local = {checkpoint.step_of(d): d for d in checkpoint.complete_steps(self.ckpt_root)}
+            stored = set()
+            if self.cfg.ckpt.dir:
+                try:
+                    stored = set(remote.committed_steps(self.cfg.ckpt.dir))
+                except Exception as e:  # noqa: BLE001 - the other ranks wait in the broadcast below: choose locally
+                    self.say(f"minitrain train: warning: cannot list {self.cfg.ckpt.dir} to roll back: {e}", err=True)
+            for step in sorted(s for s in set(local) | stored if s < before)[::-1]:
+                try:
+                    if step in local:
+                        checkpoint.verify(local[step])
+                    choice.copy_(torch.tensor([step, float(step in stored)]))
                     break
+                except checkpoint.CheckpointError as e:
+                    if step in stored:  # the store's copy replaces the damaged one
+                        choice.copy_(torch.tensor([step, 1.0]))
+                        break
+                    self.say(f"minitrain train: warning: not rolling back to {local[step].name}: {e}", err=True)
         self.topo.everyone.broadcast(choice, src=0)  # every rank, in every group, rolls back alike
-        step = int(choice.item())
-        return None if step < 0 else step
+        step, stored = choice.tolist()
+        return None if step < 0 else (self.ckpt_root / checkpoint.step_dir_name(int(step)), bool(stored))
 
     def _summary(self) -> dict:
         t, records, summary = self.trainer, self.records, {}

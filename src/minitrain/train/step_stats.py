@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..checkpoint import AsyncSave
+from ..checkpoint.remote import Upload
 from ..parallel.memory_math import MEMORY_KINDS
 from ..runtime.signals import StopRequest
 
@@ -33,7 +34,7 @@ class RankStats:
     at_rest: list[float]  # bytes held between steps, by MEMORY_KINDS
     peak: list[float]  # the most bytes held during the step, by PEAK_KINDS
     stop_signal: float  # a stop signal this rank received (its number), else 0
-    save_written: float  # 1 when this rank's background save has finished writing, else 0 (none, or writing)
+    save_written: float  # 1 when this rank's background work (a save's write, or its upload) is done, else 0
     busy_s: float  # this rank's busy seconds in the step (trainer.py: a straggler's is the largest)
     # A mixture of experts: per MoE layer, the slots each expert received on this rank and the slots dropped
     # (E + 1 values a layer); empty for a dense model. Last: it takes the rest of the row.
@@ -87,7 +88,7 @@ class StepRequests:
     step starts: a signal received, or a background write finished, during the step counts at this step."""
 
     stop: StopRequest | None = None  # the run's stop-signal handler (which signal this rank received, if any)
-    pending_save: AsyncSave | None = None  # this rank's background save in flight, if any
+    pending_save: AsyncSave | Upload | None = None  # this rank's background save (or its upload) in flight, if any
 
     def stop_signal(self) -> int:
         return self.stop.signum if self.stop is not None else 0
@@ -102,7 +103,7 @@ class Agreed:
 
     stop_signal: int = 0  # the largest signal number any rank received, else 0
     stop_ranks: tuple[int, ...] = ()  # the ranks that received one
-    save_written: bool = False  # every rank's background write has finished (or failed): commit it now
+    save_written: bool = False  # every rank's background write or upload has finished (or failed): commit it now
 
     @classmethod
     def of(cls, rows: list[RankStats]) -> Agreed:

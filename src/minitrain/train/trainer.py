@@ -151,7 +151,8 @@ class Trainer:
         self._device_busy = 0.0  # on a GPU: the last step's busy seconds, from its events (train_step)
         self.late_stats = reads_late(cfg, topo.device, self.strategy, self.loss_scaler, self.pipeline)
         self._unread: LaunchedStep | None = None  # late statistics: the step launched and not read yet
-        self._comm_at_read: OpStats | None = None  # a device clock's collective totals at the last read
+        # A device clock's collective totals at the last read (booked since: the next read's step's).
+        self._comm_at_read = self._comm_totals()
 
     @property
     def skipped_steps(self) -> int:
@@ -238,7 +239,7 @@ class Trainer:
         on_device = comm.clock.on_device
         # On the host every collective is booked when it ends: the step's are those booked while it ran. A device
         # clock books them once their events are done, so there a step's are those booked since the last read.
-        before = None if on_device and self._comm_at_read is not None else self._comm_totals()
+        before = None if on_device else self._comm_totals()
         if measure_sync:
             comm.barrier()  # every rank starts the step together
         start = time.perf_counter()
@@ -291,8 +292,8 @@ class Trainer:
         phases = self._phases(launched.timer, elapsed)
         before, after = launched.comm
         if after is None:  # a device clock: what was booked since the last read (this step's events are done)
-            after = self._comm_totals()
-            before, self._comm_at_read = before or self._comm_at_read, after
+            before, after = self._comm_at_read, self._comm_totals()
+            self._comm_at_read = after
         if launched.sync_marks is not None:
             self.strategy.last_sync = sync_figures(launched.sync_marks, self.topo.dp.clock, wait=True)
         return StepRecord(

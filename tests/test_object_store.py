@@ -388,10 +388,10 @@ def _train_on_own_disks(topo, root: str, url: str, *extra: str) -> dict:
     except ConfigError as e:
         return {"error": str(e)}
     return {"shards_left": sorted(p.parent.name + "/" + p.name for p in out.rglob("rank-*.safetensors")),
-            "rolled_back_to": [event["to_step"] for event in summary["rollbacks"]]}
+            "rolled_back_to": [event["to_step"] for event in summary["rollbacks"]], "saved": summary["checkpoints"]}
 
 
-def test_machines_without_a_shared_out_assemble_each_checkpoint_in_the_store(s3, tmp_path, capfd):
+def test_machines_without_a_shared_out_assemble_each_checkpoint_in_the_store(s3, tmp_path):
     # Each machine its own disk: a machine's checkpoint directory holds its own ranks' files; each rank uploads its
     # own, rank 0 the manifest, and the checkpoint is whole in the store only. Both disks lost, the run resumes from
     # there on every machine, bit-identical to a run on one shared OUT.
@@ -401,14 +401,14 @@ def test_machines_without_a_shared_out_assemble_each_checkpoint_in_the_store(s3,
     _train(tmp_path / "reference", "--nproc", "2", "--zero", "2")
     machines = str(tmp_path / "machines")
     stopped = run_ranks(_train_on_own_disks, 2, machines, url, "--ckpt-every-steps", "3", "--stop-at", "3")
-    assert f"checkpoint {url}/step-000003; continue with --resume auto" in capfd.readouterr().out
-    # A machine's share resumes nothing: removed once committed.
-    assert stopped == [{"shards_left": [], "rolled_back_to": []}] * 2
+    # A machine's share resumes nothing: removed once committed; the run names the store's copy.
+    assert stopped == [{"shards_left": [], "rolled_back_to": [], "saved": [f"{url}/step-000003"]}] * 2
     assert remote.committed_steps(url) == [3] and len(remote.read_commit(url, 3)["files"]) == 4
     shutil.rmtree(machines)
     # Step 3 fetched for the resume, then pruned by keep_last 1 when step 6 was saved; step 6's share removed.
     assert run_ranks(_train_on_own_disks, 2, machines, url, "--ckpt-every-steps", "3", "--resume", "auto",
-                     "--ckpt.keep_last", "1") == [{"shards_left": [], "rolled_back_to": []}] * 2
+                     "--ckpt.keep_last", "1") == [{"shards_left": [], "rolled_back_to": [],
+                                                   "saved": [f"{url}/step-000006"]}] * 2
     assert remote.committed_steps(url) == [6]  # keep_last 1 in the store too
     fetched = remote.fetch(url, 6, tmp_path / "fetched")
     mine, reference = _final_tensors(fetched), _final_tensors(tmp_path / "reference")

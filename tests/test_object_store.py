@@ -22,7 +22,7 @@ import torch
 from minitrain import checkpoint
 from minitrain.checkpoint import remote
 
-from .dist import run_cli
+from .dist import run_cli, run_main
 from .s3_server import s3_server
 
 pytest.importorskip("s3fs", reason="s3fs is not installed (pip install 'minitrain[s3]')")
@@ -38,10 +38,13 @@ def s3():
         yield fs
 
 
-def _train(out: Path, *extra: str):
-    result = run_cli("train", *TINY, "--out", str(out), *extra, timeout_s=120)
+def _train(out: Path, *extra: str) -> dict:
+    """`minitrain train` from this process (its ranks forked as the command forks them, without an interpreter's
+    start-up); returns the run's summary.json."""
+    (out / "summary.json").unlink(missing_ok=True)
+    result = run_main("train", *TINY, "--out", str(out), *extra)
     assert result.returncode == 0, result.stderr
-    return result
+    return json.loads((out / "summary.json").read_text())
 
 
 def _final_tensors(out: Path) -> dict[str, torch.Tensor]:
@@ -61,7 +64,7 @@ def test_a_run_that_loses_its_disk_resumes_from_the_store_bit_identically(s3, tm
     assert remote.committed_steps(url) == [3]
     shutil.rmtree(out)  # the node, its disk and everything on it are gone; the store is not
     resumed = _train(out, *two_ranks, "--ckpt.dir", url, "--ckpt-every-steps", "3", "--resume", "auto")
-    assert "resumed from" in resumed.stdout and "step-000003" in resumed.stdout
+    assert resumed["resumed_from"].endswith("step-000003")
     assert remote.committed_steps(url) == [6, 3]
     mine, reference = _final_tensors(out), _final_tensors(tmp_path / "reference")
     assert mine.keys() == reference.keys() and all(torch.equal(mine[k], reference[k]) for k in mine)
@@ -225,7 +228,7 @@ def test_keep_last_deletes_old_checkpoints_from_the_store_too(s3, tmp_path):
     ("nosuchscheme://x/y", "--ckpt.dir nosuchscheme://x/y"),
 ])
 def test_a_location_that_cannot_be_used_is_refused_before_the_run(tmp_path, url, message):
-    result = run_cli("train", *TINY, "--out", str(tmp_path / "r"), "--ckpt.dir", url, timeout_s=60)
+    result = run_main("train", *TINY, "--out", str(tmp_path / "r"), "--ckpt.dir", url)
     assert result.returncode == 2 and message in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "r").exists()  # nothing half-written
 
@@ -234,20 +237,20 @@ def test_the_checkpoint_tools_and_export_read_the_store(s3, tmp_path):
     url = f"s3://{BUCKET}/tools"
     out = tmp_path / "run"
     _train(out, "--ckpt.dir", url, "--ckpt-every-steps", "3")
-    listed = run_cli("ckpt", "list", url)
+    listed = run_main("ckpt", "list", url)
     assert listed.returncode == 0 and "2 complete checkpoint(s)" in listed.stdout, listed.stderr
     assert [line.split()[0] for line in listed.stdout.splitlines()[3:]] == ["6", "3"]
-    verified = run_cli("ckpt", "verify", f"{url}/step-000003")
+    verified = run_main("ckpt", "verify", f"{url}/step-000003")
     assert verified.returncode == 0 and verified.stdout.startswith("OK: ") and "step-000003" in verified.stdout
-    merged = run_cli("ckpt", "consolidate", url, str(tmp_path / "model.safetensors"))
+    merged = run_main("ckpt", "consolidate", url, str(tmp_path / "model.safetensors"))
     assert merged.returncode == 0, merged.stderr
-    local = run_cli("ckpt", "consolidate", str(out), str(tmp_path / "local.safetensors"))
+    local = run_main("ckpt", "consolidate", str(out), str(tmp_path / "local.safetensors"))
     assert local.returncode == 0 and (tmp_path / "model.safetensors").read_bytes() == \
         (tmp_path / "local.safetensors").read_bytes()
-    exported = run_cli("export", url, str(tmp_path / "export"))
+    exported = run_main("export", url, str(tmp_path / "export"))
     assert exported.returncode == 0 and url in exported.stdout, exported.stderr
     assert json.loads((tmp_path / "export" / "config.json").read_text())["source"] == url
-    missing = run_cli("ckpt", "verify", f"{url}/step-000009")
+    missing = run_main("ckpt", "verify", f"{url}/step-000009")
     assert missing.returncode == 1 and "no committed checkpoint of step 9" in missing.stderr
     assert not list(Path(tempfile.gettempdir()).glob("minitrain-fetch-*"))  # the fetched copies are gone
 
@@ -319,7 +322,7 @@ def test_keep_last_in_the_store_follows_the_run_s_line_as_the_local_one_does(s3,
     assert remote.latest_step(url) == 7 and remote.committed_steps(url) == [7]  # 8 gone with its line
     shutil.rmtree(out)
     resumed = _train(out, *common, "--resume", "auto", "--lr", "0.0005")
-    assert "resumed from" in resumed.stdout and "step-000007" in resumed.stdout
+    assert resumed["resumed_from"].endswith("step-000007")
 
 
 def test_resume_auto_takes_the_run_s_current_checkpoint_not_the_highest_step(s3, tmp_path):
@@ -330,7 +333,7 @@ def test_resume_auto_takes_the_run_s_current_checkpoint_not_the_highest_step(s3,
            "--stop-at", "3")  # a new line from step 2, stopped at 3: the run's current checkpoint
     assert remote.latest_step(url) == 3 and 6 in remote.committed_steps(url)
     resumed = _train(out, "--ckpt.dir", url, "--ckpt-every-steps", "2", "--resume", "auto")
-    assert "step-000003" in resumed.stdout and "already finished" not in resumed.stdout
+    assert resumed["resumed_from"].endswith("step-000003") and resumed["steps"] == 6  # not "already finished"
     # A local line the store never saw (the store stale behind it): kept, not replaced by the store's older one.
     local = tmp_path / "local"
     _train(local, "--steps", "4", "--ckpt.dir", f"s3://{BUCKET}/stale", "--ckpt-every-steps", "2")

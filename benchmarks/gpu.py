@@ -248,7 +248,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{side}, batch {vs['batch']}: wall {1000 * k['wall_s']:.1f} ms/step, device busy "
               f"{1000 * k['busy_s']:.1f}; device idle (ms/step) by the host's phase: "
               + ", ".join(f"{name} {1000 * ms:.2f}" for name, ms in k["idle_by_phase"].items())
-              + "; by its operation: " + ", ".join(f"{name[:40]} {1000 * ms:.2f}" for name, ms in k["idle_by_op"].items()))
+              + "; by its operation: "
+              + ", ".join(f"{name[:40]} {1000 * ms:.2f}" for name, ms in k["idle_by_op"].items()))
     for p in body["peak"]:
         print(f"peak, ZeRO-{p['zero']} {p['activation_checkpointing']}: {human_bytes(p['peak_over_start'])} over "
               f"{human_bytes(p['allocated_at_end'])} at the step's end; plan {p['plan']}")

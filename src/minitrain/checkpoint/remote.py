@@ -325,9 +325,8 @@ class Upload:
                      [shard_file_name(topo.rank)] + ([MANIFEST, MANIFEST_SHA] if topo.is_main else []))
         self.error: str | None = None
         self._done = threading.Event()
-        self._thread = threading.Thread(target=self._upload, name=f"upload-{self.step_dir.name}", daemon=True)
         if background:
-            self._thread.start()
+            threading.Thread(target=self._upload, name=f"upload-{self.step_dir.name}", daemon=True).start()
         else:
             self._upload()
 

@@ -15,9 +15,9 @@ Memory per rank, by kind:
   log-sum-exp per query row, never the scores), or E(8bsh + 2bsf + a b s^2 + 4bs) + s^2 (the
   softmax of the scores and the causal mask) with --model.attention explicit; plus, outside the blocks,
   E(2bsh + 2bs) + E'bsV (E' = 4 in mixed precision on the CPU, whose autocast computes the loss's
-  log-probabilities in float32; E + 4 on CUDA, whose keeps them in the compute dtype and the NLL loss a float32
-  copy) and the token ids. Selective recomputation drops the attention core's term; block recomputation keeps one bsh input per layer plus one layer's full set (replayed in
-  backward). A pipeline stage keeps its layers' activations for every micro-batch in flight:
+  log-probabilities in float32; E + 4 on CUDA, whose autocast keeps them in the compute dtype and the NLL loss a
+  float32 copy) and the token ids. Selective recomputation drops the attention core's term; block recomputation
+  keeps one bsh input per layer plus one layer's full set (replayed in backward). A pipeline stage keeps its layers' activations for every micro-batch in flight:
   min(pp, micro-batches) under 1F1B, all of them under GPipe.
 Time per step: FLOPs per token 6N + 12 L h s (Chowdhery et al., PaLM, appendix B; N all parameters),
 plus one more forward of what is recomputed, at the stated MFU; each collective from the

@@ -147,8 +147,8 @@ class TrainingRun:
             t.close()  # its hooks off the model: nothing keeps the finished trainer alive
 
     def _took(self, record: StepRecord) -> bool:
-        """Log a step's record and act on it: its evaluation, a background save every rank has written, a loss
-        spike. True when the spike rolled the run back."""
+        """Log a step's record and act on it: its evaluation, background work every rank has finished (a save's
+        write or its upload), a loss spike. True when the spike rolled the run back."""
         record = self._evaluated(record)
         self.records.append(record)
         self._log(record)

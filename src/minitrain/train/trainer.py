@@ -276,8 +276,9 @@ class Trainer:
         self.tokens_seen += self.tokens_per_step
         rows, copied = self._exchange(loss_sum, norm, busy, requests)
         return LaunchedStep(step=self.step, lr=lr, loss_scale=loss_scale, tokens_seen=self.tokens_seen, start=start,
-                            start_mark=start_mark, ended=time.perf_counter(), timer=timer, sync_marks=strategy.take_sync_marks(), bracketed=bracketed, rows=rows,
-                            copied=copied, comm=(before, None if on_device else self._comm_totals()))
+                            start_mark=start_mark, ended=time.perf_counter(), timer=timer,
+                            sync_marks=strategy.take_sync_marks(), bracketed=bracketed, rows=rows, copied=copied,
+                            comm=(before, None if on_device else self._comm_totals()))
 
     def _read(self, launched: LaunchedStep) -> StepRecord:
         """A launched step's record, from its exchange (the host waits for the device up to there, no further)."""

@@ -446,12 +446,25 @@ def test_a_background_save_uploads_in_the_background(s3, tmp_path, monkeypatch):
     url = f"s3://{BUCKET}/background"
     upload, commit = remote.upload_files, remote.commit_upload
     committed_at, uploading = {}, {}
+    # No sleeps (a loaded machine reorders them). A save's background write finishes before the next step starts, so
+    # its upload begins at that step's boundary; the upload then waits until a later step has finished. Were it
+    # synchronous it would hold training still: its wait would run out and it would end at the step it began at.
 
     def slow_upload(step_dir, *args):
-        began = run.trainer.step
-        time.sleep(0.5)  # a slow store
+        step, began = checkpoint.step_of(step_dir), run.trainer.step
+        deadline = time.monotonic() + 30
+        while step < 15 and run.trainer.step == began and time.monotonic() < deadline:
+            time.sleep(0.01)  # a slow store, still uploading while training goes on
         upload(step_dir, *args)
-        uploading[checkpoint.step_of(step_dir)] = (began, run.trainer.step)
+        uploading[step] = (began, run.trainer.step)
+
+    def launch_once_written(requests):
+        write = requests.pending_save
+        if write is not None and not isinstance(write, remote.Upload):
+            deadline = time.monotonic() + 30
+            while not write.written and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return run_launch_step(requests)
 
     def record_commit(step_dir, *args):
         committed_at[checkpoint.step_of(step_dir)] = run.trainer.step
@@ -462,6 +475,8 @@ def test_a_background_save_uploads_in_the_background(s3, tmp_path, monkeypatch):
     values = {"model.preset": "tiny", "train.steps": 15, "train.log_every": 0, "ckpt.every_steps": 5,
               "ckpt.async_save": True, "ckpt.dir": url, "out": str(tmp_path / "run")}
     run = TrainingRun(Topology.single(), run_config(cli_values=values))
+    run_launch_step = run.trainer.launch_step
+    monkeypatch.setattr(run.trainer, "launch_step", launch_once_written)
     run.run()
     assert sorted(committed_at) == [5, 10, 15] and remote.committed_steps(url) == [15, 10, 5]
     # Training went on while each was uploading (the next save waits for it), and committed it after.

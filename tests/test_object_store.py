@@ -277,8 +277,9 @@ def test_a_run_killed_mid_upload_loses_nothing_committed_and_its_leftovers_are_s
     cable = Cable(int(os.environ["AWS_ENDPOINT_URL"].rsplit(":", 1)[1]))
     env = {**os.environ, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{cable.port}"}
     out = tmp_path / "run"
+    # Steps 3 and 4 take a second each: time to slow the cable once step 2 is committed, whatever the machine's load.
     argv = ["train", *TINY, "--out", str(out), "--ckpt.dir", url, "--ckpt-every-steps", "2", "--steps", "4",
-            "--nproc", "2"]
+            "--nproc", "2", "--fault.kind", "slow", "--fault.step", "3", "--fault.slow_s", "1"]
     proc = subprocess.Popen([sys.executable, "-m", "minitrain", *argv], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:

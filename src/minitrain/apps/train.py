@@ -77,8 +77,8 @@ Then: `minitrain export OUT OUT/model`, `minitrain sample OUT/model --prompt ...
 
 def add_parser(sub) -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train with the settings you give",
-                           description="Train MiniGPT with data parallel or ZeRO-1/2/3, locally (--nproc N) or "
-                           "under torchrun.", epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+                           description="Train MiniGPT with data parallel, ZeRO-1/2/3 or parameter servers, locally "
+                           "(--nproc N) or under torchrun.", epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     train.add_argument("--config", metavar="FILE", help="TOML file of settings (flags override it)")
     groups: dict[str, argparse._ArgumentGroup] = {}
     for key, kind, default, help_text in field_specs():

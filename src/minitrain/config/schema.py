@@ -231,6 +231,19 @@ class FaultConfig:
 
 
 @dataclass
+class ParameterServerConfig:
+    """Parameter-server training (parallel/param_server.py): the last S ranks hold the parameters and optimizer
+    state, the others compute gradients."""
+
+    servers: int = opt(0, "ranks that are parameter servers, each holding a contiguous shard of the parameters and "
+                       "its optimizer state; the other ranks are workers that push gradients and pull parameters "
+                       "(0 = no parameter servers: data parallel or ZeRO)")
+    staleness: int = opt(0, "K: a worker may run up to K steps ahead of the slowest worker (stale-synchronous "
+                         "parallel), computing on parameters that miss at most the K latest updates; 0 = "
+                         "synchronous, equal to data parallel over the workers")
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -241,6 +254,7 @@ class RunConfig:
     dist: DistConfig = field(default_factory=DistConfig)
     ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    ps: ParameterServerConfig = field(default_factory=ParameterServerConfig)
     out: str = opt("runs/train", "directory for everything the run writes: metrics.jsonl, checkpoints/")
 
     def validate(self) -> "RunConfig":
@@ -254,6 +268,7 @@ class RunConfig:
         _check_optimizer(self.train)
         _check_distributed(self)
         _check_run(self)
+        _check_parameter_servers(self)
         return self
 
     def to_dict(self) -> dict:
@@ -354,6 +369,37 @@ def _check_run(cfg: RunConfig) -> None:
         raise ConfigError("--out is empty; name the directory the run writes to (e.g. --out runs/mine)")
     _require_non_negative("eval.every", cfg.eval.every)
     _require_positive("eval.batches", cfg.eval.batches)
+
+
+def _check_parameter_servers(cfg: RunConfig) -> None:
+    """What parameter servers combine with so far (the world's size is checked again by the ranks, which know it
+    under torchrun)."""
+    ps, d, t = cfg.ps, cfg.dist, cfg.train
+    _require_non_negative("ps.servers", ps.servers)
+    _require_non_negative("ps.staleness", ps.staleness)
+    if not ps.servers:
+        if ps.staleness:
+            raise ConfigError("--ps.staleness needs parameter servers (--ps.servers S)")
+        return
+    if ps.servers >= d.nproc and "WORLD_SIZE" not in os.environ:
+        raise ConfigError(f"--ps.servers {ps.servers} leaves no worker among --nproc {d.nproc} ranks; give fewer "
+                          "servers or more ranks")
+    clashes = [name for name, on in (("--tp", d.tp > 1), ("--pp", d.pp > 1), ("--dist.ep", d.ep > 1),
+                                     ("--zero", t.zero > 0), ("--dist.microbatches", d.microbatches > 1),
+                                     ("--precision fp16", t.precision == "fp16"), ("--backend nccl",
+                                     d.backend == "nccl"), ("--train.offload", t.offload != "none"),
+                                     ("--global-batch", t.global_batch > 0)) if on]
+    if clashes:
+        raise ConfigError(f"--ps.servers trains the workers' whole model with its optimizer on the servers, over gloo; "
+                          f"it does not combine with {', '.join(clashes)}")
+    saves = [name for name, on in (("--ckpt.every_steps", cfg.ckpt.every_steps), ("--ckpt.every_minutes",
+                                   cfg.ckpt.every_minutes), ("--ckpt.resume", cfg.ckpt.resume), ("--ckpt.dir",
+                                   cfg.ckpt.dir), ("--ckpt.async_save", cfg.ckpt.async_save)) if on]
+    if saves:
+        raise ConfigError(f"a parameter-server run does not save or load checkpoints yet; drop {', '.join(saves)}")
+    if ps.staleness and cfg.eval.every:
+        raise ConfigError("--eval.every with --ps.staleness > 0: workers at different steps hold different "
+                          "parameters, so there is no one model to evaluate at a step; evaluate at K = 0")
 
 
 def check_model(m: ModelConfig) -> None:

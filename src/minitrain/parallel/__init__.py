@@ -16,6 +16,7 @@ from .ddp import BucketedDataParallel, NaiveDataParallel, TorchDataParallel
 from .flat import FlatStrategy, OptimizerFactory
 from .layout import WholeModel
 from .model_plan import ModelPlan
+from .param_server import ParameterServerWorker
 from .pipeline import Pipeline
 from .tensor import tensor_parallel_slices
 from .tp_plan import apply_tensor_parallel
@@ -62,6 +63,8 @@ def parallelize(model: nn.Module, topo: Topology, pcfg: ParallelConfig, make_opt
     if compile:
         compile_blocks(model, plan)
     apply_activation_checkpointing(model, activation_checkpointing, plan)
+    if topo.servers is not None:  # a parameter-server worker: its servers hold the optimizer (param_server.py)
+        return ParameterServerWorker(model, topo.dp, topo.servers, pcfg, whole=whole), None
     strategy = make_strategy(model, topo.dp, pcfg, make_optimizer, whole, topo.slices, topo.pp)
     if topo.ep.world_size > 1:
         strategy.use_experts(topo.ep)

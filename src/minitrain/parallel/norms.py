@@ -19,8 +19,8 @@ def clip_coefficient_tensor(grad_norm: torch.Tensor, max_norm: float) -> torch.T
 
 
 class SquareSums:
-    """sum(x**2) accumulated in float64, with no full-size temporary: float64 as one dot product, other
-    dtypes chunk by chunk through one float64 buffer reused for every piece of one norm (make one per norm
+    """sum(x**2) accumulated in float64, with no full-size temporary, chunk by chunk: float64 chunks where they
+    lie, other dtypes through one float64 buffer reused for every piece of one norm (make one per norm
     computation; the buffer goes with it, so nothing is held between steps). Exact enough that the norm does
     not depend on how the vector is cut into shards (float32 partial sums would: ZeRO-1 and data parallel then
     clip by norms 1e-7 apart). A fresh chunk-sized copy per chunk would cost page faults whenever the allocator
@@ -35,17 +35,38 @@ class SquareSums:
     def __init__(self):
         self._buffer: torch.Tensor | None = None
 
+    @classmethod
+    def block(cls, device: torch.device) -> int:
+        """Elements per chunk on `device`: a vector cut at multiples of it gives the same sum (block_dots)."""
+        return cls.GPU_CHUNK if device.type == "cuda" else cls.CHUNK
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        dots = self.block_dots(x)
+        if len(dots) == 1:  # one chunk: no running total to keep
+            return dots[0]
+        return sum_in_order(dots, x.device)
+
+    def block_dots(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """The sum of squares of each chunk of x, in order (float64 scalars on x's device): their sum in order
+        (sum_in_order) is this object's result, so a vector cut into pieces at multiples of block() gives the same
+        float64 sum, bit for bit, from its pieces' chunks (parameter servers, param_server.py). Float64 chunks are
+        dotted where they are (chunks at the same offsets: the same alignment, the same rounding)."""
+        chunk = self.block(x.device)
         if x.dtype == torch.float64:
-            return x.dot(x)
-        buffer, chunk = self._buffer, self.GPU_CHUNK if x.is_cuda else self.CHUNK
+            return [part.dot(part) for part in x.split(chunk)] if x.numel() else [x.new_zeros(())]
+        buffer = self._buffer
         if buffer is None or buffer.device != x.device or buffer.numel() < min(x.numel(), chunk):
-            buffer = self._buffer = torch.empty(min(x.numel(), chunk), dtype=torch.float64, device=x.device)
-        if x.numel() <= buffer.numel():  # one chunk: no running total to keep
-            part = buffer[:x.numel()].copy_(x)
-            return part.dot(part)
-        total = torch.zeros((), dtype=torch.float64, device=x.device)
-        for part in x.split(buffer.numel()):
+            buffer = self._buffer = torch.empty(max(1, min(x.numel(), chunk)), dtype=torch.float64, device=x.device)
+        dots = []
+        for part in x.split(buffer.numel()) if x.numel() else [x]:
             part = buffer[:part.numel()].copy_(part)
-            total += part.dot(part)
-        return total
+            dots.append(part.dot(part))
+        return dots
+
+
+def sum_in_order(dots, device: torch.device) -> torch.Tensor:
+    """A running float64 total of `dots` from zero, first to last (SquareSums' order)."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for dot in dots:
+        total += dot
+    return total

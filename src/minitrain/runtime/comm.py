@@ -405,13 +405,38 @@ class Comm:
         """Every rank's JSON-able `obj`, on every rank (as UTF-8 bytes: no pickles between ranks either)."""
         return [json.loads(bytes(row).decode()) for row in self.gather_ragged(list(json.dumps(obj).encode()))]
 
-    def send(self, tensor: torch.Tensor, dst: int) -> None:
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
         self._on_device(tensor)
-        self._run("send", _nbytes(tensor), lambda: dist.send(tensor, group=self.group, group_dst=dst), tensor)
+        self._run("send", _nbytes(tensor), lambda: dist.send(tensor, group=self.group, group_dst=dst, tag=tag),
+                  tensor)
 
-    def recv(self, tensor: torch.Tensor, src: int) -> None:
+    def send_async(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> PendingCollective:
+        """Start sending; returns at once, the tensor kept alive until wait() (do not change it before)."""
         self._on_device(tensor)
-        self._run("recv", _nbytes(tensor), lambda: dist.recv(tensor, group=self.group, group_src=src), tensor)
+        pending = self._launch("send", _nbytes(tensor),
+                               lambda: dist.isend(tensor, group=self.group, group_dst=dst, tag=tag), tensor)
+        pending.payload = tensor
+        return pending
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
+        self._on_device(tensor)
+        self._run("recv", _nbytes(tensor), lambda: dist.recv(tensor, group=self.group, group_src=src, tag=tag),
+                  tensor)
+
+    def recv_async(self, tensor: torch.Tensor, src: int, tag: int = 0) -> PendingCollective:
+        """Start receiving into tensor; returns at once (read it after wait())."""
+        self._on_device(tensor)
+        return self._launch("recv", _nbytes(tensor),
+                            lambda: dist.irecv(tensor, group=self.group, group_src=src, tag=tag), tensor)
+
+    def recv_any(self, tensor: torch.Tensor, tag: int = 0) -> int:
+        """Receive the next message with `tag` from whichever rank sends one first; returns that rank (in the
+        group). A parameter server takes its workers' gradients in the order they come."""
+        self._on_device(tensor)
+        source = []
+        self._run("recv", _nbytes(tensor), lambda: source.append(dist.recv(tensor, group=self.group, tag=tag)),
+                  tensor)
+        return dist.get_group_rank(self.group, source[0]) if self.group is not None else source[0]
 
     def exchange(self, sends: list[tuple[torch.Tensor, int]],
                  recvs: list[tuple[torch.Tensor, int]]) -> list[PendingCollective]:

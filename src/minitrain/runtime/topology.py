@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401
 
 from .watch import MARGIN_S, CollectiveWatch
+from .servers import ServerGroup
 from .comm import Comm, concrete_device
 from ..errors import ConfigError
 
@@ -104,6 +105,11 @@ class Topology:
     ep: Comm = field(default_factory=Comm)
     world: Comm | None = None  # every rank, once the world is split (until then dp is the world)
     watch: CollectiveWatch | None = None  # diagnoses hangs and compares fingerprints (None in a single process)
+    # A parameter-server world (servers.py), on a worker: where its gradients go and its parameters come from.
+    servers: ServerGroup | None = None
+    # What each step's statistics are exchanged over, if not everyone (a parameter-server worker's own, under
+    # bounded staleness: the workers do not meet at every step).
+    step_group: Comm | None = None
     # Every Comm with a process group made by this topology or one derived from it (with_layout), so that
     # close() lets go of each group: see close().
     opened: list[Comm] = field(default_factory=list)
@@ -175,6 +181,19 @@ class Topology:
         self.opened.extend(comms.values())
         return Topology(self.rank, self.world_size, self.local_rank, self.backend, self.device, dp=comms["dp"],
                         ep=comms["ep"], world=self.everyone, watch=self.watch, opened=self.opened)
+
+    def as_worker(self, group: ServerGroup) -> "Topology":
+        """A worker's view of a parameter-server world: its data-parallel group, and everyone, are the workers.
+        Under bounded staleness (K > 0) the workers do not meet at every step, so what they would agree on at each
+        step (its statistics, a stop signal) is each worker's own: the step group is this rank alone."""
+        alone = Comm(device=self.device) if group.staleness else None
+        return Topology(group.own.rank, group.own.world_size, self.local_rank, self.backend, self.device, group.own,
+                        watch=self.watch, opened=self.opened, servers=group, step_group=alone)
+
+    @property
+    def step_peers(self) -> Comm:
+        """The ranks that exchange each step's statistics (and so agree on a stop signal at a step)."""
+        return self.step_group or self.everyone
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> "Topology":

@@ -33,6 +33,7 @@ from .metrics import (
 )
 from ..runtime.signals import StopRequest
 from .guards import SpikeError
+from .ps_run import train_with_parameter_servers
 from .resume import resume_path
 from .run_files import write_json, write_run_start
 from .step_timer import StepProfiler
@@ -44,6 +45,8 @@ from .trainer import StepRecord, Trainer
 
 def train_worker(topo: Topology, cfg: RunConfig) -> dict:
     """Rank 0 logs and returns the summary."""
+    if cfg.ps.servers:
+        return train_with_parameter_servers(topo, cfg, lambda worker, config: TrainingRun(worker, config).run())
     return TrainingRun(topo.with_layout(cfg.dist.tp, cfg.dist.pp), cfg).run()
 
 

@@ -365,7 +365,7 @@ class Trainer:
         step's statistics, not here) and, on the host, the seconds its own collectives took (the norm's
         all-reduce, ZeRO's gathers), which are moved from the optimizer's phase to comm. On a GPU those are read
         after the exchange (_phases)."""
-        strategy, groups = self.strategy, (self.topo.dp, self.topo.tp, self.topo.pp)
+        strategy, groups = self.strategy, self._update_groups()
         for group in groups:
             group.tag = "update"
         with self.timer.phase("optimizer"):
@@ -394,7 +394,7 @@ class Trainer:
             stop_signal=requests.stop_signal(), save_written=requests.save_written(), busy_s=busy,
             expert_load=[v for layer in self._moe_layers for load, dropped in [layer.take_load()]
                          for v in (*load, dropped)])
-        rows = self.topo.everyone.gather_rows_on_device(mine.pack(self.topo.device))
+        rows = self.topo.step_peers.gather_rows_on_device(mine.pack(self.topo.device))
         copied = None
         if rows.device.type == "cuda":
             host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
@@ -411,7 +411,7 @@ class Trainer:
         the exchange was read, and the busy seconds the next step reports are this step's device time."""
         on_device = self.topo.dp.clock.on_device
         if on_device:
-            groups = (self.topo.dp, self.topo.tp, self.topo.pp)
+            groups = self._update_groups()
             timer.move(sum(group.take_tagged("update") for group in groups), "optimizer", "comm")
         phases = timer.finish(elapsed)
         if on_device:
@@ -451,8 +451,14 @@ class Trainer:
     def _comm_totals(self) -> OpStats:
         """Collectives (and point-to-point transfers) so far in the data-, tensor-, pipeline- and expert-parallel
         groups."""
-        totals = [self.topo.dp.totals(), self.topo.tp.totals(), self.topo.pp.totals(), self.topo.ep.totals()]
+        totals = [group.totals() for group in (*self._update_groups(), self.topo.ep)]
         return OpStats(sum(t.calls for t in totals), sum(t.bytes for t in totals), sum(t.seconds for t in totals))
+
+    def _update_groups(self) -> tuple:
+        """The groups a step's update may communicate over: the data-, tensor- and pipeline-parallel groups, and a
+        parameter-server worker's pushes and pulls (over the world)."""
+        topo = self.topo
+        return (topo.dp, topo.tp, topo.pp) + ((topo.servers.world,) if topo.servers is not None else ())
 
     def _holds_loss(self) -> float:
         """1 where this rank computes the loss (every rank, or a pipeline's last stage), else 0."""

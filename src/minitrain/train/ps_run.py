@@ -1,0 +1,80 @@
+"""A parameter-server run (--ps.servers S): the last S ranks serve, the others train as data-parallel workers whose
+gradient sync and update are a push to the servers and a pull from them (parallel/param_server.py).
+
+A worker runs the usual loop (loop.py) with its own topology (Topology.as_worker): logging, evaluation, stop
+signals and guards as in any run. A server builds the model only for its layout and starting values, then serves
+until the last step's update has reached every worker. At the end rank 0 adds the servers' figures (updates, the
+staleness of the gradients they applied) to the run's summary.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+from ..config import RunConfig
+from ..errors import ConfigError
+from ..models import spec_for
+from ..parallel.layout import FlatParameters, WholeModel
+from ..parallel.param_server import ParameterServer
+from ..runtime.servers import ServerGroup
+from ..runtime.topology import Topology
+from .optim import flat_adamw_factory
+from .precision import compute_dtype, reduce_dtype
+from .run_files import write_json
+from .trainer import parallel_config, seed_everything
+
+
+def train_with_parameter_servers(topo: Topology, cfg: RunConfig, train: Callable[[Topology, RunConfig], dict]
+                                 ) -> dict | None:
+    """Collective over the whole world; a worker trains with train(its topology, cfg) (loop.py's run), and rank 0
+    (a worker) returns the run's summary."""
+    if topo.tp.world_size > 1 or topo.pp.world_size > 1 or topo.backend != "gloo":
+        raise ConfigError("parameter servers run over gloo without tensor or pipeline parallelism")
+    group = ServerGroup.split(topo.dp, cfg.ps.servers, cfg.ps.staleness, topo.watch)
+    topo.opened.append(group.own)
+    # Workers and servers never run the same collectives, so the periodic fingerprint comparison (every rank's
+    # digest through the store) would wait for servers that never come; hang diagnosis still watches every op.
+    cfg = dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, fingerprint_every=0),
+                              ckpt=dataclasses.replace(cfg.ckpt, final_save=False))
+    if topo.is_main:
+        print(_layout_line(group), flush=True)
+    if group.is_server:
+        summary = None
+        served = _serve(topo, cfg, group)
+    else:
+        summary = train(topo.as_worker(group), cfg)
+        served = None
+    servers = [s for s in topo.dp.gather_json(served) if s is not None]
+    if topo.is_main:
+        summary = {**summary, "parameter_servers": {"servers": len(group.servers), "workers": len(group.workers),
+                                                    "staleness_bound": group.staleness, "served": servers}}
+        write_json(Path(cfg.out) / "summary.json", summary)
+        print(_staleness_line(servers), flush=True)
+    return summary
+
+
+def _layout_line(group: ServerGroup) -> str:
+    w, s, k = len(group.workers), len(group.servers), group.staleness
+    mode = "synchronous (K = 0)" if not k else f"a worker at most {k} step(s) ahead of the slowest (K = {k})"
+    return (f"parameter servers: ranks {group.servers[0]}-{group.servers[-1]} each hold 1/{s} of the parameters and "
+            f"optimizer state; {w} worker(s) push gradients and pull parameters, {mode}")
+
+
+def _staleness_line(served: list[dict]) -> str:
+    """How stale the applied gradients were, over every update (the servers apply the same ones)."""
+    counts = served[0]["staleness_counts"]
+    spread = ", ".join(f"{n} x {s}" for s, n in counts.items())
+    return (f"parameter servers applied {served[0]['updates']} updates ({served[0]['skipped']} skipped); staleness "
+            f"of the gradients in them (updates missed): {spread}")
+
+
+def _serve(topo: Topology, cfg: RunConfig, group: ServerGroup) -> dict:
+    """Build the model for its flat layout (the workers send the starting values) and serve every step."""
+    seed_everything(cfg.train.seed, topo.rank)
+    model = spec_for(cfg.model).build(cfg.model).to(dtype=compute_dtype(cfg.train))
+    flat = FlatParameters(model, 1, None, False, WholeModel.of(model))
+    pcfg = parallel_config(cfg)
+    server = ParameterServer(flat, group, pcfg, flat_adamw_factory(cfg.train), cfg.train.steps,
+                             reduce_dtype(cfg.train))
+    return server.serve()

@@ -1,0 +1,96 @@
+"""Parameter servers (--ps.servers S, --ps.staleness K): synchronous equals data parallel bit for bit; bounded
+staleness keeps its bound, blocks the fastest worker at exactly K, and is reproducible under a fixed delay."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .dist import run_main, run_ranks
+
+TINY = {"model.preset": "tiny", "train.steps": 6, "train.log_every": 0, "train.batch_size": 4}
+
+
+def _trained(topo, values: dict) -> dict | None:
+    """One rank of a run: a worker's final parameters, records and summary (a server's: None)."""
+    from minitrain.train import loop
+    from minitrain.train.run_config import run_config
+
+    kept = {}
+    run = loop.TrainingRun.run
+
+    def run_and_keep(self):  # the run as it ends, before the trainer lets go of the model
+        summary = run(self)
+        kept.update(params=self.trainer.strategy.flat.data.clone(), summary=summary,
+                    losses=[r.loss for r in self.records], norms=[r.grad_norm for r in self.records],
+                    ps=[r.sync.get("param_server") for r in self.records])
+        return summary
+
+    loop.TrainingRun.run = run_and_keep  # in this rank's process only
+    summary = loop.train_worker(topo, run_config(cli_values=values))
+    return {**kept, "summary": summary} if kept else None
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_synchronous_servers_equal_data_parallel_bit_for_bit(dtype, tmp_path):
+    # Two workers, one or two servers, against --zero 0 over two ranks: every step's loss and gradient norm (clipping
+    # binds: the norms are above 1) and the final parameters on every worker, bit for bit.
+    # 412k parameters: two of the 2^18-element chunks the norm is summed in, one per server at S = 2.
+    values = {**TINY, "train.dtype": dtype, "model.d_model": 128}
+    [reference, _] = run_ranks(_trained, 2, {**values, "dist.nproc": 2, "out": str(tmp_path / "dp")})
+    for servers in (1, 2):
+        ranks = run_ranks(_trained, 2 + servers, {**values, "dist.nproc": 2 + servers, "ps.servers": servers, "out": str(tmp_path / f"s{servers}")})
+        workers, served = ranks[:2], ranks[2:]
+        assert served == [None] * servers
+        assert max(reference["norms"]) > 1.0  # the clip coefficient is in play
+        for worker in workers:
+            assert worker["losses"] == reference["losses"] and worker["norms"] == reference["norms"], servers
+            assert torch.equal(worker["params"], reference["params"]), servers
+        assert all(p["staleness"] == 0 for p in workers[0]["ps"])
+        report = workers[0]["summary"]["parameter_servers"]
+        assert [s["updates"] for s in report["served"]] == [6] * servers
+        shards = [s["shard"] for s in report["served"]]  # contiguous, covering the model once
+        assert shards[0][0] == 0 and all(a[1] == b[0] for a, b in zip(shards, shards[1:]))
+        assert shards[-1][1] == reference["params"].numel()
+
+
+def _stale_run(tmp_path, name: str, staleness: int) -> list:
+    # Worker 1 sleeps 0.3 s at the start of every step; worker 0 computes in milliseconds.
+    values = {**TINY, "dist.nproc": 3, "train.steps": 8, "ps.servers": 1, "ps.staleness": staleness, "fault.kind": "slow",
+              "fault.rank": 1, "fault.step": 1, "fault.slow_s": 0.3, "out": str(tmp_path / name)}
+    return run_ranks(_trained, 3, values)
+
+
+def test_bounded_staleness_blocks_the_fastest_worker_at_exactly_k_and_is_reproducible(tmp_path):
+    k = 2
+    fast, slow, _ = _stale_run(tmp_path, "a", k)
+    # The fast worker runs ahead until it is K steps ahead of the slow one, then waits for it at every step: its
+    # gradients are exactly K updates stale from step K + 1 on, never more.
+    assert [p["staleness"] for p in fast["ps"]] == [min(c, k) for c in range(8)]
+    blocked = [p["push_pull_s"] for p in fast["ps"][k:-1]]
+    assert min(blocked) > 0.15, blocked  # held for the slow worker's sleep
+    # The slow one always finds the fast one's gradient there: its own are never stale.
+    assert all(p["staleness"] == 0 for p in slow["ps"])
+    served = fast["summary"]["parameter_servers"]["served"][0]
+    assert served["updates"] == 8 and max(int(s) for s in served["staleness_counts"]) == k
+    # Both end on the last update; with the same delays, the same run again.
+    assert torch.equal(fast["params"], slow["params"])
+    again, _, _ = _stale_run(tmp_path, "b", k)
+    assert again["losses"] == fast["losses"] and torch.equal(again["params"], fast["params"])
+    # Staleness changed the run: it is not the synchronous one.
+    sync, _, _ = _stale_run(tmp_path, "sync", 0)
+    assert all(p["staleness"] == 0 for p in sync["ps"]) and not torch.equal(sync["params"], fast["params"])
+
+
+@pytest.mark.parametrize("argv,message", [
+    (("--nproc", "2", "--ps.servers", "2"), "leaves no worker among --nproc 2 ranks"),
+    (("--nproc", "3", "--ps.servers", "1", "--ps.staleness", "-1"), "ps.staleness must be >= 0"),
+    (("--nproc", "4", "--ps.servers", "1", "--tp", "2"), "does not combine with --tp"),
+    (("--nproc", "4", "--ps.servers", "1", "--pp", "2"), "does not combine with --pp"),
+    (("--nproc", "3", "--ps.servers", "1", "--ckpt.every_steps", "2"), "does not save or load checkpoints yet"),
+    (("--nproc", "3", "--ps.servers", "1", "--ps.staleness", "1", "--eval.every", "2"), "no one model to evaluate"),
+    (("--ps.staleness", "1",), "needs parameter servers"),
+])
+def test_bad_parameter_server_settings_exit_2_with_one_line(argv, message, tmp_path):
+    result = run_main("train", "--out", str(tmp_path / "run"), *argv)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()

@@ -282,6 +282,19 @@ def experts(docs: list[dict]) -> list[str]:
                   ">>>>>>", rows)
 
 
+def param_server(docs: list[dict]) -> list[str]:
+    doc = docs[0]
+    rows = [[delay, setup, f"{figures['tokens_per_s'][0]:,.0f}", _ratio(figures["vs_data_parallel"],
+                                                                      setup == "data parallel"),
+             fmt_range(figures["val_loss"], "{:.4f}")]
+            for delay, by_setup in doc["results"].items() for setup, figures in by_setup.items()]
+    return [f"Two workers ({doc['model']['model.preset']} preset, d_model {doc['model']['model.d_model']}), "
+            f"{doc['steps']} steps, a {doc['slow_s']:g} s sleep per delayed step; parameter servers add one server "
+            f"rank. Median [min-max] of {doc['repeats']} repeats.", "",
+            *_table(["delays", "setup", "tokens/s", "vs data parallel", "held-out loss after the same tokens"],
+                    "<<>>>", rows)]
+
+
 def gpu_memory(docs: list[dict]) -> list[str]:
     doc = docs[0]
     rows = [[str(r["zero"]), r["activation_checkpointing"], f"{r['predicted_bytes'] / 2**30:.2f} GiB",
@@ -348,6 +361,7 @@ TABLES = {
     "activation_checkpointing": ("activation_checkpointing.json", activation_checkpointing),
     "offload": ("offload.json", offload),
     "experts": ("experts.json", experts),
+    "param_server": ("param_server.json", param_server),
     "tensor_parallel": ("tensor_parallel_tp*.json", tensor_parallel),
     "tensor_parallel_llama": ("tensor_parallel_llama_tp*.json", tensor_parallel),
     "pipeline": ("pipeline_pp*_m*.json", pipeline),

@@ -94,3 +94,25 @@ def test_bad_parameter_server_settings_exit_2_with_one_line(argv, message, tmp_p
     result = run_main("train", "--out", str(tmp_path / "run"), *argv)
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+def test_slow_turns_delays_each_rank_at_its_own_steps(monkeypatch):
+    # The delay the throughput benchmark gives parameter servers: a straggler at every step, never the same twice.
+    from minitrain.config import FaultConfig
+    from minitrain.train import faults
+
+    slept = []
+    monkeypatch.setattr(faults.time, "sleep", lambda s: slept.append((rank, step, s)))
+    cfg = FaultConfig(kind="slow-turns", step=2, slow_s=0.25)
+    for rank in range(3):
+        fault = faults.Faults(cfg, rank, resumed=False, world=3)
+        for step in range(1, 8):
+            fault.at_step_start(step)
+    assert sorted(slept) == [(0, 3, 0.25), (0, 6, 0.25), (1, 4, 0.25), (1, 7, 0.25), (2, 2, 0.25), (2, 5, 0.25)]
+
+
+def test_a_worker_that_dies_stops_the_run_naming_it(tmp_path):
+    # No elastic mode yet: the launcher sees the worker go and ends every rank, servers included, naming it.
+    result = run_main("train", "--preset", "tiny", "--steps", "6", "--nproc", "3", "--ps.servers", "1",
+                      "--fault.kind", "sigkill", "--fault.rank", "1", "--fault.step", "3", "--out", str(tmp_path / "r"))
+    assert result.returncode != 0 and "rank 1" in result.stderr and "SIGKILL" in result.stderr, result.stderr

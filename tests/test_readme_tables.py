@@ -14,6 +14,7 @@ KEYS = {"prepare_vs_peers": TIMED | {"world", "warmup"}, "zero_stages": TIMED | 
         "ddp_modes": TIMED, "activation_checkpointing": TIMED | {"model", "warmup"},
         "offload": TIMED | {"warmup", "batch"},
         "experts": TIMED | {"warmup", "batch", "experts", "top_k"},
+        "param_server": {"results", "steps", "slow_s", "repeats", "workers", "model", "val_batches"},
         "tensor_parallel": TIMED | {"tp", "minitrain_over_dtensor"},
         "tensor_parallel_llama": TIMED | {"tp", "minitrain_over_dtensor", "model"},
         "pipeline": TIMED | {"pp", "microbatches", "minitrain_over_torch"},

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from ..errors import ConfigError
 
 # The deliberate failures train/faults.py knows (--fault.kind).
-FAULT_KINDS = ("", "sigkill", "sigterm", "kill-in-save", "save-error", "lr-spike", "slow", "truncate-offload")
+FAULT_KINDS = ("", "sigkill", "sigterm", "kill-in-save", "save-error", "lr-spike", "slow", "slow-turns",
+               "truncate-offload")
 
 
 def opt(default, help: str):
@@ -222,8 +223,8 @@ class FaultConfig:
     """Deliberate failures for testing fault tolerance (see minitrain/faults.py)."""
 
     kind: str = opt("", "'' = none | sigkill | sigterm | kill-in-save | save-error | lr-spike | slow | "
-                    "truncate-offload; fires once "
-                    "(slow: every step from fault.step), never in a resumed run")
+                    "slow-turns | truncate-offload; fires once (slow: every step from fault.step; slow-turns: the "
+                    "ranks take turns sleeping, rank r at steps where step % world == r), never in a resumed run")
     step: int = opt(0, "the step at which the fault fires")
     rank: int = opt(0, "the rank it fires on (lr-spike applies on every rank)")
     lr_multiplier: float = opt(100.0, "lr-spike: that step's learning rate is multiplied by this")

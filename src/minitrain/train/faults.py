@@ -10,6 +10,8 @@ checkpoint: the restarted or resumed run must get through. Kinds:
   lr-spike      every rank multiplies that step's learning rate by --fault.lr_multiplier
   slow          rank --fault.rank sleeps --fault.slow_s seconds at the start of every step from --fault.step on
                 (a straggler: the one kind that fires more than once)
+  slow-turns    the ranks take turns: from --fault.step on, rank r sleeps --fault.slow_s at the steps where
+                step % world == r (a different straggler at every step: what bounded staleness absorbs)
   truncate-offload  rank --fault.rank's disk-offload files are cut to half their size as the step starts (another
                 program clobbering the offload directory)
 """
@@ -24,10 +26,13 @@ from ..config import FaultConfig  # its kind is one of config.FAULT_KINDS, the o
 
 
 class Faults:
-    def __init__(self, cfg: FaultConfig, rank: int, resumed: bool, offload_files: Path | None = None):
-        """offload_files: the directory of this run's disk-offload files (truncate-offload), if any."""
-        self.cfg, self.rank, self.offload_files = cfg, rank, offload_files
-        on_this_rank = cfg.kind == "lr-spike" or rank == cfg.rank  # a learning rate must agree everywhere
+    def __init__(self, cfg: FaultConfig, rank: int, resumed: bool, offload_files: Path | None = None,
+                 world: int = 1):
+        """offload_files: the directory of this run's disk-offload files (truncate-offload), if any. world: the
+        ranks that take turns (slow-turns)."""
+        self.cfg, self.rank, self.offload_files, self.world = cfg, rank, offload_files, world
+        # A learning rate must agree everywhere; turns are taken by every rank.
+        on_this_rank = cfg.kind in ("lr-spike", "slow-turns") or rank == cfg.rank
         self.armed = bool(cfg.kind) and on_this_rank and not resumed
 
     def _fires(self, kinds: tuple[str, ...], step: int) -> bool:
@@ -38,6 +43,8 @@ class Faults:
 
     def at_step_start(self, step: int) -> None:
         if self.armed and self.cfg.kind == "slow" and step >= self.cfg.step:
+            time.sleep(self.cfg.slow_s)
+        if self.armed and self.cfg.kind == "slow-turns" and step >= self.cfg.step and step % self.world == self.rank:
             time.sleep(self.cfg.slow_s)
         if self._fires(("sigkill",), step):
             os.kill(os.getpid(), signal.SIGKILL)

@@ -145,7 +145,8 @@ class Trainer:
         self.device_peak = DevicePeak(topo.device)
         self._moe_layers = [m for m in self.model.modules() if isinstance(m, MoEMLP)]  # their load, every step
         self.faults = Faults(cfg.fault, topo.rank, resumed=False,
-                             offload_files=offload_directory(cfg) if cfg.train.offload == "disk" else None)
+                             offload_files=offload_directory(cfg) if cfg.train.offload == "disk" else None,
+                             world=topo.world_size)
         self.agreed = Agreed()  # what the ranks agreed on at the last step boundary (step_stats.py)
         self._last_exchange_end: float | None = None  # when this rank's last statistics exchange returned
         self._device_busy = 0.0  # on a GPU: the last step's busy seconds, from its events (train_step)

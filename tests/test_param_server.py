@@ -86,7 +86,8 @@ def test_bounded_staleness_blocks_the_fastest_worker_at_exactly_k_and_is_reprodu
     (("--nproc", "3", "--ps.servers", "1", "--ps.staleness", "-1"), "ps.staleness must be >= 0"),
     (("--nproc", "4", "--ps.servers", "1", "--tp", "2"), "does not combine with --tp"),
     (("--nproc", "4", "--ps.servers", "1", "--pp", "2"), "does not combine with --pp"),
-    (("--nproc", "3", "--ps.servers", "1", "--ckpt.every_steps", "2"), "does not save or load checkpoints yet"),
+    (("--nproc", "3", "--ps.servers", "1", "--ckpt.async_save"), "saves synchronously into OUT"),
+    (("--nproc", "3", "--ps.servers", "1", "--ps.staleness", "1", "--ckpt.every_steps", "2"), "need --ps.staleness 0"),
     (("--nproc", "3", "--ps.servers", "1", "--ps.staleness", "1", "--eval.every", "2"), "no one model to evaluate"),
     (("--ps.staleness", "1",), "needs parameter servers"),
 ])
@@ -116,3 +117,53 @@ def test_a_worker_that_dies_stops_the_run_naming_it(tmp_path):
     result = run_main("train", "--preset", "tiny", "--steps", "6", "--nproc", "3", "--ps.servers", "1",
                       "--fault.kind", "sigkill", "--fault.rank", "1", "--fault.step", "3", "--out", str(tmp_path / "r"))
     assert result.returncode != 0 and "rank 1" in result.stderr and "SIGKILL" in result.stderr, result.stderr
+
+
+def _flat_state(out, step: int) -> dict:
+    """A checkpoint's parameters and optimizer state as whole vectors (any layout), and its step count."""
+    from minitrain import checkpoint
+
+    step_dir = out / "checkpoints" / f"step-{step:06d}"
+    manifest = checkpoint.read_manifest(step_dir)
+    return {**checkpoint.assemble_flat(step_dir, manifest),
+            "steps_taken": manifest["train_state"]["optimizer_scalars"]["steps_taken"]}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k]
+                                        for k in a)
+
+
+def _cli_train(out, *argv):
+    result = run_main("train", "--preset", "tiny", "--steps", "6", "--ckpt.every_steps", "3", "--batch-size", "4",
+                      "--out", str(out), *argv)
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+def test_checkpoints_hold_the_servers_state_and_move_to_data_parallel_and_back(tmp_path):
+    # Two servers, K = 0: the checkpoint of step 3 is data parallel's own (the same vectors, the same step count);
+    # resumed as data parallel, or a data-parallel checkpoint resumed on servers, both end where both runs end.
+    servers = ("--nproc", "4", "--ps.servers", "2", "--model.d_model", "128")
+    data_parallel = ("--nproc", "2", "--model.d_model", "128")
+    _cli_train(tmp_path / "ps", *servers)
+    _cli_train(tmp_path / "dp", *data_parallel)
+    for step in (3, 6):
+        assert _same(_flat_state(tmp_path / "ps", step), _flat_state(tmp_path / "dp", step)), step
+    resumed = {"ps-from-dp": servers, "dp-from-ps": data_parallel, "ps-from-ps": servers}
+    for name, layout in resumed.items():
+        source = tmp_path / name.split("-from-")[1] / "checkpoints" / "step-000003"
+        _cli_train(tmp_path / name, *layout, "--ckpt.resume", str(source))
+        assert _same(_flat_state(tmp_path / name, 6), _flat_state(tmp_path / "dp", 6)), name
+
+
+def test_a_server_that_dies_stops_the_run_and_resume_auto_ends_bit_identical(tmp_path):
+    servers = ("--nproc", "3", "--ps.servers", "1")
+    _cli_train(tmp_path / "reference", *servers)
+    out = tmp_path / "run"
+    killed = run_main("train", "--preset", "tiny", "--steps", "6", "--ckpt.every_steps", "3", "--batch-size", "4",
+                      "--out", str(out), *servers, "--fault.kind", "sigkill", "--fault.rank", "2", "--fault.step", "5")
+    assert killed.returncode != 0 and "rank 2" in killed.stderr, killed.stderr
+    assert (out / "checkpoints" / "step-000003").is_dir() and not (out / "checkpoints" / "step-000006").exists()
+    _cli_train(out, *servers, "--resume", "auto")
+    assert _same(_flat_state(out, 6), _flat_state(tmp_path / "reference", 6))

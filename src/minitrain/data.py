@@ -227,7 +227,7 @@ def check_corpus(cfg: RunConfig) -> None:
 
 def eval_examples_per_batch(cfg: RunConfig) -> int:
     """Examples in one evaluation batch over every data-parallel rank (train.batch_size each)."""
-    return cfg.train.batch_size * (cfg.dist.nproc // (cfg.dist.tp * cfg.dist.pp))
+    return cfg.train.batch_size * cfg.data_parallel_ranks
 
 
 def check_eval_split(cfg: RunConfig) -> None:

@@ -224,7 +224,7 @@ class FaultConfig:
 
     kind: str = opt("", "'' = none | sigkill | sigterm | kill-in-save | save-error | lr-spike | slow | "
                     "slow-turns | truncate-offload; fires once (slow: every step from fault.step; slow-turns: the "
-                    "ranks take turns sleeping, rank r at steps where step % world == r), never in a resumed run")
+                    "ranks take turns sleeping, rank r of n at steps r, r + n, r + 2n, ...), never in a resumed run")
     step: int = opt(0, "the step at which the fault fires")
     rank: int = opt(0, "the rank it fires on (lr-spike applies on every rank)")
     lr_multiplier: float = opt(100.0, "lr-spike: that step's learning rate is multiplied by this")
@@ -274,6 +274,12 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    @property
+    def data_parallel_ranks(self) -> int:
+        """The ranks that each read their own share of a batch: the world / (tp x pp), less parameter servers."""
+        d = self.dist
+        return (d.nproc - self.ps.servers) // (d.tp * d.pp)
 
 
 def _check_finite(cfg: RunConfig) -> None:
@@ -393,11 +399,15 @@ def _check_parameter_servers(cfg: RunConfig) -> None:
     if clashes:
         raise ConfigError(f"--ps.servers trains the workers' whole model with its optimizer on the servers, over gloo; "
                           f"it does not combine with {', '.join(clashes)}")
-    saves = [name for name, on in (("--ckpt.every_steps", cfg.ckpt.every_steps), ("--ckpt.every_minutes",
-                                   cfg.ckpt.every_minutes), ("--ckpt.resume", cfg.ckpt.resume), ("--ckpt.dir",
-                                   cfg.ckpt.dir), ("--ckpt.async_save", cfg.ckpt.async_save)) if on]
+    saves = [name for name, on in (("--ckpt.every_minutes", cfg.ckpt.every_minutes), ("--ckpt.dir", cfg.ckpt.dir),
+                                   ("--ckpt.async_save", cfg.ckpt.async_save)) if on]
     if saves:
-        raise ConfigError(f"a parameter-server run does not save or load checkpoints yet; drop {', '.join(saves)}")
+        raise ConfigError(f"a parameter-server run saves synchronously into OUT, every so many steps; drop "
+                          f"{', '.join(saves)}")
+    if ps.staleness and (cfg.ckpt.every_steps or cfg.ckpt.resume):
+        raise ConfigError("checkpoints during a parameter-server run (--ckpt.every_steps, --ckpt.resume) need "
+                          "--ps.staleness 0 for now: under K > 0 each worker would decide a rollback on its own "
+                          "losses (the final save is kept)")
     if ps.staleness and cfg.eval.every:
         raise ConfigError("--eval.every with --ps.staleness > 0: workers at different steps hold different "
                           "parameters, so there is no one model to evaluate at a step; evaluate at K = 0")

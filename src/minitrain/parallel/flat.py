@@ -311,6 +311,13 @@ class FlatStrategy:
             return [(0, self.flat.padded_numel)]
         return [u.chunk(rank, self.comm.world_size) for u in self.flat.units]
 
+    def settle_for_save(self) -> None:
+        """Before a checkpoint's state is read: a strategy whose state lives elsewhere (parameter servers) brings
+        this rank's part of it here. Every rank calls it (collective in effect)."""
+
+    def resumed_at(self, step: int) -> None:
+        """After a checkpoint of `step` was loaded: a strategy whose state lives elsewhere sends it there."""
+
     def zero_grad(self, release: bool = False) -> None:
         """Zero the gradients for the next step. release: also give back the memory of gradients kept only
         between steps where the strategy can (ZeRO-2/3's shard), as torch's zero_grad(set_to_none=True) does."""

@@ -27,53 +27,71 @@ K = 0 would no longer be data parallel. A server therefore holds up to K + 1 ste
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
 import torch
 import torch.nn as nn
 
-from ..runtime.comm import Comm, PendingCollective
+from ..runtime.comm import CollectiveError, Comm, PendingCollective
 from ..runtime.servers import ServerGroup, shard_bounds
 from .config import ParallelConfig
 from .flat import FlatStrategy
 from .layout import FlatParameters
 from .norms import SquareSums, clip_coefficient, sum_in_order
 
-# Message tags: a server takes headers from any worker, then that worker's gradient.
-INITIAL, HEADER, GRADIENT, REPLY, PARAMS = 1, 2, 3, 4, 5
-NO_LR, NO_CLIP = math.nan, -1.0  # a header's "use the optimizer's own lr" and "use the run's grad_clip"
+# A message is a header (float64: kind, step, version, lr, loss scale, clip), then what its kind brings. A server
+# takes headers from whichever worker sends first; the rest of a message comes from that worker on its own tag.
+HEADER, GRADIENT, REPLY, PARAMS, STATE = 1, 2, 3, 4, 5  # tags
+PUSH, SYNC, FETCH, START, LOAD, DONE = range(6)  # kinds
+NO_LR, NO_CLIP = math.nan, -1.0  # "the optimizer's own lr", "the run's grad_clip"
+# The optimizer state a server holds (train/optim.py's FlatAdamW), by the names checkpoints give it.
+STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
+
+
+def _header(kind: int, step: int = 0, version: int = 0, lr: float = NO_LR, loss_scale: float = 1.0,
+            clip: float = NO_CLIP) -> torch.Tensor:
+    return torch.tensor([kind, step, version, lr, loss_scale, clip], dtype=torch.float64)
 
 
 class ServerHeldOptimizer:
-    """A worker's stand-in for the optimizer its servers hold: nothing here, every update comes from them."""
+    """A worker's stand-in for the optimizer its servers hold. Between steps it holds nothing; for a save, worker 0
+    holds the state fetched from the servers (state_tensors), and on a resume the state read for them, until it has
+    gone to them."""
 
     skips_on_device = False
+    store = None  # nothing offloaded here
 
     def __init__(self, master_dtype: torch.dtype, device: torch.device):
         self.master = torch.empty(0, dtype=master_dtype, device=device)
-        self.steps_taken = 0  # updates pulled
+        self.steps_taken = 0  # updates the servers applied (skipped ones not counted), as of the last reply
+        self.held: dict[str, torch.Tensor] = {}
 
     def held_tensors(self) -> list[torch.Tensor]:
-        return []
+        return list(self.held.values())
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        return {}
+        return self.held
 
     def elementwise_states(self) -> int:
         return 0
 
     def scalar_state(self) -> dict:
-        return {}
+        return {"steps_taken": self.steps_taken}
+
+    def load_state(self, tensors, scalars: dict) -> None:
+        self.held = {name: tensors[name].to(self.master.dtype) for name in STATE_NAMES}
+        self.steps_taken = int(scalars["steps_taken"])
 
     def release_pages(self) -> None:
-        pass
+        self.held = {}
 
 
 class ParameterServerWorker(FlatStrategy):
     """A worker's strategy: the whole model and its gradient, no optimizer state; step() pushes the gradient to
     the servers and pulls the parameters they updated. Its comm is the workers' group (rank 0's initial parameters
-    go to every worker, and to the servers)."""
+    go to every worker, and to the servers with the first step)."""
 
     name = "param-server"
     stage = 0
@@ -86,15 +104,42 @@ class ParameterServerWorker(FlatStrategy):
         self.bounds = shard_bounds(self.flat.padded_numel, len(group.servers), SquareSums.block(comm.device))
         self.versions = [0] * len(group.servers)  # the version of each shard this worker computes with
         self.steps_pushed = 0
-        if comm.rank == 0:  # the servers start from these parameters
-            for server, (a, b) in zip(group.servers, self.bounds):
-                group.world.send(self.flat.data[a:b], server, INITIAL)
+        self._servers_started = comm.rank != 0  # worker 0 sends them their first state (START or LOAD)
 
     def _averaged_grad(self) -> torch.Tensor:
         return self.flat.grad
 
     def _publish(self) -> None:
         pass
+
+    def _send_all(self, header: torch.Tensor, pieces: list[torch.Tensor] = (), tag: int = STATE) -> None:
+        """header to every server, then each piece's shard (pieces: full-length vectors), one op at a time."""
+        for server, (a, b) in zip(self.group.servers, self.bounds):
+            self.group.world.send(header, server, HEADER)
+            for piece in pieces:
+                self.group.world.send(piece[a:b].contiguous(), server, tag)
+
+    def _start_servers(self) -> None:
+        """Worker 0, before its first request: the servers' starting parameters (the master is made from them)."""
+        if not self._servers_started:
+            self._send_all(_header(START), [self.flat.data], PARAMS)
+            self._servers_started = True
+
+    def _pull(self, with_state: bool = False) -> torch.Tensor:
+        """Every server's reply and shard of the parameters (and of its optimizer state); server 0's reply header."""
+        world, workers = self.group.world, self.group.workers
+        replies = [torch.empty(3 + len(workers), dtype=torch.float64) for _ in self.bounds]
+        if with_state:
+            n = self.flat.padded_numel
+            self.optimizer.held = {name: torch.empty(n, dtype=self.optimizer.master.dtype) for name in STATE_NAMES}
+        for reply, server, (a, b) in zip(replies, self.group.servers, self.bounds):
+            world.recv(reply, server, REPLY)
+            world.recv(self.flat.data[a:b], server, PARAMS)
+            for name in STATE_NAMES if with_state else ():
+                world.recv(self.optimizer.held[name][a:b], server, STATE)
+        self.versions = [int(r[0]) for r in replies]
+        self.optimizer.steps_taken = int(replies[0][2])
+        return replies[0]
 
     @torch.no_grad()
     def step(self, lr: float | None = None, loss_scale: float = 1.0, max_norm: float | None = None) -> float:
@@ -103,86 +148,136 @@ class ParameterServerWorker(FlatStrategy):
         if self.closed:
             raise RuntimeError("this param-server strategy was closed (its hooks are off the model)")
         self.flat.check_grads_in_place()
+        self._start_servers()
         began = time.perf_counter()
         step = self.steps_pushed + 1
-        world, servers = self.group.world, self.group.servers
         # Summed in the reduce dtype on the servers, as data parallel's all-reduce sums it.
         grad = self.flat.grad if self.flat.grad.dtype == self.sum_dtype else self.flat.grad.to(self.sum_dtype)
         # One op at a time (each booked for its own seconds, none overlapping): every server gets this step's
         # gradient before any reply is awaited, so no server waits for a worker that waits for another server.
-        for s, (server, (a, b)) in enumerate(zip(servers, self.bounds)):
-            world.send(torch.tensor([step, self.versions[s], NO_LR if lr is None else lr, loss_scale,
-                                     NO_CLIP if max_norm is None else max_norm], dtype=torch.float64), server, HEADER)
-            world.send(grad[a:b], server, GRADIENT)
-        replies = [torch.empty(2 + len(self.group.workers), dtype=torch.float64) for _ in servers]
-        for reply, server, (a, b) in zip(replies, servers, self.bounds):
-            world.recv(reply, server, REPLY)
-            world.recv(self.flat.data[a:b], server, PARAMS)
-        self.steps_pushed = step
+        for s, (server, (a, b)) in enumerate(zip(self.group.servers, self.bounds)):
+            header = _header(PUSH, step, self.versions[s], NO_LR if lr is None else lr, loss_scale,
+                             NO_CLIP if max_norm is None else max_norm)
+            self.group.world.send(header, server, HEADER)
+            self.group.world.send(grad[a:b], server, GRADIENT)
         computed_on = min(self.versions)
-        self.versions = [int(r[0]) for r in replies]
-        self.optimizer.steps_taken = min(self.versions)
-        norm = float(replies[0][1])
+        reply = self._pull()
+        self.steps_pushed = step
         self._last_sync = {"param_server": {
             "staleness": step - 1 - computed_on,  # of this step's gradient: updates it did not see
             "version": min(self.versions),  # the parameters pulled for the next step
-            "applied_staleness": [int(x) for x in replies[0][2:]],  # each worker's, in the update pulled
+            "applied_staleness": [int(x) for x in reply[3:]],  # each worker's, in the update pulled
             "push_pull_s": time.perf_counter() - began}}
-        return norm
+        return float(reply[1])
+
+    @torch.no_grad()
+    def settle_for_save(self) -> None:
+        """Every worker waits for the update of its last step and takes its parameters (a save is a point where
+        the workers agree, whatever K); worker 0 also takes the servers' optimizer state, which it writes."""
+        self._start_servers()
+        self._send_all(_header(FETCH if self.comm.rank == 0 else SYNC, self.steps_pushed))
+        self._pull(with_state=self.comm.rank == 0)
+
+    @torch.no_grad()
+    def resumed_at(self, step: int) -> None:
+        """The trainer loaded a checkpoint of `step`: worker 0 sends the servers their shards of the optimizer state
+        it read (load_local), which the servers take from here on."""
+        self.steps_pushed, self.versions = step, [step] * len(self.bounds)
+        if self.comm.rank == 0:
+            state = self.optimizer.held
+            self._send_all(_header(LOAD, step, lr=self.optimizer.steps_taken), [state[n] for n in STATE_NAMES])
+            self._servers_started = True
+        self.optimizer.held = {}
+
+    def close(self) -> None:
+        """Off the model, and the servers told this worker is done (they end when every worker is)."""
+        if not self.closed:
+            with contextlib.suppress(CollectiveError):  # a server already gone: the run is ending with an error
+                self._send_all(_header(DONE))
+        super().close()
 
 
 class ParameterServer:
-    """One server: its shard's master weights and optimizer state; serve() answers the workers until the last
-    step's update has reached every one of them."""
+    """One server: its shard's master weights and optimizer state; serve() answers the workers until every one is
+    done."""
 
     def __init__(self, flat: FlatParameters, group: ServerGroup, pcfg: ParallelConfig, make_optimizer,
-                 total_steps: int, sum_dtype: torch.dtype):
-        self.group, self.pcfg, self.total = group, pcfg, total_steps
+                 total_steps: int, sum_dtype: torch.dtype, faults=None):
+        """total_steps: the run's last step, whose update every worker waits for. faults: the run's deliberate faults
+        (train/faults.py), fired as an update starts on this server's rank."""
+        self.group, self.pcfg, self.total, self.faults = group, pcfg, total_steps, faults
         self.bounds = shard_bounds(flat.padded_numel, len(group.servers), SquareSums.block(flat.data.device))
         self.start, self.stop = self.bounds[group.index]
         self.param_dtype, self.sum_dtype = flat.dtype, sum_dtype
-        shard = flat.data[self.start:self.stop]
-        group.world.recv(shard, group.workers[0], INITIAL)
-        self.optimizer = make_optimizer(shard.to(pcfg.master_dtype), flat, [(self.start, self.stop)])
+        self.params = flat.data[self.start:self.stop].clone()  # what the workers pull, in their dtype
+        # Copies, never views of each other: a send in flight keeps the parameters it was given.
+        self.optimizer = make_optimizer(self.params.to(pcfg.master_dtype, copy=True), flat, [(self.start, self.stop)])
+        self.started = False  # the starting state has come (START or LOAD): nothing is answered before
         self.version = 0
         self.arrived: dict[int, dict[int, tuple[torch.Tensor, int]]] = {}  # step -> worker -> (gradient, version)
         self.settings: dict[int, tuple[float, float, float]] = {}  # step -> (lr, loss scale, clip)
-        self.needs: dict[int, int] = {}  # worker -> the version its pending pull waits for
-        self.reply = torch.zeros(2 + len(group.workers), dtype=torch.float64)  # of the latest update
-        self.params = shard.clone()
+        self.needs: dict[int, tuple[int, bool]] = {}  # worker -> (the version its pull waits for, with the state)
+        self.last = (math.nan, [0] * len(group.workers))  # the latest update's norm and staleness per worker
+        self.done: set[int] = set()
         self.sending: list[PendingCollective] = []
         self.staleness_counts: dict[int, int] = {}
         self.skipped = 0
 
     @torch.no_grad()
     def serve(self) -> dict:
-        """Take every worker's gradient of every step (whichever comes first), apply each step's update once it is
-        complete, and answer each pull as soon as the version it waits for exists."""
+        """Take the workers' messages as they come: apply each step's update once every gradient of it is in, and
+        answer each pull as soon as the version it waits for exists."""
         world, workers, k = self.group.world, self.group.workers, self.group.staleness
-        header = torch.empty(5, dtype=torch.float64)
+        header = torch.empty(6, dtype=torch.float64)
         waited = 0.0
-        for _ in range(len(workers) * self.total):
+        while len(self.done) < len(workers):
             began = time.perf_counter()
             sender = world.recv_any(header, HEADER)
-            step, version, lr, loss_scale, clip = header.tolist()
-            step, worker = int(step), workers.index(sender)
-            grad = torch.empty(self.stop - self.start, dtype=self.sum_dtype)
-            world.recv(grad, sender, GRADIENT)
+            kind, step, version, lr, loss_scale, clip = header.tolist()
+            kind, step, worker = int(kind), int(step), workers.index(sender)
+            if kind == PUSH:
+                grad = torch.empty(self.stop - self.start, dtype=self.sum_dtype)
+                world.recv(grad, sender, GRADIENT)
+                self.arrived.setdefault(step, {})[worker] = (grad, int(version))
+                self.settings[step] = (lr, loss_scale, clip)
+                self.needs[worker] = (self.total if step == self.total else step - k, False)
+            elif kind in (SYNC, FETCH):
+                self.needs[worker] = (step, kind == FETCH)
+            elif kind == START:
+                world.recv(self.params, sender, PARAMS)
+                self.optimizer.master.copy_(self.params)
+                self.started = True
+            elif kind == LOAD:
+                self._load(sender, step, int(lr))
+            elif kind == DONE:
+                self.done.add(worker)
             waited += time.perf_counter() - began
-            self.arrived.setdefault(step, {})[worker] = (grad, int(version))
-            self.settings[step] = (lr, loss_scale, clip)
-            self.needs[worker] = self.total if step == self.total else step - k
-            while len(self.arrived.get(self.version + 1, ())) == len(workers):
+            while self.started and len(self.arrived.get(self.version + 1, ())) == len(workers):
                 self._apply(self.version + 1)
-            self._answer()
+            if self.started:
+                self._answer()
         for pending in self.sending:
             pending.wait()
         return {"server": self.group.index, "shard": [self.start, self.stop], "updates": self.version,
-                "skipped": self.skipped, "staleness_counts": {str(s): n for s, n in sorted(self.staleness_counts.items())},
-                "waited_s": waited}
+                "skipped": self.skipped, "waited_s": waited,
+                "staleness_counts": {str(s): n for s, n in sorted(self.staleness_counts.items())}}
+
+    def _load(self, sender: int, step: int, steps_taken: int) -> None:
+        """A checkpoint's state for this shard (worker 0 read it): the servers continue from `step`."""
+        n = self.stop - self.start
+        state = {name: torch.empty(n, dtype=self.optimizer.master.dtype) for name in STATE_NAMES}
+        for name in STATE_NAMES:
+            self.group.world.recv(state[name], sender, STATE)
+        self.optimizer.load_state(state, {"steps_taken": steps_taken})
+        self.params = self.optimizer.master.to(self.param_dtype, copy=True)
+        self.version, self.started = step, True
+        if self.faults is not None:
+            self.faults.armed = False  # deliberate faults never fire in a run that loaded a checkpoint
 
     def _apply(self, step: int) -> None:
         """The update of `step`: the mean of its gradients (summed in worker order), clipped by the global norm."""
+        if self.faults is not None:
+            self.faults.at_step_start(step)
         grads = self.arrived.pop(step)
         lr, loss_scale, clip = self.settings.pop(step)
         mean = grads[0][0]
@@ -193,14 +288,13 @@ class ParameterServer:
         if math.isfinite(norm):
             limit = self.pcfg.grad_clip if clip == NO_CLIP else clip
             self.optimizer.step(mean, None if math.isnan(lr) else lr, clip_coefficient(norm, limit) / loss_scale)
-            self.params = self.optimizer.master.to(self.param_dtype)
+            self.params = self.optimizer.master.to(self.param_dtype, copy=True)
         else:  # every server sees the same norm: all skip
             self.skipped += 1
         staleness = [step - 1 - grads[w][1] for w in range(len(grads))]
         for s in staleness:
             self.staleness_counts[s] = self.staleness_counts.get(s, 0) + 1
-        self.version = step
-        self.reply = torch.tensor([step, norm, *staleness], dtype=torch.float64)
+        self.version, self.last = step, (norm, staleness)
 
     def _square_sum(self, mean: torch.Tensor) -> torch.Tensor:
         """The whole mean gradient's sum of squares, as data parallel's SquareSums takes it from the whole vector:
@@ -218,14 +312,20 @@ class ParameterServer:
         return ordered[0] if len(ordered) == 1 else sum_in_order(ordered, mean.device)
 
     def _answer(self) -> None:
-        """Send the newest parameters to every worker whose pull can be answered now."""
+        """Send the newest parameters (and the optimizer state, where asked) to every worker whose pull can be
+        answered now. Each send keeps its own tensor: the next update makes new ones."""
         world = self.group.world
-        for worker, needs in list(self.needs.items()):
-            if needs <= self.version:
-                del self.needs[worker]
-                rank = self.group.workers[worker]
-                self.sending += [world.send_async(self.reply, rank, REPLY),
-                                 world.send_async(self.params, rank, PARAMS)]
+        norm, staleness = self.last
+        reply = torch.tensor([self.version, norm, self.optimizer.steps_taken, *staleness], dtype=torch.float64)
+        for worker, (needs, with_state) in list(self.needs.items()):
+            if needs > self.version:
+                continue
+            del self.needs[worker]
+            rank = self.group.workers[worker]
+            self.sending += [world.send_async(reply, rank, REPLY), world.send_async(self.params, rank, PARAMS)]
+            state = self.optimizer.state_tensors()
+            self.sending += [world.send_async(state[name].clone(), rank, STATE) for name in STATE_NAMES
+                             if with_state]
         still = []
         for pending in self.sending:
             if pending.done():

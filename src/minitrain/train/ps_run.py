@@ -19,6 +19,7 @@ from ..parallel.layout import FlatParameters, WholeModel
 from ..parallel.param_server import ParameterServer
 from ..runtime.servers import ServerGroup
 from ..runtime.topology import Topology
+from .faults import Faults
 from .optim import flat_adamw_factory
 from .precision import compute_dtype, reduce_dtype
 from .run_files import write_json
@@ -35,8 +36,7 @@ def train_with_parameter_servers(topo: Topology, cfg: RunConfig, train: Callable
     topo.opened.append(group.own)
     # Workers and servers never run the same collectives, so the periodic fingerprint comparison (every rank's
     # digest through the store) would wait for servers that never come; hang diagnosis still watches every op.
-    cfg = dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, fingerprint_every=0),
-                              ckpt=dataclasses.replace(cfg.ckpt, final_save=False))
+    cfg = dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, fingerprint_every=0))
     if topo.is_main:
         print(_layout_line(group), flush=True)
     if group.is_server:
@@ -76,5 +76,5 @@ def _serve(topo: Topology, cfg: RunConfig, group: ServerGroup) -> dict:
     flat = FlatParameters(model, 1, None, False, WholeModel.of(model))
     pcfg = parallel_config(cfg)
     server = ParameterServer(flat, group, pcfg, flat_adamw_factory(cfg.train), cfg.train.steps,
-                             reduce_dtype(cfg.train))
+                             reduce_dtype(cfg.train), Faults(cfg.fault, topo.rank, resumed=False))
     return server.serve()

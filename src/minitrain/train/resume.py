@@ -99,7 +99,7 @@ def check_resume(cfg: RunConfig) -> list[str]:
                           f"{manifest['train_state']['corpus_sha256'][:12]}..., this run's {ours[:12]}...); resume "
                           "with the same --corpus and --data.corpus_seed")
     loader = manifest["train_state"]["loader"]
-    dp = cfg.dist.nproc // (cfg.dist.tp * cfg.dist.pp)  # data-parallel replicas: each reads its own batch
+    dp = cfg.data_parallel_ranks  # data-parallel replicas: each reads its own batch
     global_batch = cfg.train.batch_size * dp
     if loader["global_batch"] != global_batch:
         fits = loader["global_batch"] % dp == 0

@@ -488,17 +488,20 @@ class Trainer:
 
     def save_checkpoint(self, root: str | Path) -> Path:
         """Collective: save now, return the step directory once it is complete."""
+        self.strategy.settle_for_save()
         return checkpoint.save(root, self.step, self.topo, self.strategy, self.train_state(), self.cfg.to_dict(),
                                after_written=self.faults.after_shard_written)
 
     def start_async_save(self, root: str | Path) -> checkpoint.AsyncSave:
         """Collective: snapshot now, write in the background; the caller commits it later."""
+        self.strategy.settle_for_save()
         return checkpoint.AsyncSave(root, self.step, self.topo, self.strategy, self.train_state(),
                                     self.cfg.to_dict(), after_written=self.faults.after_shard_written)
 
     def load_checkpoint(self, path: str | Path) -> None:
         """Collective: the state of a checkpoint (a step launched and not read yet is dropped with its record)."""
         state = checkpoint.load(path, self.topo, self.strategy)
+        self.strategy.resumed_at(state["step"])
         self._unread = None
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         self.loader.load_state_dict(state["loader"])

@@ -167,3 +167,27 @@ def test_a_server_that_dies_stops_the_run_and_resume_auto_ends_bit_identical(tmp
     assert (out / "checkpoints" / "step-000003").is_dir() and not (out / "checkpoints" / "step-000006").exists()
     _cli_train(out, *servers, "--resume", "auto")
     assert _same(_flat_state(out, 6), _flat_state(tmp_path / "reference", 6))
+
+
+def test_plan_counts_push_and_pull_against_the_ring_and_what_a_server_holds():
+    import json
+
+    result = run_main("plan", "--preset", "gpt2-124m", "--dp", "8", "--servers", "4", "--precision", "bf16", "--json")
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    servers = plan["parameter_servers"]
+    from minitrain.train.estimate import PRESETS
+
+    link = PRESETS["h100-sxm"].inter["send"]  # 12 ranks over 8-GPU nodes
+    P = plan["input"]["params"]
+    push = 4 * link.alpha_s + max(1, 8 / 4) * 4 * P / link.beta_Bps  # float32 gradient, bf16 parameters
+    pull = 4 * link.alpha_s + max(1, 8 / 4) * 2 * P / link.beta_Bps
+    assert servers["push_pull_s"] == pytest.approx(push + pull, rel=1e-9)
+    ring = 2 * 7 * link.alpha_s + 2 * 7 / 8 * 4 * P / link.beta_Bps
+    assert servers["ring_all_reduce_s"] == pytest.approx(ring, rel=1e-9)
+    assert servers["servers_needed"] == 7  # max(1, 8/S) x 6 < 7 bytes per parameter first at S = 7
+    assert plan["bytes_per_rank"]["optimizer"] == 0 and plan["world_size"] == 12
+    assert servers["bytes_per_server"] == {"params": round(2 * P / 4), "optimizer": round(12 * P / 4),
+                                           "held_gradients": round(8 * 4 * P / 4)}
+    refused = run_main("plan", "--dp", "2", "--servers", "1", "--zero", "1")
+    assert refused.returncode == 2 and "do not combine with" in refused.stderr

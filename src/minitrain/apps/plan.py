@@ -39,6 +39,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     planner.add_argument("--offload", choices=("none", "cpu", "disk"), default="none",
                          help="the optimizer's master and state in host memory (cpu) or files (disk), and at ZeRO-2/3 "
                          "the gradient shard in host memory: off the device's total")
+    planner.add_argument("--servers", type=int, default=0, help="parameter servers besides the --dp workers: the "
+                         "workers push gradients and pull parameters instead of an all-reduce, the servers hold the "
+                         "optimizer; says how many servers beat the all-reduce on these links (default 0)")
+    planner.add_argument("--staleness", type=int, default=0, help="the servers' staleness bound K (what they hold of "
+                         "gradients waiting for their step; default 0)")
     planner.add_argument("--microbatches", type=int, default=1, help="pipeline micro-batches (default 1)")
     planner.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
     planner.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation assumed (default 0.4)")
@@ -74,11 +79,19 @@ def run(args) -> int:
     if args.ep > 1 and (model is None or not model.moe_experts or model.moe_experts % args.ep or args.dp % args.ep):
         raise ConfigError(f"--ep {args.ep} splits a mixture of experts' experts: give --experts E with ep dividing "
                           "E and --dp")
+    if args.servers < 0 or args.staleness < 0:
+        raise ConfigError("--servers and --staleness must be >= 0")
+    if args.servers and (args.zero or args.tp > 1 or args.pp > 1 or args.ep > 1 or args.offload != "none"):
+        raise ConfigError("--servers plans parameter servers for data-parallel workers; they do not combine with "
+                          "--zero, --tp, --pp, --ep or --offload")
+    if args.staleness and not args.servers:
+        raise ConfigError("--staleness needs parameter servers (--servers S)")
     hardware = plan.cpu_here(args.comm_json) if args.hardware == "cpu-here" else plan.PRESETS[args.hardware]
     inp = plan.PlanInput(model=model, params=params, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
                          precision=args.precision, reduce_dtype=args.reduce_dtype, dp=args.dp, tp=args.tp, pp=args.pp, ep=args.ep, zero=args.zero,
                          activation_checkpointing=args.activation_checkpointing, microbatches=args.microbatches,
                          schedule=args.schedule, mfu=args.mfu, hardware=hardware, offload=args.offload,
+                         servers=args.servers, staleness=args.staleness,
                          seq_len=args.model_seq_len or 1024)
     result = plan.plan(inp)
     print(json.dumps(result) if args.json else plan.render(result))

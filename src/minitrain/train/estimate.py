@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError, ModelConfig
+from . import plan_servers
 from .optim import FlatAdamW
 from ..parallel.memory_math import memory_terms, padded_numel
 
@@ -142,6 +143,8 @@ class PlanInput:
     schedule: str = "1f1b"
     offload: str = "none"  # none | cpu | disk: where the optimizer's master and state live (train/offload.py)
     ep: int = 1  # expert parallelism (a mixture of experts): each rank holds 1/ep of the experts; divides dp
+    servers: int = 0  # parameter servers besides the dp workers (plan_servers.py); the workers hold no optimizer
+    staleness: int = 0  # their bound K: what a server holds of gradients waiting for their step
     mfu: float = 0.4
     hardware: Hardware = field(default_factory=lambda: PRESETS["h100-sxm"])
 
@@ -210,6 +213,8 @@ def model_state_bytes(inp: PlanInput) -> dict[str, int]:
     shard_is_master = inp.zero == 3 and not mixed and inp.offload == "none"
     for kind, (count, sharded) in memory_terms(inp.zero, master_is_params=shard_is_master).items():
         out[kind] = round(count * elem[kind] * (P / shard_ranks(inp) if sharded else P))
+    if inp.servers:  # a parameter-server worker: the servers hold the optimizer
+        out["optimizer"] = 0
     return out
 
 
@@ -351,7 +356,11 @@ def communication(inp: PlanInput) -> list[dict]:
     dp_links = hw.intra if world <= hw.gpus_per_node else hw.inter
     units = (inp.model.n_layer + 4) if inp.model else 1  # blocks, embeddings, ln_f, head
     rows = []
-    if N > 1:
+    if inp.servers:
+        link = (hw.intra if world + inp.servers <= hw.gpus_per_node else hw.inter)["send"]
+        rows += plan_servers.traffic(N, inp.servers, reduce_bytes(inp) * layout_params(inp), elem * layout_params(inp),
+                                     link.alpha_s, link.beta_Bps)
+    elif N > 1:
         grads, params = reduce_bytes(inp) * layout_params(inp), elem * layout_params(inp)  # the group's whole vectors
         syncs = inp.grad_accum if inp.zero >= 2 else 1  # ZeRO-2/3 reduce every micro-batch
         if inp.zero == 0:
@@ -418,10 +427,17 @@ def plan(inp: PlanInput) -> dict:
     comm_s = sum(r["seconds"] for r in comm)
     step_s = compute_s / (1 - bubble) + comm_s
     global_tokens = tokens_rank * inp.dp
+    servers = None
+    if inp.servers:
+        P, elem = layout_params(inp), element_bytes(inp.precision)
+        link = (hw.intra if inp.dp + inp.servers <= hw.gpus_per_node else hw.inter)["send"]
+        servers = plan_servers.summary(inp.dp, inp.servers, inp.staleness, P, reduce_bytes(inp) * P, elem * P, elem,
+                                       reduce_bytes(inp), link.alpha_s, link.beta_Bps)
     return {
         "input": {k: v for k, v in asdict(inp).items() if k not in ("model", "hardware")}
         | {"model": None if inp.model is None else asdict(inp.model), "hardware": hw.name},
-        "world_size": inp.dp * inp.tp * inp.pp,
+        "world_size": inp.dp * inp.tp * inp.pp + inp.servers,
+        "parameter_servers": servers,
         # total is the predicted peak: state at rest plus the largest of the three moments above
         "bytes_per_rank": {**state, "gathered": gathered, "activations": acts, "loss_backward": loss_grads,
                            "reduce_copy": in_backward,
@@ -468,6 +484,8 @@ def render(result: dict) -> str:
                 for r in result["communication"]]
         lines += ["", "Communication per step (alpha-beta model, no overlap assumed)",
                   format_table(["collective", "calls", "bus bytes", "ms"], comm, "<>>>")]
+    if result.get("parameter_servers"):
+        lines += plan_servers.render(result["parameter_servers"], human_bytes)
     lines += ["", f"step {1e3 * result['step_s']:.2f} ms, {result['tokens_per_step']:,} tokens/step, "
                   f"{result['tokens_per_s']:,.0f} tokens/s"]
     return "\n".join(lines)

@@ -34,8 +34,9 @@ def _trained(topo, values: dict) -> dict | None:
 def test_synchronous_servers_equal_data_parallel_bit_for_bit(dtype, tmp_path):
     # Two workers, one or two servers, against --zero 0 over two ranks: every step's loss and gradient norm (clipping
     # binds: the norms are above 1) and the final parameters on every worker, bit for bit.
-    # 412k parameters: two of the 2^18-element chunks the norm is summed in, one per server at S = 2.
-    values = {**TINY, "train.dtype": dtype, "model.d_model": 128}
+    # 912k parameters: four of the 2^18-element chunks the norm is summed in, two per server at S = 2 (a server's
+    # own sum of two would add the chunks in another order than data parallel).
+    values = {**TINY, "train.dtype": dtype, "model.d_model": 192}
     [reference, _] = run_ranks(_trained, 2, {**values, "dist.nproc": 2, "out": str(tmp_path / "dp")})
     for servers in (1, 2):
         ranks = run_ranks(_trained, 2 + servers, {**values, "dist.nproc": 2 + servers, "ps.servers": servers, "out": str(tmp_path / f"s{servers}")})

@@ -192,3 +192,16 @@ def test_plan_counts_push_and_pull_against_the_ring_and_what_a_server_holds():
                                            "held_gradients": round(8 * 4 * P / 4)}
     refused = run_main("plan", "--dp", "2", "--servers", "1", "--zero", "1")
     assert refused.returncode == 2 and "do not combine with" in refused.stderr
+
+
+def test_under_bounded_staleness_a_worker_that_stops_stops_the_others_without_a_checkpoint(tmp_path):
+    # SIGTERM reaches worker 0 only. The workers are at different steps, so no checkpoint could hold them all: it
+    # stops at once; the servers then take no more updates and answer the other worker, which stops too (it would
+    # otherwise wait for worker 0's gradients for ever).
+    values = {**TINY, "dist.nproc": 3, "train.steps": 12, "ps.servers": 1, "ps.staleness": 2, "fault.kind": "sigterm",
+              "fault.rank": 0, "fault.step": 4, "out": str(tmp_path / "run")}
+    first, second, _ = run_ranks(_trained, 3, values, timeout_s=60)
+    assert first["summary"]["stopped_by"] == "SIGTERM" and first["summary"]["steps"] == 4
+    assert second["summary"]["stopped_by"] == "another worker left" and second["summary"]["steps"] <= 4 + 2
+    assert first["summary"]["checkpoints"] == second["summary"]["checkpoints"] == []
+    assert first["summary"]["parameter_servers"]["served"][0]["updates"] <= 4

@@ -140,6 +140,8 @@ class FlatStrategy:
         # longer reaches the strategy (autograd would keep both alive) and the model is the user's own again.
         self.hooks: list = []
         self.closed = False  # close() was called: no further update (its gradients would no longer be synced)
+        # No further step can be taken (parameter servers that another worker has left): the run stops.
+        self.ending = False
         if pcfg.user_loop:
             self._follow_user_state_dict(model)
             if self.flat.grad is not None:

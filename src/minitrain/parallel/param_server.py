@@ -8,7 +8,7 @@ pushes each shard of it to that shard's server and pulls the updated shards back
   worker w, step c:  forward and backward on its parameters, whose shard s is at version v_s
                      -> each server: a header (c, v_s, lr, loss scale, clip) and the gradient's shard
                      <- each server, once its version is >= c - K (after the last step: the last version):
-                        a header (version, norm, each worker's staleness in that update) and the shard
+                        a header (version, norm, step count, ending, staleness per worker) and the shard
   server, update u:  once every worker's gradient of step u is in: their sum in worker order, divided by W (data
                      parallel's all-reduce sum, then its division), the global norm (squares summed over the
                      servers), the clipped optimizer step on the shard. Its version is then u.
@@ -128,7 +128,7 @@ class ParameterServerWorker(FlatStrategy):
     def _pull(self, with_state: bool = False) -> torch.Tensor:
         """Every server's reply and shard of the parameters (and of its optimizer state); server 0's reply header."""
         world, workers = self.group.world, self.group.workers
-        replies = [torch.empty(3 + len(workers), dtype=torch.float64) for _ in self.bounds]
+        replies = [torch.empty(4 + len(workers), dtype=torch.float64) for _ in self.bounds]
         if with_state:
             n = self.flat.padded_numel
             self.optimizer.held = {name: torch.empty(n, dtype=self.optimizer.master.dtype) for name in STATE_NAMES}
@@ -139,6 +139,7 @@ class ParameterServerWorker(FlatStrategy):
                 world.recv(self.optimizer.held[name][a:b], server, STATE)
         self.versions = [int(r[0]) for r in replies]
         self.optimizer.steps_taken = int(replies[0][2])
+        self.ending = self.ending or any(bool(r[3]) for r in replies)
         return replies[0]
 
     @torch.no_grad()
@@ -166,7 +167,7 @@ class ParameterServerWorker(FlatStrategy):
         self._last_sync = {"param_server": {
             "staleness": step - 1 - computed_on,  # of this step's gradient: updates it did not see
             "version": min(self.versions),  # the parameters pulled for the next step
-            "applied_staleness": [int(x) for x in reply[3:]],  # each worker's, in the update pulled
+            "applied_staleness": [int(x) for x in reply[4:]],  # each worker's, in the update pulled
             "push_pull_s": time.perf_counter() - began}}
         return float(reply[1])
 
@@ -219,6 +220,9 @@ class ParameterServer:
         self.needs: dict[int, tuple[int, bool]] = {}  # worker -> (the version its pull waits for, with the state)
         self.last = (math.nan, [0] * len(group.workers))  # the latest update's norm and staleness per worker
         self.done: set[int] = set()
+        # A worker has gone (done, stopped): under K > 0 the others may still be short of the last step, but no
+        # update can be complete without it. Every pull is then answered at once, flagged, and the workers stop.
+        self.ending = False
         self.sending: list[PendingCollective] = []
         self.staleness_counts: dict[int, int] = {}
         self.skipped = 0
@@ -238,7 +242,8 @@ class ParameterServer:
             if kind == PUSH:
                 grad = torch.empty(self.stop - self.start, dtype=self.sum_dtype)
                 world.recv(grad, sender, GRADIENT)
-                self.arrived.setdefault(step, {})[worker] = (grad, int(version))
+                if not self.ending:  # else it can go into no update
+                    self.arrived.setdefault(step, {})[worker] = (grad, int(version))
                 self.settings[step] = (lr, loss_scale, clip)
                 self.needs[worker] = (self.total if step == self.total else step - k, False)
             elif kind in (SYNC, FETCH):
@@ -251,8 +256,9 @@ class ParameterServer:
                 self._load(sender, step, int(lr))
             elif kind == DONE:
                 self.done.add(worker)
+                self.ending = True
             waited += time.perf_counter() - began
-            while self.started and len(self.arrived.get(self.version + 1, ())) == len(workers):
+            while self.started and not self.ending and len(self.arrived.get(self.version + 1, ())) == len(workers):
                 self._apply(self.version + 1)
             if self.started:
                 self._answer()
@@ -316,9 +322,10 @@ class ParameterServer:
         answered now. Each send keeps its own tensor: the next update makes new ones."""
         world = self.group.world
         norm, staleness = self.last
-        reply = torch.tensor([self.version, norm, self.optimizer.steps_taken, *staleness], dtype=torch.float64)
+        reply = torch.tensor([self.version, norm, self.optimizer.steps_taken, self.ending, *staleness],
+                             dtype=torch.float64)
         for worker, (needs, with_state) in list(self.needs.items()):
-            if needs > self.version:
+            if needs > self.version and not self.ending:
                 continue
             del self.needs[worker]
             rank = self.group.workers[worker]

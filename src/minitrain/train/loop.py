@@ -125,14 +125,15 @@ class TrainingRun:
                     record = t.settle()
                     if record is not None and self._took(record):
                         continue
-                stopping = bool(t.agreed.stop_signal) or stop_at
-                if due or stopping:
+                left = t.strategy.ending  # parameter servers that another worker has left: nothing more to pull
+                stopping = bool(t.agreed.stop_signal) or stop_at or left
+                # Under bounded staleness the workers stop on a signal each at its own step: no one checkpoint
+                # holds them all (--stop-at stops every one at the same step).
+                unsaved = stopping and not stop_at and self.cfg.ps.staleness > 0
+                if (due or stopping) and not unsaved:
                     self._save(background=self.cfg.ckpt.async_save and not stopping)
                 if stopping:
-                    self.stopped_by = "--stop-at" if stop_at else StopRequest.name(t.agreed.stop_signal)
-                    cause = "" if stop_at else f" received by rank {list(t.agreed.stop_ranks)}"
-                    self.say(f"{self.stopped_by}{cause}: stopped after step {t.step}, "
-                             f"checkpoint {self.saved[-1]}; continue with --resume auto")
+                    self._say_stopped(stop_at, left, unsaved)
                     break
             self._commit_pending()  # the run is done only when its last checkpoint is durable
             summary = self._summary()
@@ -148,6 +149,21 @@ class TrainingRun:
                 self.tracker.close([self.out / name for name in ("config.json", "env.json", "metrics.jsonl",
                                                                  "summary.json")])
             t.close()  # its hooks off the model: nothing keeps the finished trainer alive
+
+    def _say_stopped(self, stop_at: bool, left: bool, unsaved: bool) -> None:
+        t = self.trainer
+        if stop_at or t.agreed.stop_signal:
+            self.stopped_by = "--stop-at" if stop_at else StopRequest.name(t.agreed.stop_signal)
+            cause = "" if stop_at else f" received by rank {list(t.agreed.stop_ranks)}"
+        else:
+            self.stopped_by, cause = "another worker left", " (the parameter servers take no more updates)"
+        if unsaved:
+            self.say(f"{self.stopped_by}{cause}: stopped after step {t.step}, no checkpoint (the workers of a run "
+                     "with --ps.staleness > 0 stop at different steps)")
+        else:
+            how = "--resume auto" + (" --ps.staleness 0 (resuming needs K = 0 for now)" if self.cfg.ps.staleness else "")
+            self.say(f"{self.stopped_by}{cause}: stopped after step {t.step}, checkpoint {self.saved[-1]}; continue "
+                     f"with {how}")
 
     def _took(self, record: StepRecord) -> bool:
         """Log a step's record and act on it: its evaluation, background work every rank has finished (a save's

@@ -9,9 +9,10 @@ VENV   ?= .venv
 TORCH  ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 MUTATE_ARGS ?=
+BENCH_ARGS ?=
 BIN    := $(VENV)/bin
 
-.PHONY: demo test mutate install clean
+.PHONY: demo test mutate bench install clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +36,11 @@ test: install
 # MUTATE_ARGS="--only ID ..." runs some, MUTATE_ARGS=--list shows them.
 mutate: install
 	$(BIN)/python tools/mutate.py $(MUTATE_ARGS)
+
+# Every benchmark behind a table in README.md or docs/, rerun as its result file records, then the tables
+# regenerated from the results (benchmarks/run_all.py; BENCH_ARGS="--only FILE ..." or "--list"). Slow.
+bench: install
+	$(BIN)/python benchmarks/run_all.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) runs build src/*.egg-info

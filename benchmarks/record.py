@@ -10,6 +10,7 @@ import os
 import platform
 import shlex
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
@@ -42,8 +43,10 @@ def machine(**versions: str) -> dict:
 
 def write_result(path: str | os.PathLike, script: str, argv: list[str] | None, body: dict,
                  **versions: str) -> Path:
-    """Write {"command", "machine", **body} as JSON to `path`; returns the path."""
+    """Write {"command", "machine", "date", **body} as JSON to `path`; returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"command": command(script, argv), "machine": machine(**versions), **body}, indent=1))
+    date = datetime.now(timezone.utc).strftime("%Y-%m-%d")  # when: a table shows which run its figures are from
+    path.write_text(json.dumps({"command": command(script, argv), "machine": machine(**versions), "date": date,
+                                **body}, indent=1))
     return path

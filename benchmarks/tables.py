@@ -65,7 +65,8 @@ def source_line(docs: list[dict]) -> str:
     groups: list[tuple[str | None, list[str]]] = []  # consecutive files on the same machine share it
     for doc in docs:
         machine = _machine(doc["machine"]) if "machine" in doc else None
-        part = f"`{doc['path']}`" + (f" from `{doc['command']}`" if "command" in doc else "")
+        part = (f"`{doc['path']}`" + (f" from `{doc['command']}`" if "command" in doc else "")
+                + (f" ({doc['date']})" if "date" in doc else ""))
         if groups and groups[-1][0] == machine:
             groups[-1][1].append(part)
         else:

@@ -30,13 +30,15 @@ def _trained(topo, values: dict) -> dict | None:
     return {**kept, "summary": summary} if kept else None
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_synchronous_servers_equal_data_parallel_bit_for_bit(dtype, tmp_path):
+@pytest.mark.parametrize("setting", [{"train.dtype": "float64"}, {"train.dtype": "float32"},
+                                     {"train.precision": "bf16", "train.grad_accum": 2}], ids=str)
+def test_synchronous_servers_equal_data_parallel_bit_for_bit(setting, tmp_path):
     # Two workers, one or two servers, against --zero 0 over two ranks: every step's loss and gradient norm (clipping
-    # binds: the norms are above 1) and the final parameters on every worker, bit for bit.
+    # binds: the norms are above 1) and the final parameters on every worker, bit for bit; in mixed precision with
+    # accumulation too (bf16 parameters pulled from float32 masters, gradients summed in float32).
     # 912k parameters: four of the 2^18-element chunks the norm is summed in, two per server at S = 2 (a server's
     # own sum of two would add the chunks in another order than data parallel).
-    values = {**TINY, "train.dtype": dtype, "model.d_model": 192}
+    values = {**TINY, **setting, "model.d_model": 192}
     [reference, _] = run_ranks(_trained, 2, {**values, "dist.nproc": 2, "out": str(tmp_path / "dp")})
     for servers in (1, 2):
         ranks = run_ranks(_trained, 2 + servers, {**values, "dist.nproc": 2 + servers, "ps.servers": servers, "out": str(tmp_path / f"s{servers}")})

@@ -93,6 +93,7 @@ def test_bounded_staleness_blocks_the_fastest_worker_at_exactly_k_and_is_reprodu
     (("--nproc", "3", "--ps.servers", "1", "--ps.staleness", "1", "--ckpt.every_steps", "2"), "need --ps.staleness 0"),
     (("--nproc", "3", "--ps.servers", "1", "--ps.staleness", "1", "--eval.every", "2"), "no one model to evaluate"),
     (("--ps.staleness", "1",), "needs parameter servers"),
+    (("--nproc", "4", "--ps.servers", "3"), "which makes 1 shard(s); use at most 1 server(s)"),
 ])
 def test_bad_parameter_server_settings_exit_2_with_one_line(argv, message, tmp_path):
     result = run_main("train", "--out", str(tmp_path / "run"), *argv)

@@ -12,13 +12,17 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from ..config import RunConfig
 from ..errors import ConfigError
 from ..models import spec_for
 from ..parallel.layout import FlatParameters, WholeModel
+from ..parallel.norms import SquareSums
 from ..parallel.param_server import ParameterServer
-from ..runtime.servers import ServerGroup
+from ..runtime.servers import ServerGroup, shard_bounds
 from ..runtime.topology import Topology
+from .estimate import model_params
 from .faults import Faults
 from .optim import flat_adamw_factory
 from .precision import compute_dtype, reduce_dtype
@@ -52,6 +56,12 @@ def train_with_parameter_servers(topo: Topology, cfg: RunConfig, train: Callable
         write_json(Path(cfg.out) / "summary.json", summary)
         print(_staleness_line(servers), flush=True)
     return summary
+
+
+def check_servers(cfg: RunConfig) -> None:
+    """ConfigError before any rank starts when the model has fewer of the norm's chunks than --ps.servers (the
+    shards are cut at them: runtime/servers.py)."""
+    shard_bounds(model_params(cfg.model), cfg.ps.servers, SquareSums.block(torch.device("cpu")))
 
 
 def _layout_line(group: ServerGroup) -> str:

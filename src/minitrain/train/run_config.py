@@ -8,6 +8,7 @@ from ..checkpoint.remote import check_location
 from ..config import RunConfig, build_config
 from ..data import check_corpus, check_eval_split, corpus_vocab_size
 from .offload import check_offload_directory
+from .ps_run import check_servers
 from .tracking import check_available
 
 
@@ -28,4 +29,6 @@ def check_run(cfg: RunConfig) -> RunConfig:
     check_offload_directory(cfg)
     if cfg.ckpt.dir:  # reachable, and its package installed: found now, not at the first save
         check_location(cfg.ckpt.dir)
+    if cfg.ps.servers:  # enough of the model for every server
+        check_servers(cfg)
     return cfg

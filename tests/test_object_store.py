@@ -226,9 +226,12 @@ def test_keep_last_deletes_old_checkpoints_from_the_store_too(s3, tmp_path):
 @pytest.mark.parametrize("url,message", [
     ("hdfs://namenode:9000/runs", "--ckpt.dir hdfs://namenode:9000/runs"),
     ("nosuchscheme://x/y", "--ckpt.dir nosuchscheme://x/y"),
+    ("relative/store", "give an absolute path"),
+    ("{out}/store", "overlap"),
+    ("/proc/no-store-here", "cannot use it"),
 ])
 def test_a_location_that_cannot_be_used_is_refused_before_the_run(tmp_path, url, message):
-    result = run_main("train", *TINY, "--out", str(tmp_path / "r"), "--ckpt.dir", url)
+    result = run_main("train", *TINY, "--out", str(tmp_path / "r"), "--ckpt.dir", url.format(out=tmp_path / "r"))
     assert result.returncode == 2 and message in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "r").exists()  # nothing half-written
 
@@ -395,13 +398,15 @@ def _train_on_own_disks(topo, root: str, url: str, *extra: str) -> dict:
             "rolled_back_to": [event["to_step"] for event in summary["rollbacks"]], "saved": summary["checkpoints"]}
 
 
-def test_machines_without_a_shared_out_assemble_each_checkpoint_in_the_store(s3, tmp_path):
+@pytest.mark.parametrize("where", ["s3", "a shared filesystem"])
+def test_machines_without_a_shared_out_assemble_each_checkpoint_in_the_store(s3, tmp_path, where):
     # Each machine its own disk: a machine's checkpoint directory holds its own ranks' files; each rank uploads its
     # own, rank 0 the manifest, and the checkpoint is whole in the store only. Both disks lost, the run resumes from
-    # there on every machine, bit-identical to a run on one shared OUT.
+    # there on every machine, bit-identical to a run on one shared OUT. The store: a bucket, or a directory every
+    # machine mounts (NFS), written as safely as OUT (checkpoint/local_store.py).
     from .dist import run_ranks
 
-    url = f"s3://{BUCKET}/own-disks"
+    url = f"s3://{BUCKET}/own-disks" if where == "s3" else str(tmp_path / "nfs" / "checkpoints")
     _train(tmp_path / "reference", "--nproc", "2", "--zero", "2")
     machines = str(tmp_path / "machines")
     stopped = run_ranks(_train_on_own_disks, 2, machines, url, "--ckpt-every-steps", "3", "--stop-at", "3")
@@ -488,3 +493,30 @@ def test_a_background_save_uploads_in_the_background(s3, tmp_path, monkeypatch):
     fetched = _final_tensors(remote.fetch(url, 15, tmp_path / "fetched"))
     local = _final_tensors(tmp_path / "run")
     assert fetched.keys() == local.keys() and all(torch.equal(fetched[k], local[k]) for k in fetched)
+
+
+def test_a_store_on_a_shared_filesystem_writes_whole_files_or_none(tmp_path, monkeypatch):
+    # What a crash or a refusal in the middle of a write leaves: the old file or the new one, never half of one, and
+    # no temporary behind; a commit object is created only once.
+    from minitrain.checkpoint import local_store
+
+    fs, root = remote.store(f"file://{tmp_path}/store")
+    fs.pipe_file(f"{root}/latest.json", b'{"step": 3}')
+    fs.create_only(f"{root}/step-000003.json", b"first")
+    with pytest.raises(FileExistsError):
+        fs.create_only(f"{root}/step-000003.json", b"second")
+
+    def power_cut(*_args):
+        raise OSError("power cut")
+
+    monkeypatch.setattr(local_store.os, "replace", power_cut)
+    source = tmp_path / "rank-00000.safetensors"
+    source.write_bytes(b"x" * 100)
+    for write in (lambda: fs.pipe_file(f"{root}/latest.json", b'{"step": 6}'),
+                  lambda: fs.put_file(source, f"{root}/step-000006/abc/rank-00000.safetensors")):
+        with pytest.raises(OSError, match="power cut"):
+            write()
+    assert (tmp_path / "store" / "latest.json").read_bytes() == b'{"step": 3}'
+    assert (tmp_path / "store" / "step-000003.json").read_bytes() == b"first"
+    assert not (tmp_path / "store" / "step-000006" / "abc" / "rank-00000.safetensors").exists()
+    assert not [p for p in (tmp_path / "store").rglob("*.part")]

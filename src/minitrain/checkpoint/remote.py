@@ -1,4 +1,5 @@
-"""Checkpoints on object storage: `--ckpt.dir URL` (s3://bucket/prefix, memory://, any fsspec URL).
+"""Checkpoints on object storage: `--ckpt.dir URL` (s3://bucket/prefix, memory://, any fsspec URL), or on a filesystem
+every machine mounts (`--ckpt.dir /path`: local_store.py).
 
 A run still writes each checkpoint into OUT/checkpoints first (the local, crash-safe save of files.py and
 writing.py); once that is complete, the ranks upload it and the checkpoint exists in the store when its commit
@@ -58,6 +59,11 @@ _CLIENT_ERRORS = (errno.EINVAL, errno.ENOSPC, errno.EROFS, errno.EDQUOT)
 LATEST_NAME = "latest.json"
 
 
+def is_local(location: str) -> bool:
+    """A path, or a file:// URL: a location on a filesystem this machine mounts."""
+    return "://" not in location or location.startswith("file://")
+
+
 def is_url(path: str) -> bool:
     """A location fsspec reaches through a protocol other than the local filesystem's."""
     return "://" in str(path) and not str(path).startswith("file://")
@@ -67,6 +73,11 @@ def store(url: str):
     """(fsspec filesystem, root path inside it) for URL; a missing package or unknown scheme as CheckpointError."""
     import fsspec  # only runs that write or read a URL import it
 
+    if is_local(url):  # a shared filesystem: written as safely as OUT (local_store.py)
+        from .local_store import DurableLocalFileSystem
+
+        fs = DurableLocalFileSystem()
+        return fs, fs._strip_protocol(url).rstrip("/")
     try:
         if url.startswith(("s3://", "s3a://")):
             fs = s3_filesystem_class()(config_kwargs=s3_client_settings())
@@ -98,6 +109,15 @@ def check_location(url: str) -> None:
     """Before a run: the store's package is installed and the location answers (ConfigError, one line)."""
     from ..errors import ConfigError
 
+    if is_local(url):  # a directory every machine mounts: made now, and it must take files
+        root = Path(url.removeprefix("file://"))
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"--ckpt.dir {url}: cannot use it: {e.strerror}") from None
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise ConfigError(f"--ckpt.dir {url}: cannot use it: this process may not write there")
+        return
     try:
         fs, root = store(url)
         retried(f"reaching {url}", lambda: fs.ls(root.split("/", 1)[0], detail=False), tries=2)
@@ -227,8 +247,11 @@ def commit_upload(step_dir: Path, url: str) -> dict:
 
 
 def _create_only(fs, path: str, data: bytes) -> None:
-    # Mode "xb": s3fs sends If-None-Match: * (the store refuses if the object exists: FileExistsError); the local
-    # and memory filesystems refuse likewise.
+    # Mode "xb": s3fs sends If-None-Match: * (the store refuses if the object exists: FileExistsError); the memory
+    # filesystem refuses likewise; a shared filesystem's store creates it whole (local_store.py).
+    if hasattr(fs, "create_only"):
+        fs.create_only(path, data)
+        return
     with fs.open(path, "xb") as f:
         f.write(data)
 

@@ -207,8 +207,9 @@ class CheckpointConfig:
                          "0 = keep all")
     resume: str = opt("", "'' = start fresh, 'auto' = newest checkpoint under OUT (or --ckpt.dir) if any, or a "
                       "checkpoint path")
-    dir: str = opt("", "object storage the checkpoints also go to: a URL (s3://bucket/prefix, or any fsspec "
-                   "location) each checkpoint is uploaded to once saved in OUT/checkpoints, committed when every "
+    dir: str = opt("", "where the checkpoints also go: object storage (s3://bucket/prefix, or any fsspec "
+                   "location) or an absolute path of a filesystem every machine mounts; each checkpoint is uploaded "
+                   "there once saved in OUT/checkpoints, committed when every "
                    "rank's files are there; --resume auto fetches a newer one from it (a node's disk lost). s3:// "
                    "needs s3fs and reads the AWS_* variables (AWS_ENDPOINT_URL for an S3-compatible server); "
                    "'' = OUT/checkpoints only")
@@ -361,9 +362,7 @@ def _check_run(cfg: RunConfig) -> None:
     for name in ("every_steps", "every_minutes", "keep_last"):
         if getattr(cfg.ckpt, name) < 0:
             raise ConfigError(f"ckpt.{name} must be >= 0, got {getattr(cfg.ckpt, name)}")
-    if cfg.ckpt.dir and ("://" not in cfg.ckpt.dir or cfg.ckpt.dir.startswith("file://")):
-        raise ConfigError(f"--ckpt.dir {cfg.ckpt.dir}: give a URL of object storage (s3://bucket/prefix); a run's "
-                          "local checkpoints are in OUT/checkpoints (choose --out)")
+    _check_store(cfg.ckpt.dir, cfg.out)
     if t.spike_factor and not t.spike_factor > 1:
         raise ConfigError(f"train.spike_factor must be > 1 (or 0 to turn the check off), got {t.spike_factor}")
     _require_positive("train.spike_window", t.spike_window)
@@ -376,6 +375,20 @@ def _check_run(cfg: RunConfig) -> None:
         raise ConfigError("--out is empty; name the directory the run writes to (e.g. --out runs/mine)")
     _require_non_negative("eval.every", cfg.eval.every)
     _require_positive("eval.batches", cfg.eval.batches)
+
+
+def _check_store(location: str, out: str) -> None:
+    """--ckpt.dir: a URL, or an absolute path of a filesystem every machine mounts, apart from OUT."""
+    if not location or ("://" in location and not location.startswith("file://")):
+        return
+    path = location.removeprefix("file://")
+    if not os.path.isabs(path):
+        raise ConfigError(f"--ckpt.dir {location}: give an absolute path (a filesystem every machine mounts) or a URL "
+                          "of object storage (s3://bucket/prefix)")
+    store, run = os.path.realpath(path), os.path.realpath(out)
+    if os.path.commonpath([store, run]) in (store, run):
+        raise ConfigError(f"--ckpt.dir {location} and --out {out} overlap; the store keeps checkpoints apart from "
+                          "the run's OUT/checkpoints: give a directory outside OUT")
 
 
 def _check_parameter_servers(cfg: RunConfig) -> None:

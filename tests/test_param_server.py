@@ -2,6 +2,8 @@
 staleness keeps its bound, blocks the fastest worker at exactly K, and is reproducible under a fixed delay."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -92,6 +94,7 @@ def test_bounded_staleness_blocks_the_fastest_worker_at_exactly_k_and_is_reprodu
     (("--nproc", "3", "--ps.servers", "1", "--ckpt.async_save"), "saves synchronously into OUT"),
     (("--nproc", "3", "--ps.servers", "1", "--ps.staleness", "1", "--ckpt.every_steps", "2"), "need --ps.staleness 0"),
     (("--nproc", "3", "--ps.servers", "1", "--ps.staleness", "1", "--eval.every", "2"), "no one model to evaluate"),
+    (("--nproc", "3", "--ps.servers", "1", "--ps.staleness", "1", "--train.memory_profile"), "profile at K = 0"),
     (("--ps.staleness", "1",), "needs parameter servers"),
     (("--nproc", "4", "--ps.servers", "3"), "which makes 1 shard(s); use at most 1 server(s)"),
 ])
@@ -174,8 +177,6 @@ def test_a_server_that_dies_stops_the_run_and_resume_auto_ends_bit_identical(tmp
 
 
 def test_plan_counts_push_and_pull_against_the_ring_and_what_a_server_holds():
-    import json
-
     result = run_main("plan", "--preset", "gpt2-124m", "--dp", "8", "--servers", "4", "--precision", "bf16", "--json")
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
@@ -197,14 +198,31 @@ def test_plan_counts_push_and_pull_against_the_ring_and_what_a_server_holds():
     assert refused.returncode == 2 and "do not combine with" in refused.stderr
 
 
-def test_under_bounded_staleness_a_worker_that_stops_stops_the_others_without_a_checkpoint(tmp_path):
+@pytest.mark.parametrize("servers", [1, 2])
+def test_under_bounded_staleness_a_worker_that_stops_stops_the_others_without_a_checkpoint(tmp_path, servers):
     # SIGTERM reaches worker 0 only. The workers are at different steps, so no checkpoint could hold them all: it
-    # stops at once; the servers then take no more updates and answer the other worker, which stops too (it would
-    # otherwise wait for worker 0's gradients for ever).
-    values = {**TINY, "dist.nproc": 3, "train.steps": 12, "ps.servers": 1, "ps.staleness": 2, "fault.kind": "sigterm",
-              "fault.rank": 0, "fault.step": 4, "out": str(tmp_path / "run")}
-    first, second, _ = run_ranks(_trained, 3, values, timeout_s=60)
+    # stops at once; the servers then answer the other worker at once, which stops too (it would otherwise wait for
+    # worker 0's gradients for ever). Two servers apply the same updates (their norms' all-gathers must match).
+    values = {**TINY, "dist.nproc": 2 + servers, "train.steps": 12, "ps.servers": servers, "ps.staleness": 2,
+              "model.d_model": 128, "fault.kind": "sigterm", "fault.rank": 0, "fault.step": 4,
+              "out": str(tmp_path / "run")}
+    first, second, *_ = run_ranks(_trained, 2 + servers, values, timeout_s=60)
     assert first["summary"]["stopped_by"] == "SIGTERM" and first["summary"]["steps"] == 4
-    assert second["summary"]["stopped_by"] == "another worker left" and second["summary"]["steps"] <= 4 + 2
+    # The other may run K steps past it, and one more: the pull that step waits for is answered flagged.
+    assert second["summary"]["stopped_by"] == "another worker left" and second["summary"]["steps"] <= 4 + 2 + 1
     assert first["summary"]["checkpoints"] == second["summary"]["checkpoints"] == []
-    assert first["summary"]["parameter_servers"]["served"][0]["updates"] <= 4
+    served = first["summary"]["parameter_servers"]["served"]
+    assert len({s["updates"] for s in served}) == 1 and served[0]["updates"] <= 4
+
+
+def test_a_loss_spike_rolls_the_servers_back_with_the_workers(tmp_path):
+    # A spike at step 12 (the learning rate x 1000) rolls back to step 10's checkpoint: worker 0 sends the servers
+    # its state; a request of worker 1 made after the rollback waits at a server until that state has come. The run
+    # ends where data parallel's does, bit for bit.
+    spike = ("--steps", "16", "--ckpt-every-steps", "5", "--fault.kind", "lr-spike", "--fault.step", "12",
+             "--fault.lr_multiplier", "1000")
+    _cli_train(tmp_path / "ps", "--nproc", "4", "--ps.servers", "2", "--model.d_model", "128", *spike)
+    _cli_train(tmp_path / "dp", "--nproc", "2", "--model.d_model", "128", *spike)
+    [rollback] = json.loads((tmp_path / "ps" / "summary.json").read_text())["rollbacks"]
+    assert rollback["to_step"] == 10
+    assert _same(_flat_state(tmp_path / "ps", 16), _flat_state(tmp_path / "dp", 16))

@@ -8,6 +8,7 @@ whole (written and fsynced under a temporary name, then hard-linked to its name,
 """
 from __future__ import annotations
 
+import errno
 import os
 import uuid
 from pathlib import Path
@@ -54,7 +55,20 @@ class DurableLocalFileSystem(LocalFileSystem):
         tmp = self._temporary(path)
         try:
             self._write_synced(tmp, data)
-            os.link(tmp, self._strip_protocol(path))
+            try:
+                os.link(tmp, self._strip_protocol(path))
+            except OSError as e:
+                if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+                    raise
+                self._create_exclusively(path, data)  # a filesystem without hard links (FUSE, SMB)
             _fsync_dir(tmp.parent)
         finally:
             tmp.unlink(missing_ok=True)
+
+    def _create_exclusively(self, path: str, data: bytes) -> None:
+        """O_EXCL creation, then the data, fsynced: a crash between the two leaves a short commit object, which the
+        store's readers refuse, naming it (remote.read_commit), rather than take a checkpoint that is not whole."""
+        with open(self._strip_protocol(path), "xb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())

@@ -421,6 +421,9 @@ def _check_parameter_servers(cfg: RunConfig) -> None:
         raise ConfigError("checkpoints during a parameter-server run (--ckpt.every_steps, --ckpt.resume) need "
                           "--ps.staleness 0 for now: under K > 0 each worker would decide a rollback on its own "
                           "losses (the final save is kept)")
+    if ps.staleness and t.memory_profile:
+        raise ConfigError("--train.memory_profile with --ps.staleness > 0: its report gathers every worker at the end, "
+                          "where a worker that stopped early is no longer waiting; profile at K = 0")
     if ps.staleness and cfg.eval.every:
         raise ConfigError("--eval.every with --ps.staleness > 0: workers at different steps hold different "
                           "parameters, so there is no one model to evaluate at a step; evaluate at K = 0")

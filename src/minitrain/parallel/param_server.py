@@ -41,8 +41,10 @@ from .flat import FlatStrategy
 from .layout import FlatParameters
 from .norms import SquareSums, clip_coefficient, sum_in_order
 
-# A message is a header (float64: kind, step, version, lr, loss scale, clip), then what its kind brings. A server
-# takes headers from whichever worker sends first; the rest of a message comes from that worker on its own tag.
+# A message is a header (float64: kind, step, version, lr, loss scale, clip, epoch), then what its kind brings. A
+# server takes headers from whichever worker sends first; the rest of a message comes from that worker on its own
+# tag. The epoch counts the checkpoints a worker has loaded: a request made after a load (a loss spike's rollback)
+# waits at the server until worker 0's LOAD of that state has come, whichever arrives first.
 HEADER, GRADIENT, REPLY, PARAMS, STATE = 1, 2, 3, 4, 5  # tags
 PUSH, SYNC, FETCH, START, LOAD, DONE = range(6)  # kinds
 NO_LR, NO_CLIP = math.nan, -1.0  # "the optimizer's own lr", "the run's grad_clip"
@@ -51,8 +53,8 @@ STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
 
 
 def _header(kind: int, step: int = 0, version: int = 0, lr: float = NO_LR, loss_scale: float = 1.0,
-            clip: float = NO_CLIP) -> torch.Tensor:
-    return torch.tensor([kind, step, version, lr, loss_scale, clip], dtype=torch.float64)
+            clip: float = NO_CLIP, epoch: int = 0) -> torch.Tensor:
+    return torch.tensor([kind, step, version, lr, loss_scale, clip, epoch], dtype=torch.float64)
 
 
 class ServerHeldOptimizer:
@@ -104,6 +106,7 @@ class ParameterServerWorker(FlatStrategy):
         self.bounds = shard_bounds(self.flat.padded_numel, len(group.servers), SquareSums.block(comm.device))
         self.versions = [0] * len(group.servers)  # the version of each shard this worker computes with
         self.steps_pushed = 0
+        self.epoch = 0  # checkpoints loaded (resumed_at)
         self._servers_started = comm.rank != 0  # worker 0 sends them their first state (START or LOAD)
 
     def _averaged_grad(self) -> torch.Tensor:
@@ -150,6 +153,7 @@ class ParameterServerWorker(FlatStrategy):
             raise RuntimeError("this param-server strategy was closed (its hooks are off the model)")
         self.flat.check_grads_in_place()
         self._start_servers()
+        self.optimizer.held = {}  # a save's copy of the servers' state is written by now
         began = time.perf_counter()
         step = self.steps_pushed + 1
         # Summed in the reduce dtype on the servers, as data parallel's all-reduce sums it.
@@ -158,7 +162,7 @@ class ParameterServerWorker(FlatStrategy):
         # gradient before any reply is awaited, so no server waits for a worker that waits for another server.
         for s, (server, (a, b)) in enumerate(zip(self.group.servers, self.bounds)):
             header = _header(PUSH, step, self.versions[s], NO_LR if lr is None else lr, loss_scale,
-                             NO_CLIP if max_norm is None else max_norm)
+                             NO_CLIP if max_norm is None else max_norm, self.epoch)
             self.group.world.send(header, server, HEADER)
             self.group.world.send(grad[a:b], server, GRADIENT)
         computed_on = min(self.versions)
@@ -176,17 +180,18 @@ class ParameterServerWorker(FlatStrategy):
         """Every worker waits for the update of its last step and takes its parameters (a save is a point where
         the workers agree, whatever K); worker 0 also takes the servers' optimizer state, which it writes."""
         self._start_servers()
-        self._send_all(_header(FETCH if self.comm.rank == 0 else SYNC, self.steps_pushed))
+        self._send_all(_header(FETCH if self.comm.rank == 0 else SYNC, self.steps_pushed, epoch=self.epoch))
         self._pull(with_state=self.comm.rank == 0)
 
     @torch.no_grad()
     def resumed_at(self, step: int) -> None:
         """The trainer loaded a checkpoint of `step`: worker 0 sends the servers their shards of the optimizer state
         it read (load_local), which the servers take from here on."""
-        self.steps_pushed, self.versions = step, [step] * len(self.bounds)
+        self.steps_pushed, self.versions, self.epoch = step, [step] * len(self.bounds), self.epoch + 1
         if self.comm.rank == 0:
             state = self.optimizer.held
-            self._send_all(_header(LOAD, step, lr=self.optimizer.steps_taken), [state[n] for n in STATE_NAMES])
+            self._send_all(_header(LOAD, step, lr=self.optimizer.steps_taken, epoch=self.epoch),
+                           [state[n] for n in STATE_NAMES])
             self._servers_started = True
         self.optimizer.held = {}
 
@@ -220,9 +225,12 @@ class ParameterServer:
         self.needs: dict[int, tuple[int, bool]] = {}  # worker -> (the version its pull waits for, with the state)
         self.last = (math.nan, [0] * len(group.workers))  # the latest update's norm and staleness per worker
         self.done: set[int] = set()
-        # A worker has gone (done, stopped): under K > 0 the others may still be short of the last step, but no
-        # update can be complete without it. Every pull is then answered at once, flagged, and the workers stop.
+        # A worker has gone (done, stopped): under K > 0 the others may still be short of the last step, and no step
+        # it did not push can be complete. Every pull is then answered at once, flagged, and the workers stop. The
+        # steps every worker pushed are still applied, on every server alike (their all-gathers must match).
         self.ending = False
+        self.epoch = 0  # checkpoints loaded (LOAD)
+        self.deferred: list[tuple] = []  # requests of a later epoch than this server's, until its LOAD comes
         self.sending: list[PendingCollective] = []
         self.staleness_counts: dict[int, int] = {}
         self.skipped = 0
@@ -231,34 +239,39 @@ class ParameterServer:
     def serve(self) -> dict:
         """Take the workers' messages as they come: apply each step's update once every gradient of it is in, and
         answer each pull as soon as the version it waits for exists."""
-        world, workers, k = self.group.world, self.group.workers, self.group.staleness
-        header = torch.empty(6, dtype=torch.float64)
+        world, workers = self.group.world, self.group.workers
+        header = torch.empty(7, dtype=torch.float64)
         waited = 0.0
         while len(self.done) < len(workers):
             began = time.perf_counter()
             sender = world.recv_any(header, HEADER)
-            kind, step, version, lr, loss_scale, clip = header.tolist()
+            kind, step, version, lr, loss_scale, clip, epoch = header.tolist()
             kind, step, worker = int(kind), int(step), workers.index(sender)
-            if kind == PUSH:
-                grad = torch.empty(self.stop - self.start, dtype=self.sum_dtype)
-                world.recv(grad, sender, GRADIENT)
-                if not self.ending:  # else it can go into no update
-                    self.arrived.setdefault(step, {})[worker] = (grad, int(version))
-                self.settings[step] = (lr, loss_scale, clip)
-                self.needs[worker] = (self.total if step == self.total else step - k, False)
-            elif kind in (SYNC, FETCH):
-                self.needs[worker] = (step, kind == FETCH)
+            if kind in (PUSH, SYNC, FETCH):
+                grad = None
+                if kind == PUSH:
+                    grad = torch.empty(self.stop - self.start, dtype=self.sum_dtype)
+                    world.recv(grad, sender, GRADIENT)
+                request = (kind, step, int(version), (lr, loss_scale, clip), worker, grad)
+                if epoch > self.epoch:  # made after a load whose state has not come yet
+                    self.deferred.append(request)
+                else:
+                    self._take(*request)
             elif kind == START:
                 world.recv(self.params, sender, PARAMS)
                 self.optimizer.master.copy_(self.params)
                 self.started = True
             elif kind == LOAD:
                 self._load(sender, step, int(lr))
+                self.epoch = int(epoch)
+                for request in self.deferred:
+                    self._take(*request)
+                self.deferred = []
             elif kind == DONE:
                 self.done.add(worker)
                 self.ending = True
             waited += time.perf_counter() - began
-            while self.started and not self.ending and len(self.arrived.get(self.version + 1, ())) == len(workers):
+            while self.started and len(self.arrived.get(self.version + 1, ())) == len(workers):
                 self._apply(self.version + 1)
             if self.started:
                 self._answer()
@@ -267,6 +280,16 @@ class ParameterServer:
         return {"server": self.group.index, "shard": [self.start, self.stop], "updates": self.version,
                 "skipped": self.skipped, "waited_s": waited,
                 "staleness_counts": {str(s): n for s, n in sorted(self.staleness_counts.items())}}
+
+    def _take(self, kind: int, step: int, version: int, settings: tuple, worker: int, grad: torch.Tensor | None
+              ) -> None:
+        """A worker's push (its gradient for `step`, computed on `version`; then its pull) or pull."""
+        if kind == PUSH:
+            self.arrived.setdefault(step, {})[worker] = (grad, version)
+            self.settings[step] = settings
+            self.needs[worker] = (self.total if step == self.total else step - self.group.staleness, False)
+        else:
+            self.needs[worker] = (step, kind == FETCH)
 
     def _load(self, sender: int, step: int, steps_taken: int) -> None:
         """A checkpoint's state for this shard (worker 0 read it): the servers continue from `step`."""

@@ -128,10 +128,10 @@ class TrainingRun:
                 left = t.strategy.ending  # parameter servers that another worker has left: nothing more to pull
                 stopping = bool(t.agreed.stop_signal) or stop_at or left
                 # Under bounded staleness the workers stop on a signal each at its own step: no one checkpoint
-                # holds them all (--stop-at stops every one at the same step).
-                unsaved = stopping and not stop_at and self.cfg.ps.staleness > 0
+                # holds them all (--stop-at stops every one at the same step, and every one saves at the last).
+                unsaved = stopping and not stop_at and self.cfg.ps.staleness > 0 and t.step != total
                 if (due or stopping) and not unsaved:
-                    self._save(background=self.cfg.ckpt.async_save and not stopping)
+                    unsaved = not self._save(background=self.cfg.ckpt.async_save and not stopping)
                 if stopping:
                     self._say_stopped(stop_at, left, unsaved)
                     break
@@ -159,7 +159,7 @@ class TrainingRun:
             self.stopped_by, cause = "another worker left", " (the parameter servers take no more updates)"
         if unsaved:
             self.say(f"{self.stopped_by}{cause}: stopped after step {t.step}, no checkpoint (the workers of a run "
-                     "with --ps.staleness > 0 stop at different steps)")
+                     "with --ps.staleness > 0 stop at different steps, or one has left)")
         else:
             how = "--resume auto" + (" --ps.staleness 0 (resuming needs K = 0 for now)" if self.cfg.ps.staleness else "")
             self.say(f"{self.stopped_by}{cause}: stopped after step {t.step}, checkpoint {self.saved[-1]}; continue "
@@ -208,12 +208,18 @@ class TrainingRun:
         return (r.elapsed_s - self.records[0].elapsed_s) / done * (self.cfg.train.steps - r.step)
 
     # --- checkpoints ----------------------------------------------------------------------
-    def _save(self, background: bool) -> None:
+    def _save(self, background: bool) -> bool:
+        """Save (or start a background save); False when no save could be made (another worker has left)."""
         self._commit_pending()
         if background:
             self.pending = self.trainer.start_async_save(self.ckpt_root)
-            return
-        self._saved(self.trainer.save_checkpoint(self.ckpt_root))
+            return True
+        step_dir = self.trainer.save_checkpoint(self.ckpt_root)
+        if step_dir is None:
+            self.say(f"no checkpoint at step {self.trainer.step}: another worker has left the run")
+            return False
+        self._saved(step_dir)
+        return True
 
     def _commit_pending(self, all_of_it: bool = True) -> None:
         """Collective: wait for this rank's background work and complete it: a checkpoint's write (it then goes up

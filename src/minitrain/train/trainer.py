@@ -486,9 +486,12 @@ class Trainer:
                 "recent_losses": self.spikes.state(),
                 "loss_scaler": self.loss_scaler.state() if self.loss_scaler else None}
 
-    def save_checkpoint(self, root: str | Path) -> Path:
-        """Collective: save now, return the step directory once it is complete."""
+    def save_checkpoint(self, root: str | Path) -> Path | None:
+        """Collective: save now, return the step directory once it is complete. None where the ranks can no longer
+        meet for a save (parameter servers that another worker has left: strategy.ending)."""
         self.strategy.settle_for_save()
+        if self.strategy.ending:
+            return None
         return checkpoint.save(root, self.step, self.topo, self.strategy, self.train_state(), self.cfg.to_dict(),
                                after_written=self.faults.after_shard_written)
 

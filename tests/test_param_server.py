@@ -226,3 +226,59 @@ def test_a_loss_spike_rolls_the_servers_back_with_the_workers(tmp_path):
     [rollback] = json.loads((tmp_path / "ps" / "summary.json").read_text())["rollbacks"]
     assert rollback["to_step"] == 10
     assert _same(_flat_state(tmp_path / "ps", 16), _flat_state(tmp_path / "dp", 16))
+
+
+def _rollback_race(topo) -> dict | None:
+    """Worker 1's request after a rollback reaches the server before worker 0's LOAD of the rolled-back state."""
+    import torch.nn as nn
+
+    from minitrain.config import TrainConfig
+    from minitrain.parallel import param_server as ps
+    from minitrain.parallel.config import ParallelConfig
+    from minitrain.parallel.layout import FlatParameters, WholeModel
+    from minitrain.runtime.servers import ServerGroup
+    from minitrain.train.optim import flat_adamw_factory
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    group = ServerGroup.split(topo.dp, 1, 0)
+    flat = FlatParameters(model, 1, None, False, WholeModel.of(model))
+    n, world, server = flat.numel, group.world, group.servers[0]
+    if group.is_server:
+        ps.ParameterServer(flat, group, ParallelConfig(), flat_adamw_factory(TrainConfig()), 10, torch.float32).serve()
+        return None
+    start = flat.data.clone()
+
+    def send_push(step: int, epoch: int, value: float) -> None:
+        world.send(ps._header(ps.PUSH, step, 0, 0.01, epoch=epoch), server, ps.HEADER)
+        world.send(torch.full((n,), value), server, ps.GRADIENT)
+
+    def pull() -> torch.Tensor:
+        reply, params = torch.empty(4 + 2, dtype=torch.float64), torch.empty(n)
+        world.recv(reply, server, ps.REPLY)
+        world.recv(params, server, ps.PARAMS)
+        return params
+
+    if group.index == 0:
+        world.send(ps._header(ps.START), server, ps.HEADER)
+        world.send(start, server, ps.PARAMS)
+    send_push(1, 0, 1.0)
+    first = pull()  # the update the run will roll back
+    if group.index == 1:  # after the rollback, first: a push on the rolled-back parameters ...
+        send_push(1, 1, -1.0)  # (Adam's first step goes by the gradient's sign: the other way from the first)
+        group.own.barrier()
+    else:
+        group.own.barrier()  # ... on its way before the state it belongs to
+        world.send(ps._header(ps.LOAD, 0, lr=0, epoch=1), server, ps.HEADER)  # lr: the step count
+        for value in (start, torch.zeros(n), torch.zeros(n)):  # master, exp_avg, exp_avg_sq: step 0's
+            world.send(value, server, ps.STATE)
+        send_push(1, 1, -1.0)
+    pulled = pull()
+    world.send(ps._header(ps.DONE), server, ps.HEADER)
+    return {"first": first, "pulled": pulled}
+
+
+def test_a_request_made_after_a_rollback_waits_for_the_state_it_belongs_to():
+    zero, one, _ = run_ranks(_rollback_race, 3, timeout_s=60)
+    # Both workers end on the update made from the rolled-back state, not on the one it replaced.
+    assert torch.equal(zero["pulled"], one["pulled"]) and not torch.equal(one["pulled"], one["first"])

@@ -153,7 +153,7 @@ class ParameterServerWorker(FlatStrategy):
             raise RuntimeError("this param-server strategy was closed (its hooks are off the model)")
         self.flat.check_grads_in_place()
         self._start_servers()
-        self.optimizer.held = {}  # a save's copy of the servers' state is written by now
+        self.optimizer.release_pages()  # a save's copy of the servers' state is written by now
         began = time.perf_counter()
         step = self.steps_pushed + 1
         # Summed in the reduce dtype on the servers, as data parallel's all-reduce sums it.
@@ -193,7 +193,7 @@ class ParameterServerWorker(FlatStrategy):
             self._send_all(_header(LOAD, step, lr=self.optimizer.steps_taken, epoch=self.epoch),
                            [state[n] for n in STATE_NAMES])
             self._servers_started = True
-        self.optimizer.held = {}
+        self.optimizer.release_pages()
 
     def close(self) -> None:
         """Off the model, and the servers told this worker is done (they end when every worker is)."""

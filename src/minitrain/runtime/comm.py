@@ -294,7 +294,8 @@ class Comm:
             self._run("all_reduce", _nbytes(tensor),
                       lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group), tensor)
 
-    def _launch(self, op: str, nbytes: int, start, *tensors: torch.Tensor) -> PendingCollective:
+    def _launch(self, op: str, nbytes: int, start, *tensors: torch.Tensor,
+                payload: torch.Tensor | None = None) -> PendingCollective:
         """Start an async collective (start() returns its Work); returns at once. Its fingerprint is taken
         here, in issue order; the watch counts this rank as in it only while it waits for it."""
         fp = self._fingerprint(op, tensors)
@@ -303,7 +304,7 @@ class Comm:
             work = start()
         except RuntimeError as e:
             raise self.failure(op, nbytes, e, fp) from e
-        return PendingCollective(self, op, nbytes, work, fp=fp, launched=launched)
+        return PendingCollective(self, op, nbytes, work, payload=payload, fp=fp, launched=launched)
 
     def all_reduce_sum_async(self, tensor: torch.Tensor) -> PendingCollective:
         """Start an in-place sum over ranks; returns at once. Call .wait() before using tensor."""
@@ -413,21 +414,13 @@ class Comm:
     def send_async(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> PendingCollective:
         """Start sending; returns at once, the tensor kept alive until wait() (do not change it before)."""
         self._on_device(tensor)
-        pending = self._launch("send", _nbytes(tensor),
-                               lambda: dist.isend(tensor, group=self.group, group_dst=dst, tag=tag), tensor)
-        pending.payload = tensor
-        return pending
+        return self._launch("send", _nbytes(tensor), lambda: dist.isend(tensor, group=self.group, group_dst=dst,
+                                                                         tag=tag), tensor, payload=tensor)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
         self._on_device(tensor)
         self._run("recv", _nbytes(tensor), lambda: dist.recv(tensor, group=self.group, group_src=src, tag=tag),
                   tensor)
-
-    def recv_async(self, tensor: torch.Tensor, src: int, tag: int = 0) -> PendingCollective:
-        """Start receiving into tensor; returns at once (read it after wait())."""
-        self._on_device(tensor)
-        return self._launch("recv", _nbytes(tensor),
-                            lambda: dist.irecv(tensor, group=self.group, group_src=src, tag=tag), tensor)
 
     def recv_any(self, tensor: torch.Tensor, tag: int = 0) -> int:
         """Receive the next message with `tag` from whichever rank sends one first; returns that rank (in the

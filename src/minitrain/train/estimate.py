@@ -357,7 +357,7 @@ def communication(inp: PlanInput) -> list[dict]:
     units = (inp.model.n_layer + 4) if inp.model else 1  # blocks, embeddings, ln_f, head
     rows = []
     if inp.servers:
-        link = (hw.intra if world + inp.servers <= hw.gpus_per_node else hw.inter)["send"]
+        link = _server_link(inp)
         rows += plan_servers.traffic(N, inp.servers, reduce_bytes(inp) * layout_params(inp), elem * layout_params(inp),
                                      link.alpha_s, link.beta_Bps)
     elif N > 1:
@@ -383,6 +383,12 @@ def communication(inp: PlanInput) -> list[dict]:
             rows.append(_row("pipeline send/recv", hw.inter if world > hw.gpus_per_node else hw.intra, "send", 1.0,
                              act, 2 * micro))
     return rows
+
+
+def _server_link(inp: PlanInput) -> Link:
+    """The link a parameter server's pushes and pulls cross: within a node while workers and servers fit in one."""
+    hw = inp.hardware
+    return (hw.intra if inp.dp + inp.servers <= hw.gpus_per_node else hw.inter)["send"]
 
 
 def _row(what: str, links: dict[str, Link], op: str, factor: float, size: float, times: int, calls: int = 1) -> dict:
@@ -430,7 +436,7 @@ def plan(inp: PlanInput) -> dict:
     servers = None
     if inp.servers:
         P, elem = layout_params(inp), element_bytes(inp.precision)
-        link = (hw.intra if inp.dp + inp.servers <= hw.gpus_per_node else hw.inter)["send"]
+        link = _server_link(inp)
         servers = plan_servers.summary(inp.dp, inp.servers, inp.staleness, P, reduce_bytes(inp) * P, elem * P, elem,
                                        reduce_bytes(inp), link.alpha_s, link.beta_Bps)
     return {

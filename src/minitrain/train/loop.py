@@ -161,7 +161,8 @@ class TrainingRun:
             self.say(f"{self.stopped_by}{cause}: stopped after step {t.step}, no checkpoint (the workers of a run "
                      "with --ps.staleness > 0 stop at different steps, or one has left)")
         else:
-            how = "--resume auto" + (" --ps.staleness 0 (resuming needs K = 0 for now)" if self.cfg.ps.staleness else "")
+            how = "--resume auto" + (" --ps.staleness 0 (resuming needs K = 0 for now)" if self.cfg.ps.staleness
+                                     else "")
             self.say(f"{self.stopped_by}{cause}: stopped after step {t.step}, checkpoint {self.saved[-1]}; continue "
                      f"with {how}")
 

@@ -34,8 +34,9 @@ def train_with_parameter_servers(topo: Topology, cfg: RunConfig, train: Callable
                                  ) -> dict | None:
     """Collective over the whole world; a worker trains with train(its topology, cfg) (loop.py's run), and rank 0
     (a worker) returns the run's summary."""
-    if topo.tp.world_size > 1 or topo.pp.world_size > 1 or topo.backend != "gloo":
-        raise ConfigError("parameter servers run over gloo without tensor or pipeline parallelism")
+    if topo.backend != "gloo":  # --backend auto picks NCCL on a GPU machine; the settings refuse only an explicit one
+        raise ConfigError("parameter servers run over gloo (a server receives from whichever worker sends first, "
+                          "which NCCL cannot); give --backend gloo")
     group = ServerGroup.split(topo.dp, cfg.ps.servers, cfg.ps.staleness, topo.watch)
     topo.opened.append(group.own)
     # Workers and servers never run the same collectives, so the periodic fingerprint comparison (every rank's

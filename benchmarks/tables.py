@@ -40,9 +40,9 @@ def _ratio(stats, reference: bool = False) -> str:
     return "1.00" if reference else fmt_range(stats, "{:.2f}")
 
 
-def _percent(stats) -> str:
+def _percent(stats, digits: int = 0) -> str:
     median, low, high = (100 * x for x in stats)
-    return f"{median:.0f}% [{low:.0f}-{high:.0f}%]"
+    return f"{median:.{digits}f}% [{low:.{digits}f}-{high:.{digits}f}%]"
 
 
 def _table(header: list[str], align: str, rows: list[list[str]]) -> list[str]:
@@ -296,6 +296,19 @@ def param_server(docs: list[dict]) -> list[str]:
                     "<<>>>", rows)]
 
 
+def data_prefetch(docs: list[dict]) -> list[str]:
+    doc = docs[0]
+    rows = [[loop, mode, fmt_range(e["data_ms"], "{:.2f}"), fmt_range(e["step_ms"], "{:.1f}"),
+             _percent(e["data_share"], digits=1), _ratio(e["time_ratio"], mode == "prefetch 0")]
+            for loop, entry in doc["results"].items() for mode, e in entry.items() if isinstance(e, dict)]
+    fly = doc["results"]["tokenised on the fly"]
+    return [f"One process, one torch thread; medians over {doc['steps']} steps, median [min-max] of "
+            f"{doc['repeats']} repeats. Tokenised on the fly: the source alone makes a batch in "
+            f"{fly['source_s'][0]:.1f} ms, the step computes in {fly['compute_s'][0]:.1f} ms.", "",
+            *_table(["loop", "batches", "wait for data, ms", "step ms", "data share", "vs prefetch 0"],
+                    "<<>>>>", rows)]
+
+
 def gpu_memory(docs: list[dict]) -> list[str]:
     doc = docs[0]
     rows = [[str(r["zero"]), r["activation_checkpointing"], f"{r['predicted_bytes'] / 2**30:.2f} GiB",
@@ -363,6 +376,7 @@ TABLES = {
     "offload": ("offload.json", offload),
     "experts": ("experts.json", experts),
     "param_server": ("param_server.json", param_server),
+    "data_prefetch": ("data_prefetch.json", data_prefetch),
     "tensor_parallel": ("tensor_parallel_tp*.json", tensor_parallel),
     "tensor_parallel_llama": ("tensor_parallel_llama_tp*.json", tensor_parallel),
     "pipeline": ("pipeline_pp*_m*.json", pipeline),

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 
+from minitrain import Prefetcher
 from minitrain.train.run_config import run_config
 from minitrain.runtime.topology import Topology
 from minitrain.train.trainer import Trainer
@@ -131,6 +132,16 @@ def test_every_zero_stage_trains_on_the_gpu(zero):
     trainer = _trainer(**{"train.precision": "bf16", "train.zero": zero})
     records = [trainer.train_step() for _ in range(3)]
     assert all(r.loss == r.loss for r in records) and records[-1].busy_s_per_rank[0] > 0
+
+
+def test_batches_are_made_ahead_in_pinned_memory_and_copied_without_blocking():
+    trainer = _trainer(**{"data.prefetch": 2})
+    x, y = trainer.loader.next_batch()
+    assert x.is_pinned() and y.is_pinned()  # the prefetch thread pinned them: the step's copy is asynchronous
+    trainer.train_step()
+    with Prefetcher([(x, y)], device="cuda") as batches:
+        (gx, gy), = list(batches)
+    assert gx.is_cuda and torch.equal(gx.cpu(), x) and torch.equal(gy.cpu(), y)
 
 
 def test_an_async_snapshot_goes_to_pinned_host_memory(tmp_path):

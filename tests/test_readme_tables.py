@@ -15,6 +15,7 @@ KEYS = {"prepare_vs_peers": TIMED | {"world", "warmup"}, "zero_stages": TIMED | 
         "offload": TIMED | {"warmup", "batch"},
         "experts": TIMED | {"warmup", "batch", "experts", "top_k"},
         "param_server": {"results", "steps", "slow_s", "repeats", "workers", "model", "val_batches"},
+        "data_prefetch": {"results", "steps", "repeats", "depth", "trainer", "user_model", "user_batch"},
         "tensor_parallel": TIMED | {"tp", "minitrain_over_dtensor"},
         "tensor_parallel_llama": TIMED | {"tp", "minitrain_over_dtensor", "model"},
         "pipeline": TIMED | {"pp", "microbatches", "minitrain_over_torch"},

@@ -27,10 +27,11 @@ from .api import (
                   wrap_for_ddp,
 )
 from .parallel.model_plan import ModelPlan
+from .utils.prefetch import Prefetcher
 
 from .version import __version__
 
-__all__ = ["GradScaler", "ModelPlan", "PipelineSplit", "PreparedOptimizer", "__version__", "barrier", "cleanup",
+__all__ = ["GradScaler", "ModelPlan", "PipelineSplit", "Prefetcher", "PreparedOptimizer", "__version__", "barrier", "cleanup",
            "clip_grad_norm_",
            "dp_rank", "dp_world_size", "full_state_dict", "init_distributed", "is_main_process", "load_checkpoint",
            "no_sync", "pipeline_step", "prepare", "save_checkpoint", "wrap_for_ddp"]

@@ -21,6 +21,7 @@ dropped for that epoch.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,6 +31,7 @@ import torch
 
 from .corpus import token_files
 from .errors import ConfigError
+from .utils.prefetch import Prefetcher, pinned
 
 if TYPE_CHECKING:  # the type only: config imports this module to validate a run's corpus
     from .config import RunConfig
@@ -286,8 +288,12 @@ class ShardedLoader:
     """This rank's batches, in a deterministic order; its position is its state."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int,
-                 rank: int, world_size: int, seed: int):
+                 rank: int, world_size: int, seed: int, prefetch: int = 0, pin_memory: bool = False):
+        """prefetch: batches a background thread makes ahead (utils/prefetch.py; 0 = each made when taken);
+        pin_memory: made in page-locked memory (for a GPU's asynchronous copy)."""
         self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
+        self.prefetch, self.pin_memory = prefetch, pin_memory
+        self._source: Iterator | None = None  # the batches from the current position on (a Prefetcher's thread)
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.num_examples = (len(tokens) - 1) // seq_len
         self.global_batch = batch_size * world_size
@@ -297,26 +303,53 @@ class ShardedLoader:
         self.epoch, self.cursor = 0, 0  # cursor = micro-batches already taken this epoch
         self._order_epoch, self._order = -1, None
 
+    def _shuffled(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(self.num_examples)
+
     def epoch_order(self, epoch: int) -> np.ndarray:
         """Example ids in the order epoch `epoch` visits them (all ranks agree)."""
         if epoch != self._order_epoch:
-            self._order = np.random.default_rng([self.seed, epoch]).permutation(self.num_examples)
-            self._order_epoch = epoch
+            self._order, self._order_epoch = self._shuffled(epoch), epoch
         return self._order
+
+    def _share(self, order: np.ndarray, batch: int) -> np.ndarray:
+        start = batch * self.global_batch
+        return order[start:start + self.global_batch][self.rank::self.world_size]
 
     def rank_examples(self, epoch: int, batch: int) -> np.ndarray:
         """Example ids of this rank's share of micro-batch `batch` in `epoch`."""
-        start = batch * self.global_batch
-        window = self.epoch_order(epoch)[start:start + self.global_batch]
-        return window[self.rank::self.world_size]
+        return self._share(self.epoch_order(epoch), batch)
+
+    def batches_from(self, epoch: int, cursor: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's batches from position (epoch, cursor) on, without end: what next_batch returns from there.
+        Keeps its own order (nothing the loader changes), so a prefetch thread can run it."""
+        order = self._shuffled(epoch)
+        while True:
+            yield windows(self.tokens, self._share(order, cursor), self.seq_len)
+            cursor += 1
+            if cursor == self.batches_per_epoch:
+                epoch, cursor = epoch + 1, 0
+                order = self._shuffled(epoch)
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), each (batch_size, seq_len) int64."""
-        examples = self.rank_examples(self.epoch, self.cursor)
+        if self._source is None:
+            batches = self.batches_from(self.epoch, self.cursor)
+            self._source = Prefetcher(self._pinned(batches), self.prefetch) if self.prefetch else batches
+        batch = next(self._source)
         self.cursor += 1
         if self.cursor == self.batches_per_epoch:
             self.epoch, self.cursor = self.epoch + 1, 0
-        return windows(self.tokens, examples, self.seq_len)
+        return batch
+
+    def _pinned(self, batches: Iterator) -> Iterator:
+        return (pinned(b) for b in batches) if self.pin_memory else batches
+
+    def close(self) -> None:
+        """Stop the prefetch thread (the next batch starts from the position again)."""
+        if isinstance(self._source, Prefetcher):
+            self._source.close()
+        self._source = None
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed,
@@ -327,4 +360,5 @@ class ShardedLoader:
             if state[key] != getattr(self, key):
                 raise ValueError(f"data loader state was saved with {key}={state[key]}, "
                                  f"this run has {getattr(self, key)}")
+        self.close()  # what was made ahead belongs to the old position
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])

@@ -86,7 +86,7 @@ class PeerTrainer:
             # After fully_shard: it replaces every parameter with a sharded DTensor parameter.
             self.optimizer = torch.optim.AdamW(decay_groups(self.model, t.weight_decay), **adam)
         self.loader = ShardedLoader(load_corpus(cfg), cfg.model.seq_len, t.batch_size, topo.rank, topo.world_size,
-                                    t.seed)
+                                    t.seed, prefetch=cfg.data.prefetch)  # the trainer's data path
         self.step = 0
 
     def train_step(self) -> float:

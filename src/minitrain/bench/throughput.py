@@ -26,6 +26,7 @@ import torch
 from ..config import PRESETS, ConfigError, RunConfig
 from ..train.run_config import run_config
 from ..data import ShardedLoader, load_corpus
+from ..utils.prefetch import pinned, to_device
 from ..train.metrics import format_table
 from ..models.minigpt.plan import MINIGPT_PLAN
 from ..models.minigpt.model import MiniGPT
@@ -91,13 +92,13 @@ class PlainLoop:
         groups = decay_groups(self.model, t.weight_decay)
         kernel = {"fused": True} if device.type in FUSED_DEVICES else {"foreach": True}
         self.optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **kernel)
-        self.loader = ShardedLoader(load_corpus(cfg), cfg.model.seq_len, t.batch_size, 0, 1, t.seed)
+        # The trainer's data path, as a plain loop with a DataLoader's pinned workers would have it.
+        self.loader = ShardedLoader(load_corpus(cfg), cfg.model.seq_len, t.batch_size, 0, 1, t.seed,
+                                    prefetch=cfg.data.prefetch, pin_memory=device.type == "cuda")
 
     def train_step(self) -> torch.Tensor:
         t, device = self.cfg.train, self.device
-        x, y = self.loader.next_batch()
-        if device.type == "cuda":
-            x, y = x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+        x, y = (to_device(pinned(b) if device.type == "cuda" else b, device) for b in self.loader.next_batch())
         with autocast(t, device):
             loss = self.model(x, y)
         loss.backward()

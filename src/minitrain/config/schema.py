@@ -75,6 +75,8 @@ class DataConfig:
                       "uint16 .bin token file (a val.bin beside it is its held-out split)")
     synthetic_tokens: int = opt(65536, "length of the synthetic corpus in tokens")
     corpus_seed: int = opt(0, "seed that generates the synthetic corpus (the data order uses train.seed)")
+    prefetch: int = opt(2, "batches a background thread makes ahead while the step runs (pinned for a GPU's "
+                        "asynchronous copy); the same batches in the same order; 0 = each made in the step")
 
 
 @dataclass
@@ -371,6 +373,7 @@ def _check_run(cfg: RunConfig) -> None:
     _check_fault(cfg.fault, cfg.dist.nproc)
     check_seed("--seed", t.seed)
     check_seed("--data.corpus_seed", cfg.data.corpus_seed)
+    _require_non_negative("data.prefetch", cfg.data.prefetch)
     if not cfg.out.strip():
         raise ConfigError("--out is empty; name the directory the run writes to (e.g. --out runs/mine)")
     _require_non_negative("eval.every", cfg.eval.every)

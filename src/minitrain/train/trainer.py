@@ -27,6 +27,7 @@ from .. import checkpoint
 from ..runtime.comm import CollectiveError, OpStats
 from ..config import RunConfig
 from ..data import EvalBatches, ShardedLoader, corpus_fingerprint, load_corpus, load_val
+from ..utils.prefetch import pinned, to_device
 from ..models import ModelSpec, spec_for
 from ..models.minigpt.moe import MoEMLP
 from ..parallel import Pipeline, cast_parameters, parallelize
@@ -132,7 +133,8 @@ class Trainer:
         # expert parallelism over every rank (topo.data).
         self._corpus_sha256: str | None = None  # computed at the first save (train_state)
         self.loader = ShardedLoader(load_corpus(cfg), cfg.model.seq_len, cfg.train.batch_size,
-                                    topo.data.rank, topo.data.world_size, cfg.train.seed)
+                                    topo.data.rank, topo.data.world_size, cfg.train.seed,
+                                    prefetch=cfg.data.prefetch, pin_memory=topo.device.type == "cuda")
         self.eval_batches = (EvalBatches(load_val(cfg), cfg.model.seq_len, cfg.train.batch_size, topo.data.rank,
                                          topo.data.world_size, cfg.eval.batches) if cfg.eval.every else None)
         self.step = 0  # training steps completed (a skipped step counts: its data was consumed)
@@ -168,6 +170,7 @@ class Trainer:
     def close(self) -> None:
         """Take the strategy's hooks off the model: no further step, and nothing keeps the trainer alive."""
         self.strategy.close()
+        self.loader.close()
         self.device_peak.close()
         if self.offload is not None:
             self.offload.close()
@@ -443,11 +446,9 @@ class Trainer:
         return total / holders
 
     def _to_device(self, batch: torch.Tensor) -> torch.Tensor:
-        """A CPU batch onto the device: on a GPU from pinned memory without blocking the host, so the copy
-        overlaps whatever the GPU is still running."""
-        if self.topo.device.type != "cuda":
-            return batch.to(self.topo.device)
-        return batch.pin_memory().to(self.topo.device, non_blocking=True)
+        """A CPU batch onto the device: on a GPU from pinned memory (the prefetch thread pinned it) without
+        blocking the host, so the copy overlaps whatever the GPU is still running."""
+        return to_device(pinned(batch) if self.topo.device.type == "cuda" else batch, self.topo.device)
 
     def _comm_totals(self) -> OpStats:
         """Collectives (and point-to-point transfers) so far in the data-, tensor-, pipeline- and expert-parallel

@@ -1,1 +1,1 @@
-"""Leaf helpers: progress bars."""
+"""Leaf helpers: progress bars, batches made ahead."""

@@ -36,8 +36,9 @@ def _train(kind, optimizer, zero, steps, rank, world, micro=1):
     frozen_before = frozen_parameter(model).detach().clone()
     buffers_before = {n: (b.dtype, b.device, b.clone()) for n, b in model.named_buffers()}
     model, opt = minitrain.prepare(model, OPTIMIZERS[optimizer], zero=zero, param_groups=param_groups(model))
+    strategy = minitrain.api.session.state_of(model).strategy
     losses, norms = [], []
-    for x in steps:
+    for step, x in enumerate(steps):
         mine = x.chunk(world)[rank].chunk(micro)
         total = 0.0
         for i, part in enumerate(mine):
@@ -45,9 +46,10 @@ def _train(kind, optimizer, zero, steps, rank, world, micro=1):
                 loss = lm_loss(model, part) / micro
                 loss.backward()
             total += loss.item()
+        if zero >= 2 and step > 0:  # the shard zero_grad gave back is not whole again until the sync ends: each
+            assert strategy.memory_bytes()["grads"] == 0  # unit's reduced chunk waits beside it (zero.py)
         norms.append(minitrain.clip_grad_norm_(model, MAX_NORM))
         opt.step()
-        strategy = minitrain.api.session.state_of(model).strategy
         after_step = strategy.memory_bytes()
         opt.zero_grad()
         losses.append(_global_mean(total))

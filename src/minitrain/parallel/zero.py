@@ -163,6 +163,10 @@ class Zero2(ShardedStrategy):
         self._buffers: dict[int, torch.Tensor] = {}  # unit -> its full gradient, being filled by backward
         self._inflight: deque[tuple[int, PendingCollective, torch.Tensor | None, torch.Tensor]] = deque()
         self._reduced: set[int] = set()
+        # While zero_grad has released the shard, each unit's reduced chunk is held apart until the sync finishes
+        # (or the step reads the shard): a released shard comes back chunk by chunk as backward frees activations,
+        # not whole at its first reduction, when activations are at their peak (FSDP2's sharded grads grow so).
+        self._landed: dict[int, torch.Tensor] = {}
         self._fresh: dict[int, bool] = {}  # unit -> whether this backward's gradients started afresh (user_loop)
         self._intervals: list[tuple[float, float]] = []
         # What p.grad holds once its gradient is on its way to the shard: None, or for a loop that reads p.grad a
@@ -181,19 +185,29 @@ class Zero2(ShardedStrategy):
         self._settled = False  # fresh gradients: settled afresh under expert parallelism (flat.py)
         for name in self._sharded_grads:
             self.flat.param_named(name).grad = None
-        if release and not self.grad_offloaded:  # the storage goes back; the next backward's first reduction brings it
+        for chunk in self._landed.values():
+            self.ledger.drop("grads", chunk)
+        self._landed = {}
+        if release and not self.grad_offloaded:  # the storage goes back; the sync's end brings it again (_ensure)
             self.grad_shard.untyped_storage().resize_(0)
-        else:
+        elif not self._shard_released():  # (a released shard is zeros already)
             self.grad_shard.zero_()
         self._reduced = set()
         self._intervals = []
 
+    def _shard_released(self) -> bool:
+        return self.grad_shard.untyped_storage().nbytes() == 0 and self.grad_shard.numel() > 0
+
     def _ensure_grad_shard(self) -> None:
-        """The gradient shard holds memory (zeros, if zero_grad released it): its views are valid again."""
-        storage = self.grad_shard.untyped_storage()
-        if storage.nbytes() == 0 and self.grad_shard.numel():
-            storage.resize_(self.grad_shard.numel() * self.grad_shard.element_size())
+        """The gradient shard holds memory (zeros, if zero_grad released it, and the chunks that landed apart since):
+        its views are valid again."""
+        if self._shard_released():
+            self.grad_shard.untyped_storage().resize_(self.grad_shard.numel() * self.grad_shard.element_size())
             self.grad_shard.zero_()
+        for i, chunk in self._landed.items():
+            self._shard_views[i].copy_(chunk)
+            self.ledger.drop("grads", chunk)
+        self._landed = {}
 
     @torch.no_grad()
     def _grad_ready(self, i: int, seg: Segment, p: nn.Parameter) -> None:
@@ -202,12 +216,14 @@ class Zero2(ShardedStrategy):
             missing = [s.name for s in unit.segments if s.name not in self._arrived[i]]
             raise RuntimeError(f"no gradient reached {', '.join(missing)} in the previous backward; ZeRO-{self.stage} "
                                "needs every parameter to take part in the loss (remove unused ones from the model)")
-        while self._inflight and self._inflight[0][1].done():  # free finished units' buffers early
-            self._retire_oldest()
+        self._retire_done()
         buffer = self._buffers.get(i)
         if buffer is None:
             # In the reduce dtype: copying the gradient in below widens it if mixed precision reduces in float32.
-            buffer = self._buffers[i] = torch.zeros(unit.stop - unit.start, dtype=self.reduce_dtype, device=p.device)
+            # Uninitialised but for the padding: every segment is copied in before the reduction, and on the host
+            # untouched pages take no memory until their gradient lands.
+            buffer = self._buffers[i] = torch.empty(unit.stop - unit.start, dtype=self.reduce_dtype, device=p.device)
+            buffer[sum(seg.numel for seg in unit.segments):].zero_()
             self.ledger.hold("grads", buffer)
         carried = isinstance(p.grad, ShardedGradient)  # p.grad not set to None since the last backward
         grad = p.grad.take() if carried else p.grad
@@ -239,9 +255,9 @@ class Zero2(ShardedStrategy):
         while len(self._inflight) >= MAX_INFLIGHT:
             self._retire_oldest()
         buffer = self._buffers.pop(i)
-        self._ensure_grad_shard()
         adds = i in self._reduced  # a later micro-batch: reduce beside the shard, then add
-        if adds or self.grad_offloaded:  # (offloaded, the reduction lands on the device first)
+        # Offloaded, the reduction lands on the device first; with the shard released, beside it (_landed).
+        if adds or self.grad_offloaded or self._shard_released():
             chunk = torch.empty(self._shard_views[i].shape, dtype=self.reduce_dtype, device=buffer.device)
             self.ledger.hold("grads", chunk)
         else:  # the shard still holds zero_grad's zeros: reduce straight into it
@@ -254,18 +270,29 @@ class Zero2(ShardedStrategy):
     def _unit_reduced(self, i: int) -> None:
         """Called once unit i's gradient reduction has started (ZeRO-3 frees its parameters)."""
 
+    def _retire_done(self) -> None:
+        """Retire the reductions that have finished (their full gradients freed early), waiting for none."""
+        while self._inflight and self._inflight[0][1].done():
+            self._retire_oldest()
+
     def _retire_oldest(self) -> None:
         i, pending, chunk, buffer, adds = self._inflight.popleft()
         self._intervals.append(pending.wait())
         if self._averaged_in_sync:  # the shard holds averages: each backward's sum is divided as it lands
             (self._shard_views[i] if chunk is None else chunk).div_(self.comm.world_size)
         if chunk is not None:
-            shard = self._shard_views[i]
-            if adds:  # on the shard's side (the host's, offloaded), as the step reads it
-                shard.add_(chunk.to(shard.device))
+            if i in self._landed:  # a later micro-batch's, while the shard is still released
+                self._landed[i].add_(chunk)
+                self.ledger.drop("grads", chunk)
+            elif self._shard_released():
+                self._landed[i] = chunk  # held (and counted) until _ensure_grad_shard
             else:
-                shard.copy_(chunk)
-            self.ledger.drop("grads", chunk)
+                shard = self._shard_views[i]
+                if adds:  # on the shard's side (the host's, offloaded), as the step reads it
+                    shard.add_(chunk.to(shard.device))
+                else:
+                    shard.copy_(chunk)
+                self.ledger.drop("grads", chunk)
         self.ledger.drop("grads", buffer)
 
     @torch.no_grad()
@@ -287,5 +314,5 @@ class Zero2(ShardedStrategy):
             self._intervals = []
 
     def _gradient_shard(self) -> torch.Tensor:
-        self._ensure_grad_shard()  # a step with no backward since a releasing zero_grad: a zero gradient
+        self._ensure_grad_shard()  # the chunks that landed apart since zero_grad released it (zeros elsewhere)
         return self.grad_shard

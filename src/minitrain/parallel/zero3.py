@@ -202,6 +202,7 @@ class Zero3(Zero2):
             self._hook_outputs(output, lambda _grad, pos=pos: self._before_backward(pos), self.plans[i].name)
 
     def _before_backward(self, pos: int) -> None:
+        self._retire_done()  # the last unit's full gradient, freed before this one's backward rather than during it
         self._ensure(self._order[pos])
         if self.prefetch and pos > 0:
             self._start_gather(self._order[pos - 1])

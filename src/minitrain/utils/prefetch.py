@@ -76,7 +76,9 @@ class Prefetcher:
         self._thread = threading.Thread(target=_produce, args=(iter(batches), pin, self._queue, self._stop),
                                         daemon=True, name="minitrain-prefetch")
         self._thread.start()
-        weakref.finalize(self, _shut, self._queue, self._stop)  # dropped unclosed: the thread ends too
+        # Dropped unclosed: the thread ends too. Not at the interpreter's exit, where a woken daemon thread would be
+        # stopped inside whatever it runs next; blocked on the full queue, it is left there.
+        weakref.finalize(self, _shut, self._queue, self._stop).atexit = False
 
     def __iter__(self) -> Prefetcher:
         return self

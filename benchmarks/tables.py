@@ -371,6 +371,7 @@ def object_store(docs: list[dict]) -> list[str]:
 TABLES = {
     "prepare_vs_peers": ("prepare_vs_peers.json", prepare_vs_peers),
     "zero_stages": ("zero_stages.json", zero_stages),
+    "zero_stages_gpt2": ("zero_stages_gpt2-124m.json", zero_stages),
     "ddp_modes": ("ddp_modes.json", ddp_modes),
     "activation_checkpointing": ("activation_checkpointing.json", activation_checkpointing),
     "offload": ("offload.json", offload),

@@ -16,7 +16,8 @@ told to return every freed block above 64 KiB to the system at once
 of keeping freed memory of an earlier configuration. For our stages the
 model-state peak from the strategy's ledger is reported too.
 
-    .venv/bin/python benchmarks/zero_stages.py [--worlds 2 4] [--steps 8] [--repeats 3] [--out FILE]
+    .venv/bin/python benchmarks/zero_stages.py [--worlds 2 4] [--steps 8] [--repeats 3] [--model gpt2-124m]
+                                               [--out FILE]
 
 Writes benchmarks/results/zero_stages.json (or --out: command, machine, every figure) and prints the table.
 """
@@ -43,19 +44,23 @@ from minitrain.train.trainer import Trainer
 # ~10.8M parameters (43 MB in float32): model state, not activations, dominates memory.
 MODEL = {"model.n_layer": 6, "model.d_model": 384, "model.n_head": 6, "model.vocab_size": 256,
          "model.seq_len": 128, "train.batch_size": 2, "data.synthetic_tokens": 1 << 18}
+# --model gpt2-124m: GPT-2 small's shape (124M parameters, 2 GB of model state per rank at ZeRO-0), on 128-token
+# sequences, one per rank, so that a CPU step takes seconds rather than minutes.
+MODELS = {"10.8m": MODEL, "gpt2-124m": {"model.preset": "gpt2-124m", "model.seq_len": 128, "train.batch_size": 1,
+                                        "data.synthetic_tokens": 1 << 16}}
 CONFIGS = ["zero0", "zero1", "zero2", "zero3", "ddp", "zero-redundancy", "fsdp2-zero2", "fsdp2"]
 # Each stage against PyTorch's way of sharding the same things (minitrain.bench.peers).
 PEER_OF = {"zero0": "ddp", "zero1": "zero-redundancy", "zero2": "fsdp2-zero2", "zero3": "fsdp2"}
 WARMUP = 2
 
 
-def worker(topo, name: str, steps: int) -> dict:
+def worker(topo, name: str, steps: int, model: dict) -> dict:
     """One configuration in fresh processes, so no earlier one's freed memory or imports are counted."""
     import torch.distributed.fsdp  # noqa: F401  every peer's modules loaded before the baseline
     import torch.distributed.optim  # noqa: F401
 
     stage = int(name[-1]) if name in PEER_OF else 0
-    values = {**MODEL, "train.zero": stage, "train.steps": steps, "dist.nproc": topo.world_size,
+    values = {**model, "train.zero": stage, "train.steps": steps, "dist.nproc": topo.world_size,
               "train.log_every": 0}
     cfg = run_config(cli_values=values)
     device = topo.device
@@ -84,8 +89,14 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=CONFIGS,
                         help="a subset to measure (ratios need the peer in the subset too)")
-    parser.add_argument("--out", default=str(RESULTS / "zero_stages.json"), help="the result file")
+    parser.add_argument("--model", choices=MODELS, default="10.8m",
+                        help="the 10.8M-parameter model (default) or GPT-2 small's shape on 128-token sequences")
+    parser.add_argument("--out", help="the result file (default benchmarks/results/zero_stages.json, "
+                                      "zero_stages_gpt2-124m.json for --model gpt2-124m)")
     args = parser.parse_args(argv)
+    model = MODELS[args.model]
+    args.out = args.out or str(RESULTS / ("zero_stages.json" if args.model == "10.8m" else
+                                          f"zero_stages_{args.model}.json"))
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))  # inherited by the spawned ranks
     report, rows = {}, []
     for world in args.worlds:
@@ -95,7 +106,7 @@ def main(argv=None) -> int:
             order = configs[r % len(configs):] + configs[:r % len(configs)]
             run = {}
             for name in order:
-                per_rank = launch(worker, world, name, args.steps, backend="gloo", timeout_s=1800)
+                per_rank = launch(worker, world, name, args.steps, model, backend="gloo", timeout_s=1800)
                 # Slowest rank's step time; largest rank's peak.
                 run[name] = {key: max(rank[key] for rank in per_rank) for key in per_rank[0]}
             runs.append(run)
@@ -118,7 +129,7 @@ def main(argv=None) -> int:
                          peer or "", fmt_range(entry["time_ratio"], "{:.2f}") if peer else "",
                          fmt_range(entry["memory_ratio"], "{:.2f}") if peer else ""])
     out = write_result(args.out, __file__, argv, {
-        "model": MODEL, "steps": args.steps, "warmup": WARMUP, "repeats": args.repeats,
+        "model": model, "steps": args.steps, "warmup": WARMUP, "repeats": args.repeats,
         "format": "each figure is [median, min, max] over repeats", "results": report})
     print(format_table(["ranks", "config", "step_ms", "peak/rank", "model state", "peer", "time vs peer",
                         "memory vs peer"], rows, "><>>><>>"))

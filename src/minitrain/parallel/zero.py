@@ -199,15 +199,21 @@ class Zero2(ShardedStrategy):
         return self.grad_shard.untyped_storage().nbytes() == 0 and self.grad_shard.numel() > 0
 
     def _ensure_grad_shard(self) -> None:
-        """The gradient shard holds memory (zeros, if zero_grad released it, and the chunks that landed apart since):
-        its views are valid again."""
+        """The gradient shard holds memory (if zero_grad released it: the chunks that landed apart since, zeros
+        elsewhere): its views are valid again."""
         if self._shard_released():
+            # New pages, touched as they are written: the units that landed apart are copied in one at a time,
+            # each freed after its copy, the others zeroed; so the shard and its chunks are not resident twice.
             self.grad_shard.untyped_storage().resize_(self.grad_shard.numel() * self.grad_shard.element_size())
-            self.grad_shard.zero_()
-        for i, chunk in self._landed.items():
-            self._shard_views[i].copy_(chunk)
-            self.ledger.drop("grads", chunk)
-        self._landed = {}
+            for i, view in enumerate(self._shard_views):
+                chunk = self._landed.pop(i, None)
+                if chunk is None:
+                    view.zero_()
+                else:
+                    view.copy_(chunk)
+                    self.ledger.drop("grads", chunk)
+                    del chunk
+        # (Chunks land apart only while the shard is released, so none is left here.)
 
     @torch.no_grad()
     def _grad_ready(self, i: int, seg: Segment, p: nn.Parameter) -> None:

@@ -31,7 +31,7 @@ import torch
 
 from .corpus import token_files
 from .errors import ConfigError
-from .utils.prefetch import Prefetcher, pinned
+from .utils.prefetch import Prefetcher
 
 if TYPE_CHECKING:  # the type only: config imports this module to validate a run's corpus
     from .config import RunConfig
@@ -290,7 +290,7 @@ class ShardedLoader:
     def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int,
                  rank: int, world_size: int, seed: int, prefetch: int = 0, pin_memory: bool = False):
         """prefetch: batches a background thread makes ahead (utils/prefetch.py; 0 = each made when taken);
-        pin_memory: made in page-locked memory (for a GPU's asynchronous copy)."""
+        pin_memory: the prefetch thread makes them in page-locked memory (for a GPU's asynchronous copy)."""
         self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
         self.prefetch, self.pin_memory = prefetch, pin_memory
         self._source: Iterator | None = None  # the batches from the current position on (a Prefetcher's thread)
@@ -335,15 +335,13 @@ class ShardedLoader:
         """(inputs, targets), each (batch_size, seq_len) int64."""
         if self._source is None:
             batches = self.batches_from(self.epoch, self.cursor)
-            self._source = Prefetcher(self._pinned(batches), self.prefetch) if self.prefetch else batches
+            self._source = (Prefetcher(batches, self.prefetch, pin_memory=self.pin_memory) if self.prefetch else
+                            batches)
         batch = next(self._source)
         self.cursor += 1
         if self.cursor == self.batches_per_epoch:
             self.epoch, self.cursor = self.epoch + 1, 0
         return batch
-
-    def _pinned(self, batches: Iterator) -> Iterator:
-        return (pinned(b) for b in batches) if self.pin_memory else batches
 
     def close(self) -> None:
         """Stop the prefetch thread (the next batch starts from the position again)."""

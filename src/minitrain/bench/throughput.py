@@ -26,7 +26,7 @@ import torch
 from ..config import PRESETS, ConfigError, RunConfig
 from ..train.run_config import run_config
 from ..data import ShardedLoader, load_corpus
-from ..utils.prefetch import pinned, to_device
+from ..utils.prefetch import to_device
 from ..train.metrics import format_table
 from ..models.minigpt.plan import MINIGPT_PLAN
 from ..models.minigpt.model import MiniGPT
@@ -98,7 +98,7 @@ class PlainLoop:
 
     def train_step(self) -> torch.Tensor:
         t, device = self.cfg.train, self.device
-        x, y = (to_device(pinned(b) if device.type == "cuda" else b, device) for b in self.loader.next_batch())
+        x, y = to_device(self.loader.next_batch(), device)
         with autocast(t, device):
             loss = self.model(x, y)
         loss.backward()

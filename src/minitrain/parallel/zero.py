@@ -212,7 +212,6 @@ class Zero2(ShardedStrategy):
                 else:
                     view.copy_(chunk)
                     self.ledger.drop("grads", chunk)
-                    del chunk
         # (Chunks land apart only while the shard is released, so none is left here.)
 
     @torch.no_grad()

@@ -27,7 +27,7 @@ from .. import checkpoint
 from ..runtime.comm import CollectiveError, OpStats
 from ..config import RunConfig
 from ..data import EvalBatches, ShardedLoader, corpus_fingerprint, load_corpus, load_val
-from ..utils.prefetch import pinned, to_device
+from ..utils.prefetch import to_device
 from ..models import ModelSpec, spec_for
 from ..models.minigpt.moe import MoEMLP
 from ..parallel import Pipeline, cast_parameters, parallelize
@@ -448,7 +448,7 @@ class Trainer:
     def _to_device(self, batch: torch.Tensor) -> torch.Tensor:
         """A CPU batch onto the device: on a GPU from pinned memory (the prefetch thread pinned it) without
         blocking the host, so the copy overlaps whatever the GPU is still running."""
-        return to_device(pinned(batch) if self.topo.device.type == "cuda" else batch, self.topo.device)
+        return to_device(batch, self.topo.device)
 
     def _comm_totals(self) -> OpStats:
         """Collectives (and point-to-point transfers) so far in the data-, tensor-, pipeline- and expert-parallel

@@ -51,25 +51,26 @@ def pinned(batch: Any) -> Any:
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    """The batch on `device`: without blocking the host from pinned memory (the copy is ordered on the current
-    stream before any kernel that reads it)."""
-    if device.type == "cpu":
+    """The batch on `device`. To a GPU from page-locked memory (pinned here unless the prefetch thread pinned it)
+    without blocking the host: the copy is ordered on the current stream before any kernel that reads it."""
+    if device.type != "cuda":
         return map_tensors(lambda t: t.to(device), batch)
-    return map_tensors(lambda t: t.to(device, non_blocking=t.is_pinned()), batch)
+    return map_tensors(lambda t: t.to(device, non_blocking=True), pinned(batch))
 
 
 class Prefetcher:
     """The items of `batches`, each made by a background thread up to `depth` items before it is taken.
 
-    device: when given, each batch is moved there as it is taken (pinned in the thread first when the device is
-    a GPU). An exception in the iterator is raised at the item where it happened. close() (or leaving a `with`
+    device: when given, each batch is moved there as it is taken. pin_memory: the thread puts each batch in
+    page-locked memory (default: when device is a GPU, so the copy there does not block). An exception in the iterator is raised at the item where it happened. close() (or leaving a `with`
     block) stops the thread; so does dropping the prefetcher (the thread holds the queue, not the prefetcher)."""
 
-    def __init__(self, batches: Iterable, depth: int = 2, device: torch.device | str | None = None):
+    def __init__(self, batches: Iterable, depth: int = 2, device: torch.device | str | None = None, *,
+                 pin_memory: bool | None = None):
         if not isinstance(depth, int) or depth < 1:
             raise ValueError(f"Prefetcher needs depth >= 1 (batches made ahead), got {depth!r}")
         self.device = torch.device(device) if device is not None else None
-        pin = self.device is not None and self.device.type == "cuda"
+        pin = (self.device is not None and self.device.type == "cuda") if pin_memory is None else pin_memory
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._done = False

@@ -77,6 +77,30 @@ def test_rank_killed_without_traceback_is_reported():
     assert info.value.rank == 1 and "exited with code 7" in info.value.detail
 
 
+def _rank_1_leaves(topo):
+    """Rank 1 dies; rank 0 reads how from the run's store, where the launcher posts it."""
+    import torch.distributed as dist
+
+    from minitrain.runtime.launch import left_key
+
+    if topo.rank == 1:
+        os._exit(7)
+    if topo.rank == 0:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+        store.wait([left_key(1)])
+        return store.get(left_key(1)).decode()
+    return "still here"
+
+
+def test_a_rank_that_may_leave_is_posted_as_left_and_the_others_go_on(capfd):
+    results = launch(_rank_1_leaves, 3, backend="gloo", pg_timeout_s=60, timeout_s=60, may_leave=[1])
+    assert results == ["process exited with code 7 before reporting a result", None, "still here"]
+    assert "rank 1 left the run (process exited with code 7" in capfd.readouterr().err
+    # Any other rank's failure is still the run's: here rank 1 is not allowed to leave.
+    with pytest.raises(RankFailedError):
+        launch(_rank_1_leaves, 3, backend="gloo", pg_timeout_s=60, timeout_s=60, may_leave=[2])
+
+
 def test_hang_hits_the_hard_timeout_and_kills_the_group():
     start = time.monotonic()
     with pytest.raises(LaunchTimeoutError, match=r"\[1\] still running"):

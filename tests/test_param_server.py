@@ -96,6 +96,8 @@ def test_bounded_staleness_blocks_the_fastest_worker_at_exactly_k_and_is_reprodu
     (("--nproc", "3", "--ps.servers", "1", "--ps.staleness", "1", "--eval.every", "2"), "no one model to evaluate"),
     (("--nproc", "3", "--ps.servers", "1", "--ps.staleness", "1", "--train.memory_profile"), "profile at K = 0"),
     (("--ps.staleness", "1",), "needs parameter servers"),
+    (("--ps.elastic",), "--ps.elastic needs parameter servers"),
+    (("--nproc", "3", "--ps.servers", "1", "--ps.elastic"), "needs --ps.staleness 1 or more"),
     (("--nproc", "4", "--ps.servers", "3"), "which makes 1 shard(s); use at most 1 server(s)"),
 ])
 def test_bad_parameter_server_settings_exit_2_with_one_line(argv, message, tmp_path):
@@ -120,7 +122,7 @@ def test_slow_turns_delays_each_rank_at_its_own_steps(monkeypatch):
 
 
 def test_a_worker_that_dies_stops_the_run_naming_it(tmp_path):
-    # No elastic mode yet: the launcher sees the worker go and ends every rank, servers included, naming it.
+    # Without --ps.elastic the launcher sees the worker go and ends every rank, servers included, naming it.
     result = run_main("train", "--preset", "tiny", "--steps", "6", "--nproc", "3", "--ps.servers", "1",
                       "--fault.kind", "sigkill", "--fault.rank", "1", "--fault.step", "3", "--out", str(tmp_path / "r"))
     assert result.returncode != 0 and "rank 1" in result.stderr and "SIGKILL" in result.stderr, result.stderr
@@ -282,3 +284,100 @@ def test_a_request_made_after_a_rollback_waits_for_the_state_it_belongs_to():
     zero, one, _ = run_ranks(_rollback_race, 3, timeout_s=60)
     # Both workers end on the update made from the rolled-back state, not on the one it replaced.
     assert torch.equal(zero["pulled"], one["pulled"]) and not torch.equal(one["pulled"], one["first"])
+
+
+def test_elastic_a_worker_that_dies_is_left_out_and_the_others_finish_save_and_resume(tmp_path):
+    # Three workers, K = 1, --ps.elastic: worker 2 is killed as its step 3 starts. Its gradients of steps 1 and 2 are
+    # in updates 1 and 2; every later update is the other two workers' mean; they finish, and the final checkpoint
+    # is saved over those two, verified, and resumes as data parallel.
+    out = tmp_path / "run"
+    killed = ("--preset", "tiny", "--steps", "6", "--batch-size", "4", "--nproc", "4", "--ps.servers", "1",
+              "--ps.staleness", "1", "--ps.elastic", "--fault.kind", "sigkill", "--fault.rank", "2",
+              "--fault.step", "3", "--out", str(out))
+    result = run_main("train", *killed)
+    assert result.returncode == 0, result.stderr
+    assert "rank 2 left the run (process killed by SIGKILL" in result.stderr, result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    [served] = summary["parameter_servers"]["served"]
+    assert summary["steps"] == 6 and served["updates"] == 6 and served["skipped"] == 0
+    assert served["left"] == [{"worker": 2, "rank": 2, "last_update": 2}]
+    assert sum(served["staleness_counts"].values()) == 3 * 2 + 2 * 4  # gradients applied: 3 per update, then 2
+    from minitrain import checkpoint
+
+    final = out / "checkpoints" / "step-000006"
+    manifest = checkpoint.read_manifest(final)
+    assert manifest["layout"]["dp"] == 2 and manifest["train_state"]["step"] == 6
+    checkpoint.verify(final)  # every file against its sha256
+    # 12 examples per step, as the three workers took them: two data-parallel ranks of 6 continue that order.
+    resumed = run_main("train", "--preset", "tiny", "--steps", "7", "--batch-size", "6", "--nproc", "2",
+                       "--resume", str(final), "--out", str(tmp_path / "dp"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads((tmp_path / "dp" / "summary.json").read_text())["steps"] == 7
+
+
+def _elastic_cut(topo) -> dict | None:
+    """Two servers; worker 2 pushes its step-1 gradient to server 0 only, then leaves (posted in the store, as the
+    launcher posts it); workers 0 and 1 push +1 everywhere, worker 2 -1000."""
+    import os
+
+    import torch.distributed as dist
+    import torch.nn as nn
+
+    from minitrain.config import TrainConfig
+    from minitrain.parallel import param_server as ps
+    from minitrain.parallel.config import ParallelConfig
+    from minitrain.parallel.layout import FlatParameters, WholeModel
+    from minitrain.parallel.norms import SquareSums
+    from minitrain.runtime.launch import left_key
+    from minitrain.runtime.servers import ServerGroup, shard_bounds
+    from minitrain.train.optim import flat_adamw_factory
+
+    torch.manual_seed(0)
+    model = nn.Linear(512, 512)  # 262,656 parameters: two of the norm's 2^18-element chunks, one per server
+    group = ServerGroup.split(topo.dp, 2, 1, elastic=True)
+    flat = FlatParameters(model, 1, None, False, WholeModel.of(model))
+    if group.is_server:
+        return ps.ParameterServer(flat, group, ParallelConfig(), flat_adamw_factory(TrainConfig()), 10,
+                                  torch.float32).serve()
+    world, bounds = group.world, shard_bounds(flat.padded_numel, 2, SquareSums.block(torch.device("cpu")))
+    start = flat.data.clone()
+    watch = ps.DepartureWatch(group) if group.index == 0 else None
+    if group.index == 0:
+        for server, (a, b) in zip(group.servers, bounds):
+            world.send(ps._header(ps.START), server, ps.HEADER)
+            world.send(start[a:b].contiguous(), server, ps.PARAMS)
+    value = -1000.0 if group.index == 2 else 1.0
+    for server, (a, b) in zip(group.servers[:1] if group.index == 2 else group.servers, bounds):
+        world.send(ps._header(ps.PUSH, 1, 0, 0.01), server, ps.HEADER)
+        world.send(torch.full((b - a,), value), server, ps.GRADIENT)
+    if group.index == 2:  # its push to server 0 is in (a send returns once received)
+        dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False).set(left_key(2), "x")
+        return None
+    pulled, replies = torch.empty_like(start), []
+    for pull in range(2):  # the push's pull (K = 1: any version is recent enough), then a sync's: update 1
+        for server, (a, b) in zip(group.servers, bounds):
+            reply = torch.empty(4 + 3, dtype=torch.float64)
+            world.recv(reply, server, ps.REPLY)
+            world.recv(pulled[a:b], server, ps.PARAMS)
+            if pull:
+                replies.append(reply[4:].tolist())
+            else:
+                world.send(ps._header(ps.SYNC, 1), server, ps.HEADER)
+    for server in group.servers:
+        world.send(ps._header(ps.DONE), server, ps.HEADER)
+    if watch is not None:
+        watch.close()
+    return {"start": start, "pulled": pulled, "staleness": replies, "bounds": bounds}
+
+
+def test_elastic_servers_apply_only_the_gradients_every_server_holds():
+    # Server 0 holds worker 2's gradient, server 1 never gets it: both leave it out of the update. Adam's first step
+    # goes by the gradient's sign, so every parameter moving down shows the mean was +1, not (1 + 1 - 1000) / 3.
+    zero, one, two, *served = run_ranks(_elastic_cut, 5, timeout_s=60)
+    assert two is None
+    for worker in (zero, one):
+        assert worker["staleness"] == [[0.0, 0.0, -1.0]] * 2  # -1: not in the update
+        assert len(worker["bounds"]) == 2 and bool((worker["pulled"] < worker["start"]).all())
+    assert torch.equal(zero["pulled"], one["pulled"])
+    for s in served:
+        assert s["updates"] == 1 and s["left"] == [{"worker": 2, "rank": 2, "last_update": 0}]

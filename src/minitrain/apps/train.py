@@ -144,8 +144,11 @@ def _train_and_report(cfg: RunConfig, train_worker) -> int:
             return 0
     else:
         try:
+            # --ps.elastic: the workers but worker 0 (the first nproc - servers ranks) may leave the run.
+            leavers = range(1, cfg.dist.nproc - cfg.ps.servers) if cfg.ps.elastic else ()
             result = launch(train_worker, cfg.dist.nproc, cfg, backend=cfg.dist.backend,
-                            pg_timeout_s=cfg.dist.timeout_s, threads_per_rank=cfg.dist.threads_per_rank)[0]
+                            pg_timeout_s=cfg.dist.timeout_s, threads_per_rank=cfg.dist.threads_per_rank,
+                            may_leave=leavers)[0]
         finally:
             remove_offload_files(cfg)
     if cfg.ddp.measure_sync and result["sync"]:

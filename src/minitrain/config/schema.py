@@ -245,6 +245,10 @@ class ParameterServerConfig:
     staleness: int = opt(0, "K: a worker may run up to K steps ahead of the slowest worker (stale-synchronous "
                          "parallel), computing on parameters that miss at most the K latest updates; 0 = "
                          "synchronous, equal to data parallel over the workers")
+    elastic: bool = opt(False, "a worker (other than worker 0, which speaks for the run) that dies is left out: the "
+                        "servers complete every later update with the other workers' gradients and the run goes on, "
+                        "its data shard skipped; needs --ps.staleness 1 or more and --nproc (torchrun's agent ends "
+                        "every rank when one fails)")
 
 
 @dataclass
@@ -401,9 +405,15 @@ def _check_parameter_servers(cfg: RunConfig) -> None:
     _require_non_negative("ps.servers", ps.servers)
     _require_non_negative("ps.staleness", ps.staleness)
     if not ps.servers:
-        if ps.staleness:
-            raise ConfigError("--ps.staleness needs parameter servers (--ps.servers S)")
+        if ps.staleness or ps.elastic:
+            raise ConfigError(f"--ps.{'staleness' if ps.staleness else 'elastic'} needs parameter servers "
+                              "(--ps.servers S)")
         return
+    if ps.elastic and not ps.staleness:
+        raise ConfigError("--ps.elastic needs --ps.staleness 1 or more: at K = 0 the workers exchange every step's "
+                          "statistics, which a worker that died would hold up")
+    if ps.elastic and "WORLD_SIZE" in os.environ:
+        raise ConfigError("--ps.elastic needs --nproc: under torchrun its agent ends every rank when one fails")
     if ps.servers >= d.nproc and "WORLD_SIZE" not in os.environ:
         raise ConfigError(f"--ps.servers {ps.servers} leaves no worker among --nproc {d.nproc} ranks; give fewer "
                           "servers or more ranks")

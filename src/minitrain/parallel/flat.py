@@ -320,6 +320,11 @@ class FlatStrategy:
     def resumed_at(self, step: int) -> None:
         """After a checkpoint of `step` was loaded: a strategy whose state lives elsewhere sends it there."""
 
+    def save_topology(self, topo):
+        """The ranks a checkpoint is saved over, after settle_for_save: all of `topo`'s (a parameter server's workers
+        of which some have left: those still there)."""
+        return topo
+
     def zero_grad(self, release: bool = False) -> None:
         """Zero the gradients for the next step. release: also give back the memory of gradients kept only
         between steps where the strategy can (ZeRO-2/3's shard), as torch's zero_grad(set_to_none=True) does."""

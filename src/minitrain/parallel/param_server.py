@@ -24,17 +24,32 @@ last worker's has come, as one optimizer step on their mean (each gradient scale
 every worker's update on arrival, scaled by 1/W, to plain SGD, where the two are the same sum; with a stateful
 optimizer (Adam) W updates per step on fractions of the gradient would be another optimizer than the user's, and
 K = 0 would no longer be data parallel. A server therefore holds up to K + 1 steps of W gradient shards.
+
+Elastic (--ps.elastic, K >= 1): the launcher lets a worker other than worker 0 die and posts its departure in the
+run's store; worker 0 watches for it and tells every server (DepartureWatch), since a server that waits for a
+message from whichever worker sends first is never told by the transport that one of them died. From then on an
+update is complete with the gradients of the workers still there, and is their mean. With two or more servers,
+each says which workers' gradients it holds for the update and they apply the ones all of them hold (a worker that
+died between its pushes to two servers reached only one). The replies say whose gradients went into the update,
+and a save then meets over those workers alone (save_topology). The one that left is not replaced: the others go
+on with their own data shards, so its shard of every later batch is skipped.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
+import os
+import threading
 import time
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from ..runtime.comm import CollectiveError, Comm, PendingCollective
+from ..runtime.launch import left_key
 from ..runtime.servers import ServerGroup, shard_bounds
 from .config import ParallelConfig
 from .flat import FlatStrategy
@@ -45,8 +60,8 @@ from .norms import SquareSums, clip_coefficient, sum_in_order
 # server takes headers from whichever worker sends first; the rest of a message comes from that worker on its own
 # tag. The epoch counts the checkpoints a worker has loaded: a request made after a load (a loss spike's rollback)
 # waits at the server until worker 0's LOAD of that state has come, whichever arrives first.
-HEADER, GRADIENT, REPLY, PARAMS, STATE = 1, 2, 3, 4, 5  # tags
-PUSH, SYNC, FETCH, START, LOAD, DONE = range(6)  # kinds
+HEADER, GRADIENT, REPLY, PARAMS, STATE, SUMMARY = 1, 2, 3, 4, 5, 6  # tags
+PUSH, SYNC, FETCH, START, LOAD, DONE, LEFT = range(7)  # kinds (LEFT: step is the worker that left)
 NO_LR, NO_CLIP = math.nan, -1.0  # "the optimizer's own lr", "the run's grad_clip"
 # The optimizer state a server holds (train/optim.py's FlatAdamW), by the names checkpoints give it.
 STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
@@ -90,6 +105,46 @@ class ServerHeldOptimizer:
         self.held = {}
 
 
+class DepartureWatch:
+    """Worker 0's thread under --ps.elastic: it looks in the run's store for the workers the launcher let leave
+    (runtime/launch.py) and tells every server, which may be waiting for such a worker's gradient."""
+
+    POLL_S = 0.1
+
+    def __init__(self, group: ServerGroup):
+        self.group = group
+        self.told: set[int] = set()  # worker indices
+        self.stop = threading.Event()
+        # The rendezvous store, which rank 0 (this one) holds: the launcher posts there.
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timedelta(seconds=30))
+        self.thread = threading.Thread(target=self._watch, args=(store,), name="minitrain-departures", daemon=True)
+        self.thread.start()
+
+    def _watch(self, store) -> None:
+        keys = {w: left_key(rank) for w, rank in enumerate(self.group.workers) if w}
+        while not self.stop.wait(self.POLL_S):
+            for worker, key in keys.items():
+                if worker in self.told or not store.check([key]):
+                    continue
+                self.told.add(worker)
+                header = _header(LEFT, worker)
+                # To every server at once: one may not receive before another has (its update's all-gather waits
+                # for a server that waits for this news). Past Comm, whose books are the training thread's: a
+                # whole message of its own, told apart from that thread's by its kind.
+                sends = [dist.isend(header, group=self.group.world.group, group_dst=server, tag=HEADER)
+                         for server in self.group.servers]
+                for send in sends:
+                    with contextlib.suppress(RuntimeError):  # a server gone: the launcher ends the run
+                        send.wait()
+
+    def close(self) -> None:
+        # Not waiting for a send still held: a blocking send waits for its receive, and a server that had every
+        # worker's DONE before the departure came no longer receives (the send fails when that server exits).
+        self.stop.set()
+        self.thread.join(timeout=2 * self.POLL_S)
+
+
 class ParameterServerWorker(FlatStrategy):
     """A worker's strategy: the whole model and its gradient, no optimizer state; step() pushes the gradient to
     the servers and pulls the parameters they updated. Its comm is the workers' group (rank 0's initial parameters
@@ -108,6 +163,9 @@ class ParameterServerWorker(FlatStrategy):
         self.steps_pushed = 0
         self.epoch = 0  # checkpoints loaded (resumed_at)
         self._servers_started = comm.rank != 0  # worker 0 sends them their first state (START or LOAD)
+        self.in_update = list(range(len(group.workers)))  # the workers whose gradients went into the last update
+        self._survivors: tuple[list[int], Comm] | None = None  # the group a save meets over once workers have left
+        self._departures = DepartureWatch(group) if group.elastic and comm.rank == 0 else None
 
     def _averaged_grad(self) -> torch.Tensor:
         return self.flat.grad
@@ -141,6 +199,7 @@ class ParameterServerWorker(FlatStrategy):
             for name in STATE_NAMES if with_state else ():
                 world.recv(self.optimizer.held[name][a:b], server, STATE)
         self.versions = [int(r[0]) for r in replies]
+        self.in_update = [w for w, s in enumerate(replies[0][4:].tolist()) if s >= 0]
         self.optimizer.steps_taken = int(replies[0][2])
         self.ending = self.ending or any(bool(r[3]) for r in replies)
         return replies[0]
@@ -195,8 +254,26 @@ class ParameterServerWorker(FlatStrategy):
             self._servers_started = True
         self.optimizer.release_pages()
 
+    def save_topology(self, topo):
+        """After settle_for_save: the workers whose gradients went into the update pulled, every one of them unless
+        some have left (--ps.elastic); then a group of their own, which they make alone."""
+        if len(self.in_update) == len(self.group.workers):
+            return topo
+        ranks = [self.group.workers[w] for w in self.in_update]
+        if self._survivors is None or self._survivors[0] != ranks:
+            group = dist.new_group(ranks, use_local_synchronization=True)
+            comm = Comm(ranks.index(self.group.world.rank), len(ranks), group, topo.device, "ps-survivors",
+                        topo.watch)
+            topo.opened.append(comm)
+            self._survivors = (ranks, comm)
+        comm = self._survivors[1]
+        return dataclasses.replace(topo, rank=comm.rank, world_size=comm.world_size, dp=comm)
+
     def close(self) -> None:
         """Off the model, and the servers told this worker is done (they end when every worker is)."""
+        if self._departures is not None:
+            self._departures.close()
+            self._departures = None
         if not self.closed:
             with contextlib.suppress(CollectiveError):  # a server already gone: the run is ending with an error
                 self._send_all(_header(DONE))
@@ -225,13 +302,15 @@ class ParameterServer:
         self.needs: dict[int, tuple[int, bool]] = {}  # worker -> (the version its pull waits for, with the state)
         self.last = (math.nan, [0] * len(group.workers))  # the latest update's norm and staleness per worker
         self.done: set[int] = set()
+        self.left: set[int] = set()  # workers that left (--ps.elastic): updates are complete without them
+        self.last_in: dict[int, int] = {}  # worker -> the last update its gradient went into
         # A worker has gone (done, stopped): under K > 0 the others may still be short of the last step, and no step
         # it did not push can be complete. Every pull is then answered at once, flagged, and the workers stop. The
         # steps every worker pushed are still applied, on every server alike (their all-gathers must match).
         self.ending = False
         self.epoch = 0  # checkpoints loaded (LOAD)
         self.deferred: list[tuple] = []  # requests of a later epoch than this server's, until its LOAD comes
-        self.sending: list[PendingCollective] = []
+        self.sending: list[tuple[PendingCollective, int]] = []  # (a send in flight, the worker it goes to)
         self.staleness_counts: dict[int, int] = {}
         self.skipped = 0
 
@@ -242,16 +321,25 @@ class ParameterServer:
         world, workers = self.group.world, self.group.workers
         header = torch.empty(7, dtype=torch.float64)
         waited = 0.0
-        while len(self.done) < len(workers):
+        while len(self.done | self.left) < len(workers):
             began = time.perf_counter()
             sender = world.recv_any(header, HEADER)
             kind, step, version, lr, loss_scale, clip, epoch = header.tolist()
             kind, step, worker = int(kind), int(step), workers.index(sender)
-            if kind in (PUSH, SYNC, FETCH):
+            if kind == LEFT:
+                self._leave(step)
+            elif worker in self.left:  # what it sent before it died, read after: its gradient may be cut short
+                continue
+            elif kind in (PUSH, SYNC, FETCH):
                 grad = None
                 if kind == PUSH:
                     grad = torch.empty(self.stop - self.start, dtype=self.sum_dtype)
-                    world.recv(grad, sender, GRADIENT)
+                    try:
+                        world.recv(grad, sender, GRADIENT)
+                    except CollectiveError:
+                        if not self.group.elastic:
+                            raise
+                        continue  # it died sending: its departure is on its way
                 request = (kind, step, int(version), (lr, loss_scale, clip), worker, grad)
                 if epoch > self.epoch:  # made after a load whose state has not come yet
                     self.deferred.append(request)
@@ -271,15 +359,29 @@ class ParameterServer:
                 self.done.add(worker)
                 self.ending = True
             waited += time.perf_counter() - began
-            while self.started and len(self.arrived.get(self.version + 1, ())) == len(workers):
+            while self.started and self._complete(self.version + 1):
                 self._apply(self.version + 1)
             if self.started:
                 self._answer()
-        for pending in self.sending:
-            pending.wait()
+        for pending, worker in self.sending:
+            self._finish(pending, worker)
         return {"server": self.group.index, "shard": [self.start, self.stop], "updates": self.version,
                 "skipped": self.skipped, "waited_s": waited,
-                "staleness_counts": {str(s): n for s, n in sorted(self.staleness_counts.items())}}
+                "staleness_counts": {str(s): n for s, n in sorted(self.staleness_counts.items())},
+                "left": [{"worker": w, "rank": workers[w], "last_update": self.last_in.get(w, 0)}
+                         for w in sorted(self.left)]}
+
+    def _complete(self, step: int) -> bool:
+        """Every gradient of `step` is in, but those of workers that left."""
+        arrived = self.arrived.get(step, {})
+        return bool(arrived) and all(w in arrived for w in range(len(self.group.workers)) if w not in self.left)
+
+    def _leave(self, worker: int) -> None:
+        """A worker left (--ps.elastic): nothing more is answered to it or waited for from it; a gradient of it
+        already in goes into its update where every server has it (_agreed)."""
+        self.left.add(worker)
+        self.needs.pop(worker, None)
+        self.deferred = [request for request in self.deferred if request[4] != worker]
 
     def _take(self, kind: int, step: int, version: int, settings: tuple, worker: int, grad: torch.Tensor | None
               ) -> None:
@@ -309,10 +411,11 @@ class ParameterServer:
             self.faults.at_step_start(step)
         grads = self.arrived.pop(step)
         lr, loss_scale, clip = self.settings.pop(step)
-        mean = grads[0][0]
-        for worker in range(1, len(grads)):
+        included = self._agreed(sorted(grads))
+        mean = grads[included[0]][0]
+        for worker in included[1:]:
             mean += grads[worker][0]
-        mean.div_(len(grads))
+        mean.div_(len(included))
         norm = float(self._square_sum(mean).sqrt() / loss_scale)
         if math.isfinite(norm):
             limit = self.pcfg.grad_clip if clip == NO_CLIP else clip
@@ -320,10 +423,23 @@ class ParameterServer:
             self.params = self.optimizer.master.to(self.param_dtype, copy=True)
         else:  # every server sees the same norm: all skip
             self.skipped += 1
-        staleness = [step - 1 - grads[w][1] for w in range(len(grads))]
-        for s in staleness:
-            self.staleness_counts[s] = self.staleness_counts.get(s, 0) + 1
+        # -1: not in this update (a worker that left)
+        staleness = [step - 1 - grads[w][1] if w in included else -1 for w in range(len(self.group.workers))]
+        for w in included:
+            self.staleness_counts[staleness[w]] = self.staleness_counts.get(staleness[w], 0) + 1
+            self.last_in[w] = step
         self.version, self.last = step, (norm, staleness)
+
+    def _agreed(self, held: list[int]) -> list[int]:
+        """The workers whose gradients go into an update: those every server holds one of (collective over the
+        servers, elastic runs only: otherwise every server holds every worker's)."""
+        if not self.group.elastic or len(self.group.servers) == 1:
+            return held
+        mine = torch.zeros(len(self.group.workers), dtype=torch.float64)
+        mine[held] = 1.0
+        every = torch.empty(len(self.group.servers) * len(mine), dtype=torch.float64)
+        self.group.own.all_gather(every, mine)
+        return [w for w in held if bool(every.view(len(self.group.servers), -1)[:, w].all())]
 
     def _square_sum(self, mean: torch.Tensor) -> torch.Tensor:
         """The whole mean gradient's sum of squares, as data parallel's SquareSums takes it from the whole vector:
@@ -352,14 +468,23 @@ class ParameterServer:
                 continue
             del self.needs[worker]
             rank = self.group.workers[worker]
-            self.sending += [world.send_async(reply, rank, REPLY), world.send_async(self.params, rank, PARAMS)]
+            sends = [world.send_async(reply, rank, REPLY), world.send_async(self.params, rank, PARAMS)]
             state = self.optimizer.state_tensors()
-            self.sending += [world.send_async(state[name].clone(), rank, STATE) for name in STATE_NAMES
-                             if with_state]
+            sends += [world.send_async(state[name].clone(), rank, STATE) for name in STATE_NAMES if with_state]
+            self.sending += [(pending, worker) for pending in sends]
         still = []
-        for pending in self.sending:
+        for pending, worker in self.sending:
             if pending.done():
-                pending.wait()  # books it; its tensors may go
+                self._finish(pending, worker)  # books it; its tensors may go
             else:
-                still.append(pending)
+                still.append((pending, worker))
         self.sending = still
+
+    def _finish(self, pending: PendingCollective, worker: int) -> None:
+        """Wait for a send to `worker`; under --ps.elastic one to a worker that died is dropped (the launcher posts
+        its departure, which comes here as LEFT)."""
+        try:
+            pending.wait()
+        except CollectiveError:
+            if not self.group.elastic:
+                raise

@@ -6,7 +6,10 @@ Two ways in:
   each, and returns every rank's result. If any rank raises or dies, every
   other rank is killed and `RankFailedError` carries the first failing rank
   and its traceback (shown once). A hard `timeout_s` turns a hang into
-  `LaunchTimeoutError`. The test harness and `--nproc N` both use it. A collective
+  `LaunchTimeoutError`. Ranks named in `may_leave` are the exception: one that
+  fails is said to have left (one line on stderr, and a key in the run's store,
+  left_key, for the ranks that go on without it: parameter servers' elastic
+  workers), and its result is None. The test harness and `--nproc N` both use it. A collective
   stuck past `pg_timeout_s` ends every rank with one diagnosis naming the rank
   that is elsewhere (runtime/watch.py); that rank's report comes first.
 - `run_under_torchrun(fn, ...)` runs `fn` in this process, as the rank that
@@ -26,6 +29,8 @@ import time
 import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
+from collections.abc import Collection
+from datetime import timedelta
 from multiprocessing.connection import wait
 
 from .comm import CollectiveError
@@ -181,8 +186,14 @@ def check_local_ranks(nproc: int) -> None:
                           f"({LOCAL_RANKS_PER_CPU} per CPU); use fewer, or torchrun across machines")
 
 
+def left_key(rank: int) -> str:
+    """The key of the run's store (the rendezvous store rank 0 holds) under which the launcher says how a rank it
+    let leave ended."""
+    return f"minitrain/left/{rank}"
+
+
 def launch(fn, nproc: int, *args, backend: str = "auto", pg_timeout_s: float = 300.0,
-           threads_per_rank: int = 1, timeout_s: float | None = None) -> list:
+           threads_per_rank: int = 1, timeout_s: float | None = None, may_leave: Collection[int] = ()) -> list:
     """Run fn(topology, *args) on nproc local ranks; return their results in rank order.
 
     fn must be importable (a module-level function): ranks are forked from a fork server,
@@ -209,7 +220,7 @@ def launch(fn, nproc: int, *args, backend: str = "auto", pg_timeout_s: float = 3
                 conns[recv_end] = rank
                 lifelines.append(hold_end)
         with _forwarding_stop_signals(procs):
-            results = _supervise(procs, conns, timeout_s)
+            results = _supervise(procs, conns, timeout_s, _Departures(may_leave, port))
         for p in procs:  # every rank reported; let each destroy its process group and exit
             p.join(timeout=TEARDOWN_S)
         return results
@@ -250,7 +261,33 @@ def _forwarding_stop_signals(procs):
             signal.signal(sig, handler)
 
 
-def _supervise(procs, conns: dict, timeout_s: float | None) -> list:
+class _Departures:
+    """The ranks allowed to leave a run, and those that did: each is posted in the run's store, where the ranks that
+    go on look for it (the store is rank 0's, which is never among them)."""
+
+    def __init__(self, may_leave: Collection[int], port: int):
+        self.may_leave, self.port = frozenset(may_leave), port
+        self.left: dict[int, str] = {}
+
+    def takes(self, failure: RankFailure) -> bool:
+        """Let this failure's rank leave (True), or not: it is then the run's failure."""
+        if failure.rank not in self.may_leave or failure.refusal is not None:
+            return False
+        how = failure.detail.strip().splitlines()[-1]
+        self.left[failure.rank] = how
+        print(f"minitrain: rank {failure.rank} left the run ({how}); the others go on without it", file=sys.stderr,
+              flush=True)
+        import torch.distributed as dist
+
+        try:
+            store = dist.TCPStore("127.0.0.1", self.port, is_master=False, timeout=timedelta(seconds=10))
+            store.set(left_key(failure.rank), how)
+        except (RuntimeError, OSError) as e:  # rank 0 gone too: its own failure ends the run
+            print(f"minitrain: could not tell the run that rank {failure.rank} left: {e}", file=sys.stderr)
+        return True
+
+
+def _supervise(procs, conns: dict, timeout_s: float | None, departures: _Departures) -> list:
     nproc = len(procs)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     sentinels = {p.sentinel: rank for rank, p in enumerate(procs)}
@@ -270,7 +307,13 @@ def _supervise(procs, conns: dict, timeout_s: float | None) -> list:
         if msg[0] == "ok":
             results[rank] = msg[1]
         else:
-            failures.append(RankFailure(rank, *msg[1:]))
+            failed(RankFailure(rank, *msg[1:]))
+
+    def failed(failure: RankFailure) -> None:
+        if departures.takes(failure):
+            results[failure.rank] = None
+        else:
+            failures.append(failure)
 
     while len(results) < nproc:
         now = time.monotonic()
@@ -291,7 +334,7 @@ def _supervise(procs, conns: dict, timeout_s: float | None) -> list:
                     read(conn)
                 if rank not in results and all(f.rank != rank for f in failures):
                     procs[rank].join(timeout=1)  # the sentinel fires before the exit code is reaped
-                    failures.append(RankFailure(rank, _exit_description(procs[rank].exitcode), time.time()))
+                    failed(RankFailure(rank, _exit_description(procs[rank].exitcode), time.time()))
         if failures and first_failure_at is None:
             first_failure_at = time.monotonic()
     if failures:

@@ -41,6 +41,8 @@ class ServerGroup:
     servers: list[int]  # the servers' world ranks, in order (server index = position: its shard)
     staleness: int  # K: a worker computes step c on parameters at least version c - 1 - K
     own: Comm  # this rank's side: the workers' group on a worker, the servers' on a server
+    # --ps.elastic: a worker but worker 0 that dies is left out and the others go on (the launcher says which left).
+    elastic: bool = False
 
     @property
     def is_server(self) -> bool:
@@ -52,7 +54,7 @@ class ServerGroup:
         return (self.servers if self.is_server else self.workers).index(self.world.rank)
 
     @classmethod
-    def split(cls, world: Comm, servers: int, staleness: int, watch=None) -> ServerGroup:
+    def split(cls, world: Comm, servers: int, staleness: int, watch=None, elastic: bool = False) -> ServerGroup:
         """Collective (every rank creates both groups, in the same order)."""
         n = world.world_size
         if not 0 < servers < n:
@@ -65,4 +67,4 @@ class ServerGroup:
         mine = next(k for k in kinds if world.rank in k)
         own = Comm(mine.index(world.rank), len(mine), group, world.device, "ps-servers" if mine is kinds[1]
                    else "ps-workers", watch)
-        return cls(world, kinds[0], kinds[1], staleness, own)
+        return cls(world, kinds[0], kinds[1], staleness, own, elastic)

@@ -9,6 +9,7 @@ staleness of the gradients they applied) to the run's summary.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from ..errors import ConfigError
 from ..models import spec_for
 from ..parallel.layout import FlatParameters, WholeModel
 from ..parallel.norms import SquareSums
-from ..parallel.param_server import ParameterServer
+from ..parallel.param_server import SUMMARY, ParameterServer
 from ..runtime.servers import ServerGroup, shard_bounds
 from ..runtime.topology import Topology
 from .estimate import model_params
@@ -37,7 +38,7 @@ def train_with_parameter_servers(topo: Topology, cfg: RunConfig, train: Callable
     if topo.backend != "gloo":  # --backend auto picks NCCL on a GPU machine; the settings refuse only an explicit one
         raise ConfigError("parameter servers run over gloo (a server receives from whichever worker sends first, "
                           "which NCCL cannot); give --backend gloo")
-    group = ServerGroup.split(topo.dp, cfg.ps.servers, cfg.ps.staleness, topo.watch)
+    group = ServerGroup.split(topo.dp, cfg.ps.servers, cfg.ps.staleness, topo.watch, cfg.ps.elastic)
     topo.opened.append(group.own)
     # Workers and servers never run the same collectives, so the periodic fingerprint comparison (every rank's
     # digest through the store) would wait for servers that never come; hang diagnosis still watches every op.
@@ -50,13 +51,37 @@ def train_with_parameter_servers(topo: Topology, cfg: RunConfig, train: Callable
     else:
         summary = train(topo.as_worker(group), cfg)
         served = None
-    servers = [s for s in topo.dp.gather_json(served) if s is not None]
+    servers = _servers_report(group, served)
     if topo.is_main:
         summary = {**summary, "parameter_servers": {"servers": len(group.servers), "workers": len(group.workers),
                                                     "staleness_bound": group.staleness, "served": servers}}
         write_json(Path(cfg.out) / "summary.json", summary)
         print(_staleness_line(servers), flush=True)
+        for gone in servers[0]["left"]:
+            print(f"worker {gone['worker']} (rank {gone['rank']}) left the run; its gradients went into updates up to "
+                  f"{gone['last_update']}, the later ones are the other workers' mean", flush=True)
     return summary
+
+
+def _servers_report(group: ServerGroup, served: dict | None) -> list[dict]:
+    """On worker 0, every server's figures (each sends its own; elsewhere []). Point to point, not gathered: under
+    --ps.elastic a worker that left is not there to take part."""
+    world = group.world
+    if group.is_server:
+        data = torch.tensor(list(json.dumps(served).encode()), dtype=torch.uint8)
+        world.send(torch.tensor([data.numel()]), group.workers[0], SUMMARY)
+        world.send(data, group.workers[0], SUMMARY)
+        return []
+    if group.index != 0:
+        return []
+    reports = []
+    for server in group.servers:
+        size = torch.empty(1, dtype=torch.int64)
+        world.recv(size, server, SUMMARY)
+        data = torch.empty(int(size), dtype=torch.uint8)
+        world.recv(data, server, SUMMARY)
+        reports.append(json.loads(bytes(data.tolist()).decode()))
+    return reports
 
 
 def check_servers(cfg: RunConfig) -> None:
@@ -68,6 +93,8 @@ def check_servers(cfg: RunConfig) -> None:
 def _layout_line(group: ServerGroup) -> str:
     w, s, k = len(group.workers), len(group.servers), group.staleness
     mode = "synchronous (K = 0)" if not k else f"a worker at most {k} step(s) ahead of the slowest (K = {k})"
+    if group.elastic:
+        mode += "; a worker but worker 0 that dies is left out and the others go on (--ps.elastic)"
     return (f"parameter servers: ranks {group.servers[0]}-{group.servers[-1]} each hold 1/{s} of the parameters and "
             f"optimizer state; {w} worker(s) push gradients and pull parameters, {mode}")
 

@@ -493,8 +493,8 @@ class Trainer:
         self.strategy.settle_for_save()
         if self.strategy.ending:
             return None
-        return checkpoint.save(root, self.step, self.topo, self.strategy, self.train_state(), self.cfg.to_dict(),
-                               after_written=self.faults.after_shard_written)
+        return checkpoint.save(root, self.step, self.strategy.save_topology(self.topo), self.strategy,
+                               self.train_state(), self.cfg.to_dict(), after_written=self.faults.after_shard_written)
 
     def start_async_save(self, root: str | Path) -> checkpoint.AsyncSave:
         """Collective: snapshot now, write in the background; the caller commits it later."""

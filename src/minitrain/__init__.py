@@ -19,11 +19,13 @@ from .api import (
                   full_state_dict,
                   init_distributed,
                   is_main_process,
+                  is_server,
                   load_checkpoint,
                   no_sync,
                   pipeline_step,
                   prepare,
                   save_checkpoint,
+                  serve,
                   wrap_for_ddp,
 )
 from .parallel.model_plan import ModelPlan
@@ -33,5 +35,5 @@ from .version import __version__
 
 __all__ = ["GradScaler", "ModelPlan", "PipelineSplit", "Prefetcher", "PreparedOptimizer", "__version__", "barrier", "cleanup",
            "clip_grad_norm_",
-           "dp_rank", "dp_world_size", "full_state_dict", "init_distributed", "is_main_process", "load_checkpoint",
-           "no_sync", "pipeline_step", "prepare", "save_checkpoint", "wrap_for_ddp"]
+           "dp_rank", "dp_world_size", "full_state_dict", "init_distributed", "is_main_process", "is_server",
+           "load_checkpoint", "no_sync", "pipeline_step", "prepare", "save_checkpoint", "serve", "wrap_for_ddp"]

@@ -22,7 +22,7 @@ ranks that did not (within the timeout given to init_distributed) rather than ha
 
 The package, one job per file: session.py (init_distributed, cleanup, which rank is which), prepare.py,
 steps.py (no_sync, clip_grad_norm_, pipeline_step), optimizer.py (what prepare returns as the optimizer),
-checkpoints.py (save, load, full_state_dict), scaler.py (fp16's GradScaler).
+checkpoints.py (save, load, full_state_dict), scaler.py (fp16's GradScaler), servers.py (prepare(servers=...)).
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ from .checkpoints import full_state_dict, load_checkpoint, save_checkpoint
 from .optimizer import PreparedOptimizer
 from .prepare import prepare
 from .scaler import GradScaler
+from .servers import is_server, serve
 from .session import (
     barrier,
     cleanup,
@@ -54,10 +55,12 @@ __all__ = [
     "full_state_dict",
     "init_distributed",
     "is_main_process",
+    "is_server",
     "load_checkpoint",
     "no_sync",
     "pipeline_step",
     "prepare",
     "save_checkpoint",
+    "serve",
     "wrap_for_ddp",
 ]

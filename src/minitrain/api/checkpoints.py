@@ -105,6 +105,9 @@ def _with_its_optimizer(model: nn.Module, optimizer, what: str) -> Prepared:
     state = state_of(model)
     if optimizer is not state.optimizer:
         raise ValueError(f"{what} takes the optimizer prepare returned with this model")
+    if state.settings["servers"]:
+        raise ValueError(f"{what} with prepare(servers=...) is not built yet (the servers hold the optimizer state, "
+                         "which only the CLI's checkpoints fetch); full_state_dict(model) gives a worker's model")
     return state
 
 

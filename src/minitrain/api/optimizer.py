@@ -17,9 +17,12 @@ class PreparedOptimizer(torch.optim.Optimizer):
     (over this rank's shard), so learning-rate schedulers work on it. Its state is saved and loaded with
     minitrain.save_checkpoint / load_checkpoint (state_dict() of one rank's shard would not reshard)."""
 
-    def __init__(self, strategy: FlatStrategy, prepared: Prepared):  # noqa: D107 - shares the inner optimizer's
+    def __init__(self, strategy: FlatStrategy, prepared: Prepared,  # noqa: D107 - shares the inner optimizer's
+                 inner: torch.optim.Optimizer | None = None):
+        """inner: the user's optimizer whose param_groups this one shows (default: the one the strategy steps; a
+        parameter-server worker's steps on the servers, so it gives one of its own)."""
         self._strategy, self._prepared = strategy, prepared
-        self.inner: torch.optim.Optimizer = strategy.optimizer.inner
+        self.inner: torch.optim.Optimizer = inner if inner is not None else strategy.optimizer.inner
         self.defaults, self.param_groups, self.state = self.inner.defaults, self.inner.param_groups, self.inner.state
         self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
         self._optimizer_state_dict_pre_hooks, self._optimizer_state_dict_post_hooks = {}, {}
@@ -46,13 +49,25 @@ class PreparedOptimizer(torch.optim.Optimizer):
         not finite if the step was skipped."""
         check_fed_alike(self._prepared)
         max_norm, self._prepared.max_norm = self._prepared.max_norm, None
+        if self._prepared.settings["servers"]:
+            pushed, self._prepared.pushed_norm = self._prepared.pushed_norm, None
+            return pushed if pushed is not None else self.push(0.0)
         return self._strategy.step(None, loss_scale, max_norm if max_norm is not None else 0.0)
+
+    def push(self, max_norm: float) -> float:
+        """A parameter-server worker's update: its gradient to the servers with every param group's learning rate,
+        clipped there to max_norm (0: not clipped); returns the global norm of the update pulled."""
+        norm = self._strategy.step(None, 1.0, max_norm, group_lrs=[group["lr"] for group in self.param_groups])
+        if self._strategy.ending:  # loud: the parameters it pulled may not hold this gradient
+            raise RuntimeError("another worker has called cleanup(): the parameter servers take no more updates "
+                               "(every worker must run the same number of steps)")
+        return norm
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients for the next step. They live in minitrain's buffers, so they are zeroed in place;
         with set_to_none (torch's default) ZeRO-2/3 also give back their gradient shard's memory until the next
         backward, as FSDP2 frees its sharded gradients."""
-        self._prepared.max_norm = None
+        self._prepared.max_norm = self._prepared.pushed_norm = None
         self._strategy.zero_grad(release=set_to_none)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -63,6 +78,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
         over the whole model (its param groups, with the parameters numbered in their order): every rank's shard,
         slice and stage put together on every rank. Collective: call it on every rank. (save_checkpoint writes
         each rank's part instead, without gathering.)"""
+        self._refuse_on_servers("state_dict")
         topo = self._prepared.topo
         return full_optimizer_state(self._strategy, self._prepared.groups, topo.everyone, topo.dp.rank,
                                     topo.slices.rank)
@@ -70,7 +86,13 @@ class PreparedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore a state_dict of torch's format (this optimizer's state_dict(), or a plain torch optimizer's over
         the same param groups): each rank keeps the part it holds, and every group's options (lr, betas, ...)."""
+        self._refuse_on_servers("load_state_dict")
         load_optimizer_state(self._strategy, self._prepared.groups, state_dict)
+
+    def _refuse_on_servers(self, what: str) -> None:
+        if self._prepared.settings["servers"]:
+            raise ValueError(f"optimizer.{what}() with prepare(servers=...): the state is on the servers, which do "
+                             "not send it back through the API yet")
 
     def __repr__(self) -> str:
         return f"PreparedOptimizer(ZeRO-{self._strategy.stage}, {self.inner!r})"

@@ -22,6 +22,7 @@ from ..parallel.shard_optimizer import OptimizerFn, TorchShardOptimizer, check_e
 from ..parallel.tp_plan import check_plan, hugging_face_plan
 from ..runtime.topology import Topology
 from .optimizer import PreparedOptimizer
+from .servers import ServerRankOptimizer, check_server_settings, make_server, split_world
 from .session import Prepared, current
 from .steps import note_feed
 
@@ -32,7 +33,8 @@ def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param
             tp_plan: dict | str | None = None, pp: int = 1, pp_split: PipelineSplit | list | str | None = None,
             microbatches: int = 1, schedule: str = "1f1b", offload: str = "none", offload_dir: str | None = None,
             ep: int = 1, ep_plan: dict | str | None = None,
-            plan: ModelPlan | None = None) -> tuple[nn.Module, PreparedOptimizer]:
+            plan: ModelPlan | None = None, servers: int = 0,
+            staleness: int = 0) -> tuple[nn.Module, PreparedOptimizer | ServerRankOptimizer]:
     """Make `model` train data parallel over every rank (ZeRO stage `zero`), with the user's optimizer,
     and with tp > 1 its layers split over groups of tp adjacent ranks (tensor parallel, Megatron-style).
 
@@ -70,10 +72,18 @@ def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param
         ep_plan: "auto" for a Hugging Face model's (its config's base_model_ep_plan: Mixtral, Qwen2-MoE, OLMoE),
         or {module-name pattern: "experts"} for a model's own modules of that layout (gate_up_proj (E, 2F, D),
         down_proj (E, D, F), act_fn; called with (hidden_states, top_k_index, top_k_weights)).
+    servers: parameter servers (api/servers.py): the last `servers` ranks hold the parameters and run the user's
+        optimizer on their shards (minitrain.is_server() there: call minitrain.serve()); the other ranks are
+        workers, each feeding its own share of the batch (dp_rank() / dp_world_size() count workers), whose
+        optimizer.step() pushes the gradient and pulls the updated parameters. staleness: K, how many steps a
+        worker may run ahead of the slowest (0: synchronous, data parallel's result bit for bit). gloo only; zero,
+        tp, pp, ep and offload stay at their defaults; an elementwise optimizer (it runs on shards).
     Returns (model, optimizer): the same model object, and the optimizer to call step()/zero_grad() on.
     Every rank starts from rank 0's parameters."""
     session = current()
     master = _check_arguments(model, session, zero, precision, reduce_dtype, dp)
+    check_server_settings(servers, staleness, session.topo.world_size, session.topo.backend, precision,
+                          {"zero": zero, "tp": tp, "pp": pp, "ep": ep, "offload": offload, "dp": dp})
     _check_degrees(session.topo.world_size, tp, tp_plan, pp, pp_split)
     plan = _with_tp_plan(model, plan, tp, tp_plan)
     split = _pipeline_split(model, pp, pp_split, microbatches, schedule)
@@ -86,7 +96,8 @@ def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param
     if offload == "disk" and not offload_dir:
         raise ValueError("offload='disk' needs offload_dir: the directory for this rank's state files")
     groups = _named_groups(model, param_groups)
-    if zero >= 1:
+    sharded = zero >= 1 or servers > 0  # the optimizer runs on shards: ZeRO's, or each server's
+    if sharded:
         for _, options in groups:
             check_elementwise(optimizer_fn, options)
     # Checked: from here on the model is changed.
@@ -104,11 +115,17 @@ def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param
     store = None if offload == "none" else OffloadStore(offload, offload_dir or "", topo.rank)
 
     def make_optimizer(master_vec, flat, shard_ranges):
-        return TorchShardOptimizer(master_vec, flat, shard_ranges, zero >= 1, optimizer_fn, groups, store)
+        return TorchShardOptimizer(master_vec, flat, shard_ranges, sharded, optimizer_fn, groups, store)
 
     # Expert parallelism: groups of ep ranks each hold and compute their share of the experts, the ranks holding
     # the same experts are the data-parallel group, and every rank reads its own data (dp_rank()).
     layout = topo.with_layout(tp, pp).with_experts(ep)
+    if servers:  # a server holds its shard and the user's optimizer; a worker trains with its topology
+        group, layout = split_world(layout, servers, staleness)
+        if layout is None:
+            session.server, session.serving = make_server(model, group, pcfg, make_optimizer), True
+            session.layout = None
+            return model, ServerRankOptimizer()
     builder = None if split is None else functools.partial(
         Pipeline, comm=layout.pp, schedule=schedule, microbatches=microbatches, d_model=0, dtype=compute,
         device=topo.device, forward_context=functools.partial(_autocast, topo.device, precision))
@@ -117,7 +134,7 @@ def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param
                                      ep_plan=ep_plan if experts else None)
     settings = {"zero": zero, "precision": precision, "reduce_dtype": reduce_dtype, "dp": dp, "bucket_mb": bucket_mb,
                 "prefetch": prefetch, "tp": tp, "pp": pp, "microbatches": microbatches, "schedule": schedule,
-                "offload": offload, "ep": ep,
+                "offload": offload, "ep": ep, "servers": servers, "staleness": staleness,
                 "activation_checkpointing": getattr(activation_checkpointing, "__name__", activation_checkpointing)}
     stage = None if split is None else Stage(model, split, layout.pp.rank, pp)
     state = Prepared(strategy, settings, layout, pipeline, stage, groups=[names for names, _ in groups],
@@ -125,7 +142,10 @@ def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param
     if tp > 1 and split is None:  # a tensor-parallel group must be fed alike: checked at each step
         state.hooks.append(model.register_forward_pre_hook(
             lambda _m, args, kwargs: note_feed(state, (args, kwargs)), with_kwargs=True))
-    state.optimizer = PreparedOptimizer(strategy, state)
+    # A worker's optimizer steps on the servers: here the user's class over the model's param groups holds only
+    # what a scheduler sets (never stepped, so no state), and each push carries its learning rates.
+    shadow = optimizer_fn(_torch_groups(model, groups)) if servers else None
+    state.optimizer = PreparedOptimizer(strategy, state, shadow)
     session.layout = layout
     session.prepared[model] = state
     return model, state.optimizer
@@ -251,6 +271,12 @@ def _with_tp_plan(model: nn.Module, plan: ModelPlan | None, tp: int, tp_plan) ->
     check_plan(model, tp_plan, tp)  # a pattern matching nothing, an unknown style, a module it cannot split: said
     # before any group is made
     return dataclasses.replace(plan or ModelPlan(), tensor_parallel=tp_plan)
+
+
+def _torch_groups(model: nn.Module, groups: list[tuple[list[str], dict]]) -> list[dict]:
+    """The param groups as a torch optimizer takes them, over the model's own parameters."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    return [{"params": [params[name] for name in names], **options} for names, options in groups]
 
 
 def _named_groups(model: nn.Module, param_groups: list[dict] | None) -> list[tuple[list[str], dict]]:

@@ -34,6 +34,7 @@ class Prepared:
     stage: Stage | None = None
     shapes: dict = field(default_factory=dict)  # micro-batch input shape -> the activation shape stages exchange
     max_norm: float | None = None  # set by clip_grad_norm_ for the coming step
+    pushed_norm: float | None = None  # a parameter-server worker's: clip_grad_norm_ took this step's update
     optimizer: object = field(default=None, repr=False)  # the PreparedOptimizer (optimizer.py)
     scaler: object = field(default=None, repr=False)  # fp16: the GradScaler the loop calls (scaler.py)
     scaler_state: dict | None = None  # fp16: a loaded checkpoint's scaler state, for a scaler made after the load
@@ -43,7 +44,11 @@ class Prepared:
     offload: OffloadStore | None = None  # where the optimizer's master and state live when offloaded
 
     def close(self) -> None:
-        """Every hook prepare and the strategy put on the model, removed; offload files removed."""
+        """Every hook prepare and the strategy put on the model, removed; offload files removed. A parameter-server
+        worker first waits for the update of its last step (under K > 0 a worker ahead waits for the others), so
+        every worker ends on the same parameters, then tells the servers it is done."""
+        if self.settings.get("servers") and not self.strategy.closed and not self.strategy.ending:
+            self.strategy.wait_for_last_update()
         for handle in self.hooks:
             handle.remove()
         self.hooks.clear()
@@ -60,6 +65,8 @@ class Session:
         # Weak keys: a model the user drops takes its entry with it (once its hooks are off: cleanup, or never
         # prepared twice in one session).
         self.prepared: weakref.WeakKeyDictionary[nn.Module, Prepared] = weakref.WeakKeyDictionary()
+        self.server = None  # on a parameter-server rank, its ParameterServer (api/servers.py) until serve() ran
+        self.serving = False  # this rank is a server (serve() may have run)
 
     def state_of(self, model: nn.Module) -> Prepared:
         state = self.prepared.get(model)

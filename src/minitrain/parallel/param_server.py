@@ -56,11 +56,13 @@ from .flat import FlatStrategy
 from .layout import FlatParameters
 from .norms import SquareSums, clip_coefficient, sum_in_order
 
-# A message is a header (float64: kind, step, version, lr, loss scale, clip, epoch), then what its kind brings. A
+# A message is a header (float64: kind, step, version, lr, loss scale, clip, epoch, groups), then what its kind
+# brings (a push through the API: its gradient, then the learning rate of each of its `groups` param groups). A
 # server takes headers from whichever worker sends first; the rest of a message comes from that worker on its own
 # tag. The epoch counts the checkpoints a worker has loaded: a request made after a load (a loss spike's rollback)
 # waits at the server until worker 0's LOAD of that state has come, whichever arrives first.
-HEADER, GRADIENT, REPLY, PARAMS, STATE, SUMMARY = 1, 2, 3, 4, 5, 6  # tags
+HEADER, GRADIENT, REPLY, PARAMS, STATE, SUMMARY, GROUP_LRS = 1, 2, 3, 4, 5, 6, 7  # tags
+HEADER_LEN = 8
 PUSH, SYNC, FETCH, START, LOAD, DONE, LEFT = range(7)  # kinds (LEFT: step is the worker that left)
 NO_LR, NO_CLIP = math.nan, -1.0  # "the optimizer's own lr", "the run's grad_clip"
 # The optimizer state a server holds (train/optim.py's FlatAdamW), by the names checkpoints give it.
@@ -68,8 +70,8 @@ STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
 
 
 def _header(kind: int, step: int = 0, version: int = 0, lr: float = NO_LR, loss_scale: float = 1.0,
-            clip: float = NO_CLIP, epoch: int = 0) -> torch.Tensor:
-    return torch.tensor([kind, step, version, lr, loss_scale, clip, epoch], dtype=torch.float64)
+            clip: float = NO_CLIP, epoch: int = 0, groups: int = 0) -> torch.Tensor:
+    return torch.tensor([kind, step, version, lr, loss_scale, clip, epoch, groups], dtype=torch.float64)
 
 
 class ServerHeldOptimizer:
@@ -205,9 +207,11 @@ class ParameterServerWorker(FlatStrategy):
         return replies[0]
 
     @torch.no_grad()
-    def step(self, lr: float | None = None, loss_scale: float = 1.0, max_norm: float | None = None) -> float:
+    def step(self, lr: float | None = None, loss_scale: float = 1.0, max_norm: float | None = None, *,
+             group_lrs: list[float] | None = None) -> float:
         """Push this step's gradient, pull the parameters; the global gradient norm of the update pulled (NaN: the
-        servers skipped it, as data parallel skips a non-finite step)."""
+        servers skipped it, as data parallel skips a non-finite step). group_lrs: the learning rate of each param
+        group of the user's optimizer on the servers (the API's; the CLI gives `lr`, or keeps the servers' own)."""
         if self.closed:
             raise RuntimeError("this param-server strategy was closed (its hooks are off the model)")
         self.flat.check_grads_in_place()
@@ -221,9 +225,11 @@ class ParameterServerWorker(FlatStrategy):
         # gradient before any reply is awaited, so no server waits for a worker that waits for another server.
         for s, (server, (a, b)) in enumerate(zip(self.group.servers, self.bounds)):
             header = _header(PUSH, step, self.versions[s], NO_LR if lr is None else lr, loss_scale,
-                             NO_CLIP if max_norm is None else max_norm, self.epoch)
+                             NO_CLIP if max_norm is None else max_norm, self.epoch, len(group_lrs or ()))
             self.group.world.send(header, server, HEADER)
             self.group.world.send(grad[a:b], server, GRADIENT)
+            if group_lrs:
+                self.group.world.send(torch.tensor(group_lrs, dtype=torch.float64), server, GROUP_LRS)
         computed_on = min(self.versions)
         reply = self._pull()
         self.steps_pushed = step
@@ -233,6 +239,14 @@ class ParameterServerWorker(FlatStrategy):
             "applied_staleness": [int(x) for x in reply[4:]],  # each worker's, in the update pulled
             "push_pull_s": time.perf_counter() - began}}
         return float(reply[1])
+
+    @torch.no_grad()
+    def wait_for_last_update(self) -> None:
+        """Take the parameters of the update of this worker's last step, once it is in (the end of a user's loop:
+        under K > 0 a worker ahead waits here for the others)."""
+        self._start_servers()
+        self._send_all(_header(SYNC, self.steps_pushed, epoch=self.epoch))
+        self._pull()
 
     @torch.no_grad()
     def settle_for_save(self) -> None:
@@ -285,9 +299,9 @@ class ParameterServer:
     done."""
 
     def __init__(self, flat: FlatParameters, group: ServerGroup, pcfg: ParallelConfig, make_optimizer,
-                 total_steps: int, sum_dtype: torch.dtype, faults=None):
-        """total_steps: the run's last step, whose update every worker waits for. faults: the run's deliberate faults
-        (train/faults.py), fired as an update starts on this server's rank."""
+                 total_steps: int | None, sum_dtype: torch.dtype, faults=None):
+        """total_steps: the run's last step, whose update every worker waits for (None: not known, a user's loop).
+        faults: the run's deliberate faults (train/faults.py), fired as an update starts on this server's rank."""
         self.group, self.pcfg, self.total, self.faults = group, pcfg, total_steps, faults
         self.bounds = shard_bounds(flat.padded_numel, len(group.servers), SquareSums.block(flat.data.device))
         self.start, self.stop = self.bounds[group.index]
@@ -298,7 +312,8 @@ class ParameterServer:
         self.started = False  # the starting state has come (START or LOAD): nothing is answered before
         self.version = 0
         self.arrived: dict[int, dict[int, tuple[torch.Tensor, int]]] = {}  # step -> worker -> (gradient, version)
-        self.settings: dict[int, tuple[float, float, float]] = {}  # step -> (lr, loss scale, clip)
+        # step -> (lr, loss scale, clip, each param group's lr or None)
+        self.settings: dict[int, tuple[float, float, float, list[float] | None]] = {}
         self.needs: dict[int, tuple[int, bool]] = {}  # worker -> (the version its pull waits for, with the state)
         self.last = (math.nan, [0] * len(group.workers))  # the latest update's norm and staleness per worker
         self.done: set[int] = set()
@@ -319,12 +334,12 @@ class ParameterServer:
         """Take the workers' messages as they come: apply each step's update once every gradient of it is in, and
         answer each pull as soon as the version it waits for exists."""
         world, workers = self.group.world, self.group.workers
-        header = torch.empty(7, dtype=torch.float64)
+        header = torch.empty(HEADER_LEN, dtype=torch.float64)
         waited = 0.0
         while len(self.done | self.left) < len(workers):
             began = time.perf_counter()
             sender = world.recv_any(header, HEADER)
-            kind, step, version, lr, loss_scale, clip, epoch = header.tolist()
+            kind, step, version, lr, loss_scale, clip, epoch, groups = header.tolist()
             kind, step, worker = int(kind), int(step), workers.index(sender)
             if kind == LEFT:
                 self._leave(step)
@@ -340,7 +355,11 @@ class ParameterServer:
                         if not self.group.elastic:
                             raise
                         continue  # it died sending: its departure is on its way
-                request = (kind, step, int(version), (lr, loss_scale, clip), worker, grad)
+                    if groups:
+                        group_lrs = torch.empty(int(groups), dtype=torch.float64)
+                        world.recv(group_lrs, sender, GROUP_LRS)
+                request = (kind, step, int(version), (lr, loss_scale, clip, group_lrs.tolist() if groups else None),
+                           worker, grad)
                 if epoch > self.epoch:  # made after a load whose state has not come yet
                     self.deferred.append(request)
                 else:
@@ -410,7 +429,7 @@ class ParameterServer:
         if self.faults is not None:
             self.faults.at_step_start(step)
         grads = self.arrived.pop(step)
-        lr, loss_scale, clip = self.settings.pop(step)
+        lr, loss_scale, clip, group_lrs = self.settings.pop(step)
         included = self._agreed(sorted(grads))
         mean = grads[included[0]][0]
         for worker in included[1:]:
@@ -419,6 +438,8 @@ class ParameterServer:
         norm = float(self._square_sum(mean).sqrt() / loss_scale)
         if math.isfinite(norm):
             limit = self.pcfg.grad_clip if clip == NO_CLIP else clip
+            for group, group_lr in zip(self.optimizer.inner.param_groups if group_lrs else (), group_lrs or ()):
+                group["lr"] = group_lr  # the user's optimizer (API): its scheduler runs on the workers
             self.optimizer.step(mean, None if math.isnan(lr) else lr, clip_coefficient(norm, limit) / loss_scale)
             self.params = self.optimizer.master.to(self.param_dtype, copy=True)
         else:  # every server sees the same norm: all skip

@@ -66,7 +66,9 @@ def _stale_run(tmp_path, name: str, staleness: int) -> list:
 
 
 def test_bounded_staleness_blocks_the_fastest_worker_at_exactly_k_and_is_reproducible(tmp_path):
-    k = 2
+    # K = 4: the fast worker's first four pulls come before any update (more than --train.max_skipped_steps 3 in a
+    # row, which must not count as skipped steps).
+    k = 4
     fast, slow, _ = _stale_run(tmp_path, "a", k)
     # The fast worker runs ahead until it is K steps ahead of the slow one, then waits for it at every step: its
     # gradients are exactly K updates stale from step K + 1 on, never more.

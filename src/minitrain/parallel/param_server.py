@@ -65,6 +65,9 @@ HEADER, GRADIENT, REPLY, PARAMS, STATE, SUMMARY, GROUP_LRS = 1, 2, 3, 4, 5, 6, 7
 HEADER_LEN = 8
 PUSH, SYNC, FETCH, START, LOAD, DONE, LEFT = range(7)  # kinds (LEFT: step is the worker that left)
 NO_LR, NO_CLIP = math.nan, -1.0  # "the optimizer's own lr", "the run's grad_clip"
+# A reply's norm when no update has been applied since the start or a load (a norm is never negative; NaN means the
+# update was skipped, non-finite): under K > 0 the first K pulls come before any update.
+NO_UPDATE_YET = -1.0
 # The optimizer state a server holds (train/optim.py's FlatAdamW), by the names checkpoints give it.
 STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
 
@@ -210,7 +213,8 @@ class ParameterServerWorker(FlatStrategy):
     def step(self, lr: float | None = None, loss_scale: float = 1.0, max_norm: float | None = None, *,
              group_lrs: list[float] | None = None) -> float:
         """Push this step's gradient, pull the parameters; the global gradient norm of the update pulled (NaN: the
-        servers skipped it, as data parallel skips a non-finite step). group_lrs: the learning rate of each param
+        servers skipped it, as data parallel skips a non-finite step; before any update is in, under K > 0: this
+        worker's own gradient's norm, which is not a skipped step). group_lrs: the learning rate of each param
         group of the user's optimizer on the servers (the API's; the CLI gives `lr`, or keeps the servers' own)."""
         if self.closed:
             raise RuntimeError("this param-server strategy was closed (its hooks are off the model)")
@@ -238,6 +242,8 @@ class ParameterServerWorker(FlatStrategy):
             "version": min(self.versions),  # the parameters pulled for the next step
             "applied_staleness": [int(x) for x in reply[4:]],  # each worker's, in the update pulled
             "push_pull_s": time.perf_counter() - began}}
+        if reply[1] == NO_UPDATE_YET:
+            return float(SquareSums()(grad).sqrt() / loss_scale)
         return float(reply[1])
 
     @torch.no_grad()
@@ -315,7 +321,7 @@ class ParameterServer:
         # step -> (lr, loss scale, clip, each param group's lr or None)
         self.settings: dict[int, tuple[float, float, float, list[float] | None]] = {}
         self.needs: dict[int, tuple[int, bool]] = {}  # worker -> (the version its pull waits for, with the state)
-        self.last = (math.nan, [0] * len(group.workers))  # the latest update's norm and staleness per worker
+        self.last = (NO_UPDATE_YET, [0] * len(group.workers))  # the latest update's norm and staleness per worker
         self.done: set[int] = set()
         self.left: set[int] = set()  # workers that left (--ps.elastic): updates are complete without them
         self.last_in: dict[int, int] = {}  # worker -> the last update its gradient went into
@@ -421,6 +427,7 @@ class ParameterServer:
         self.optimizer.load_state(state, {"steps_taken": steps_taken})
         self.params = self.optimizer.master.to(self.param_dtype, copy=True)
         self.version, self.started = step, True
+        self.last = (NO_UPDATE_YET, self.last[1])
         if self.faults is not None:
             self.faults.armed = False  # deliberate faults never fire in a run that loaded a checkpoint
 

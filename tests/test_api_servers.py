@@ -19,6 +19,13 @@ def _warmup(step: int) -> float:
     return min(1.0, (step + 1) / 3)
 
 
+def _decay(step: int) -> float:
+    return 0.5 ** step
+
+
+SCHEDULES = [_warmup, _decay]  # one per param group: each group's learning rate must reach its own servers' group
+
+
 def _hugging_face_loop(topo, servers: int) -> dict | None:
     """The same loop with parameter servers (servers=1) or as data parallel (servers=0): a tied Llama, AdamW over
     two param groups, a warm-up schedule, clipping at every step."""
@@ -32,7 +39,7 @@ def _hugging_face_loop(topo, servers: int) -> dict | None:
         served = minitrain.serve()
         minitrain.cleanup()
         return {"served": served}
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, SCHEDULES)
     rank, world = minitrain.dp_rank(), minitrain.dp_world_size()
     losses, norms = [], []
     for x in batches(STEPS, 8):
@@ -57,7 +64,7 @@ def _hugging_face_loop(topo, servers: int) -> dict | None:
 def _plain_pytorch() -> dict:
     model = make_model("llama-tied")
     optimizer = OPTIMIZERS["adamw"](param_groups(model))
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, SCHEDULES)
     norms = []
     for x in batches(STEPS, 8):
         lm_loss(model, x).backward()
@@ -97,22 +104,35 @@ def _stale_loop(topo) -> dict | None:
         minitrain.cleanup()
         return {"served": served}
     g = torch.Generator().manual_seed(minitrain.dp_rank())
-    for _ in range(6):
+    refused = []
+    for step in range(6):
         if minitrain.dp_rank() == 1:
             time.sleep(0.05)
         x = torch.randn(4, 8, generator=g, dtype=torch.float64)
         model(x).pow(2).mean().backward()
+        if step == 0:  # an option other than the learning rate cannot follow to the servers: refused
+            optimizer.param_groups[0]["momentum"] = 0.5
+            with pytest.raises(ValueError, match="momentum changed since prepare") as e:
+                optimizer.step()
+            refused.append(str(e.value))
+            optimizer.param_groups[0]["momentum"] = 0.9
+        minitrain.clip_grad_norm_(model, 10.0)
+        if step == 1:  # it pushes: a second call would be a second update
+            with pytest.raises(RuntimeError, match="called already this step"):
+                minitrain.clip_grad_norm_(model, 10.0)
         optimizer.step()
         optimizer.zero_grad()
     minitrain.cleanup()  # waits for the last update: every worker ends on it
-    return {"params": torch.cat([p.detach().flatten() for p in model.parameters()])}
+    return {"params": torch.cat([p.detach().flatten() for p in model.parameters()]), "refused": refused}
 
 
 def test_under_bounded_staleness_every_worker_ends_on_the_last_update():
     fast, slow, server = run_ranks(_stale_loop, 3, timeout_s=60)
     assert torch.equal(fast["params"], slow["params"])
     served = server["served"]
-    assert served["updates"] == 6 and max(int(k) for k in served["staleness_counts"]) <= 1
+    # Staleness happened (the fast worker ran a step ahead) and stayed within K.
+    assert served["updates"] == 6 and sorted(served["staleness_counts"]) == ["0", "1"]
+    assert fast["refused"] == slow["refused"] != []
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -288,22 +288,26 @@ def test_a_request_made_after_a_rollback_waits_for_the_state_it_belongs_to():
     assert torch.equal(zero["pulled"], one["pulled"]) and not torch.equal(one["pulled"], one["first"])
 
 
-def test_elastic_a_worker_that_dies_is_left_out_and_the_others_finish_save_and_resume(tmp_path):
-    # Three workers, K = 1, --ps.elastic: worker 2 is killed as its step 3 starts. Its gradients of steps 1 and 2 are
-    # in updates 1 and 2; every later update is the other two workers' mean; they finish, and the final checkpoint
-    # is saved over those two, verified, and resumes as data parallel.
+@pytest.mark.parametrize("fault, last_update", [("sigkill", 2), ("sigterm", 3)])
+def test_elastic_a_worker_that_dies_is_left_out_and_the_others_finish_save_and_resume(tmp_path, fault, last_update):
+    # Three workers, K = 1, --ps.elastic: worker 2 is killed as its step 3 starts (its gradients of steps 1 and 2 are
+    # in updates 1 and 2), or stops there on a signal of its own after step 3 (as after an error: it tells the
+    # servers it is done, short of the last step). Every later update is the other two workers' mean; they finish,
+    # and the final checkpoint is saved over those two, verified, and resumes as data parallel.
     out = tmp_path / "run"
     killed = ("--preset", "tiny", "--steps", "6", "--batch-size", "4", "--nproc", "4", "--ps.servers", "1",
-              "--ps.staleness", "1", "--ps.elastic", "--fault.kind", "sigkill", "--fault.rank", "2",
+              "--ps.staleness", "1", "--ps.elastic", "--fault.kind", fault, "--fault.rank", "2",
               "--fault.step", "3", "--out", str(out))
     result = run_main("train", *killed)
     assert result.returncode == 0, result.stderr
-    assert "rank 2 left the run (process killed by SIGKILL" in result.stderr, result.stderr
+    if fault == "sigkill":
+        assert "rank 2 left the run (process killed by SIGKILL" in result.stderr, result.stderr
     summary = json.loads((out / "summary.json").read_text())
     [served] = summary["parameter_servers"]["served"]
     assert summary["steps"] == 6 and served["updates"] == 6 and served["skipped"] == 0
-    assert served["left"] == [{"worker": 2, "rank": 2, "last_update": 2}]
-    assert sum(served["staleness_counts"].values()) == 3 * 2 + 2 * 4  # gradients applied: 3 per update, then 2
+    assert served["left"] == [{"worker": 2, "rank": 2, "last_update": last_update}]
+    # Gradients applied: 3 per update while it was there, then 2.
+    assert sum(served["staleness_counts"].values()) == 3 * last_update + 2 * (6 - last_update)
     from minitrain import checkpoint
 
     final = out / "checkpoints" / "step-000006"
@@ -318,11 +322,10 @@ def test_elastic_a_worker_that_dies_is_left_out_and_the_others_finish_save_and_r
 
 
 def _elastic_cut(topo) -> dict | None:
-    """Two servers; worker 2 pushes its step-1 gradient to server 0 only, then leaves (posted in the store, as the
-    launcher posts it); workers 0 and 1 push +1 everywhere, worker 2 -1000."""
+    """Two servers; worker 2 pushes its step-1 gradient to server 0 only and dies, its pull pending there (the
+    launcher posts its departure); workers 0 and 1 push +1 everywhere, worker 2 -1000."""
     import os
 
-    import torch.distributed as dist
     import torch.nn as nn
 
     from minitrain.config import TrainConfig
@@ -330,7 +333,6 @@ def _elastic_cut(topo) -> dict | None:
     from minitrain.parallel.config import ParallelConfig
     from minitrain.parallel.layout import FlatParameters, WholeModel
     from minitrain.parallel.norms import SquareSums
-    from minitrain.runtime.launch import left_key
     from minitrain.runtime.servers import ServerGroup, shard_bounds
     from minitrain.train.optim import flat_adamw_factory
 
@@ -352,9 +354,8 @@ def _elastic_cut(topo) -> dict | None:
     for server, (a, b) in zip(group.servers[:1] if group.index == 2 else group.servers, bounds):
         world.send(ps._header(ps.PUSH, 1, 0, 0.01), server, ps.HEADER)
         world.send(torch.full((b - a,), value), server, ps.GRADIENT)
-    if group.index == 2:  # its push to server 0 is in (a send returns once received)
-        dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False).set(left_key(2), "x")
-        return None
+    if group.index == 2:  # its push to server 0 is in (a send returns once received); the reply may find it gone
+        os._exit(1)
     pulled, replies = torch.empty_like(start), []
     for pull in range(2):  # the push's pull (K = 1: any version is recent enough), then a sync's: update 1
         for server, (a, b) in zip(group.servers, bounds):
@@ -366,7 +367,7 @@ def _elastic_cut(topo) -> dict | None:
             else:
                 world.send(ps._header(ps.SYNC, 1), server, ps.HEADER)
     for server in group.servers:
-        world.send(ps._header(ps.DONE), server, ps.HEADER)
+        world.send(ps._header(ps.DONE, 10), server, ps.HEADER)  # done at the run's last step, not leaving
     if watch is not None:
         watch.close()
     return {"start": start, "pulled": pulled, "staleness": replies, "bounds": bounds}
@@ -375,7 +376,9 @@ def _elastic_cut(topo) -> dict | None:
 def test_elastic_servers_apply_only_the_gradients_every_server_holds():
     # Server 0 holds worker 2's gradient, server 1 never gets it: both leave it out of the update. Adam's first step
     # goes by the gradient's sign, so every parameter moving down shows the mean was +1, not (1 + 1 - 1000) / 3.
-    zero, one, two, *served = run_ranks(_elastic_cut, 5, timeout_s=60)
+    from minitrain.runtime.launch import launch
+
+    zero, one, two, *served = launch(_elastic_cut, 5, backend="gloo", pg_timeout_s=60, timeout_s=60, may_leave=[2])
     assert two is None
     for worker in (zero, one):
         assert worker["staleness"] == [[0.0, 0.0, -1.0]] * 2  # -1: not in the update

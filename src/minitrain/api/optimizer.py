@@ -24,6 +24,9 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self._strategy, self._prepared = strategy, prepared
         self.inner: torch.optim.Optimizer = inner if inner is not None else strategy.optimizer.inner
         self.defaults, self.param_groups, self.state = self.inner.defaults, self.inner.param_groups, self.inner.state
+        # A parameter-server worker's: each group's options as prepare made them. Only the learning rate goes with a
+        # push, so any other option changed since (a scheduler cycling momentum) is refused at the next step.
+        self._options = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in self.param_groups]
         self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
         self._optimizer_state_dict_pre_hooks, self._optimizer_state_dict_post_hooks = {}, {}
         self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = {}, {}
@@ -57,6 +60,12 @@ class PreparedOptimizer(torch.optim.Optimizer):
     def push(self, max_norm: float) -> float:
         """A parameter-server worker's update: its gradient to the servers with every param group's learning rate,
         clipped there to max_norm (0: not clipped); returns the global norm of the update pulled."""
+        for i, (group, options) in enumerate(zip(self.param_groups, self._options)):
+            changed = sorted(k for k, v in options.items() if group.get(k) != v)
+            if changed:
+                raise ValueError(f"param group {i}: {', '.join(changed)} changed since prepare; with parameter servers "
+                                 "only the learning rate follows the worker's optimizer (a scheduler that cycles "
+                                 "momentum, such as OneCycleLR, needs cycle_momentum=False)")
         norm = self._strategy.step(None, 1.0, max_norm, group_lrs=[group["lr"] for group in self.param_groups])
         if self._strategy.ending:  # loud: the parameters it pulled may not hold this gradient
             raise RuntimeError("another worker has called cleanup(): the parameter servers take no more updates "

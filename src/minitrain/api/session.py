@@ -47,14 +47,18 @@ class Prepared:
         """Every hook prepare and the strategy put on the model, removed; offload files removed. A parameter-server
         worker first waits for the update of its last step (under K > 0 a worker ahead waits for the others), so
         every worker ends on the same parameters, then tells the servers it is done."""
+        incomplete = False
         if self.settings.get("servers") and not self.strategy.closed and not self.strategy.ending:
-            self.strategy.wait_for_last_update()
+            incomplete = not self.strategy.wait_for_last_update()
         for handle in self.hooks:
             handle.remove()
         self.hooks.clear()
         self.strategy.close()
         if self.offload is not None:
             self.offload.close()
+        if incomplete:
+            raise RuntimeError("the update of this worker's last step never came: another worker called cleanup() "
+                               "first (with parameter servers every worker runs the same number of steps)")
 
 
 class Session:
@@ -88,10 +92,17 @@ class Session:
                                   f"{self.timeout_s:g} s; call it on every rank") from e
 
     def end(self) -> None:
+        """Every prepared model closed, even past one that raises (the first error is raised at the end)."""
+        errors = []
         for state in list(self.prepared.values()):
-            state.close()
+            try:
+                state.close()
+            except Exception as e:  # noqa: BLE001 - the others are still closed, the group still left
+                errors.append(e)
         self.prepared.clear()
         self.topo.close()
+        if errors:
+            raise errors[0]
 
 
 _current: Session | None = None

@@ -26,6 +26,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> float:
         raise ValueError(f"max_norm must be > 0, got {max_norm}")
     state = state_of(model)
     if state.settings["servers"]:  # the global norm is the servers' to compute: the push goes now (servers.py)
+        if state.pushed_norm is not None:
+            raise RuntimeError("clip_grad_norm_ was called already this step; with parameter servers it pushes the "
+                               "gradient (the update is made then): call it once per step, before optimizer.step()")
         state.pushed_norm = state.optimizer.push(float(max_norm))
         return state.pushed_norm
     norm = state.strategy.grad_norm(loss_scale(state))

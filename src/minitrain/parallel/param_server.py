@@ -112,7 +112,8 @@ class ServerHeldOptimizer:
 
 class DepartureWatch:
     """Worker 0's thread under --ps.elastic: it looks in the run's store for the workers the launcher let leave
-    (runtime/launch.py) and tells every server, which may be waiting for such a worker's gradient."""
+    (runtime/launch.py) and tells every server, which may be waiting for such a worker's gradient. It runs until
+    the servers have reported (ps_run.py): a worker may die after the last step, before its DONE."""
 
     POLL_S = 0.1
 
@@ -130,8 +131,11 @@ class DepartureWatch:
         keys = {w: left_key(rank) for w, rank in enumerate(self.group.workers) if w}
         while not self.stop.wait(self.POLL_S):
             for worker, key in keys.items():
-                if worker in self.told or not store.check([key]):
-                    continue
+                try:
+                    if worker in self.told or not store.check([key]):
+                        continue
+                except RuntimeError:  # the store is rank 0's own: gone only as this process ends
+                    return
                 self.told.add(worker)
                 header = _header(LEFT, worker)
                 # To every server at once: one may not receive before another has (its update's all-gather waits
@@ -170,7 +174,6 @@ class ParameterServerWorker(FlatStrategy):
         self._servers_started = comm.rank != 0  # worker 0 sends them their first state (START or LOAD)
         self.in_update = list(range(len(group.workers)))  # the workers whose gradients went into the last update
         self._survivors: tuple[list[int], Comm] | None = None  # the group a save meets over once workers have left
-        self._departures = DepartureWatch(group) if group.elastic and comm.rank == 0 else None
 
     def _averaged_grad(self) -> torch.Tensor:
         return self.flat.grad
@@ -247,12 +250,14 @@ class ParameterServerWorker(FlatStrategy):
         return float(reply[1])
 
     @torch.no_grad()
-    def wait_for_last_update(self) -> None:
+    def wait_for_last_update(self) -> bool:
         """Take the parameters of the update of this worker's last step, once it is in (the end of a user's loop:
-        under K > 0 a worker ahead waits here for the others)."""
+        under K > 0 a worker ahead waits here for the others). False when it never came: another worker ended
+        first, so that update could not be complete."""
         self._start_servers()
         self._send_all(_header(SYNC, self.steps_pushed, epoch=self.epoch))
         self._pull()
+        return min(self.versions) >= self.steps_pushed
 
     @torch.no_grad()
     def settle_for_save(self) -> None:
@@ -291,12 +296,9 @@ class ParameterServerWorker(FlatStrategy):
 
     def close(self) -> None:
         """Off the model, and the servers told this worker is done (they end when every worker is)."""
-        if self._departures is not None:
-            self._departures.close()
-            self._departures = None
         if not self.closed:
             with contextlib.suppress(CollectiveError):  # a server already gone: the run is ending with an error
-                self._send_all(_header(DONE))
+                self._send_all(_header(DONE, self.steps_pushed))
         super().close()
 
 
@@ -309,6 +311,9 @@ class ParameterServer:
         """total_steps: the run's last step, whose update every worker waits for (None: not known, a user's loop).
         faults: the run's deliberate faults (train/faults.py), fired as an update starts on this server's rank."""
         self.group, self.pcfg, self.total, self.faults = group, pcfg, total_steps, faults
+        # Under --ps.elastic a transfer with a worker that died fails here, which must not end the run: the watch
+        # would take it for the run's failure and end every rank. The workers' own waits stay watched.
+        self.world = group.world.unwatched() if group.elastic else group.world
         self.bounds = shard_bounds(flat.padded_numel, len(group.servers), SquareSums.block(flat.data.device))
         self.start, self.stop = self.bounds[group.index]
         self.param_dtype, self.sum_dtype = flat.dtype, sum_dtype
@@ -339,7 +344,7 @@ class ParameterServer:
     def serve(self) -> dict:
         """Take the workers' messages as they come: apply each step's update once every gradient of it is in, and
         answer each pull as soon as the version it waits for exists."""
-        world, workers = self.group.world, self.group.workers
+        world, workers = self.world, self.group.workers
         header = torch.empty(HEADER_LEN, dtype=torch.float64)
         waited = 0.0
         while len(self.done | self.left) < len(workers):
@@ -355,15 +360,15 @@ class ParameterServer:
                 grad = None
                 if kind == PUSH:
                     grad = torch.empty(self.stop - self.start, dtype=self.sum_dtype)
+                    group_lrs = torch.empty(int(groups), dtype=torch.float64)
                     try:
                         world.recv(grad, sender, GRADIENT)
+                        if groups:
+                            world.recv(group_lrs, sender, GROUP_LRS)
                     except CollectiveError:
                         if not self.group.elastic:
                             raise
                         continue  # it died sending: its departure is on its way
-                    if groups:
-                        group_lrs = torch.empty(int(groups), dtype=torch.float64)
-                        world.recv(group_lrs, sender, GROUP_LRS)
                 request = (kind, step, int(version), (lr, loss_scale, clip, group_lrs.tolist() if groups else None),
                            worker, grad)
                 if epoch > self.epoch:  # made after a load whose state has not come yet
@@ -380,6 +385,8 @@ class ParameterServer:
                 for request in self.deferred:
                     self._take(*request)
                 self.deferred = []
+            elif kind == DONE and self.group.elastic and worker and (self.total is None or step < self.total):
+                self._leave(worker)  # stopped early (a signal, an error): elastic, the others go on without it
             elif kind == DONE:
                 self.done.add(worker)
                 self.ending = True
@@ -423,7 +430,7 @@ class ParameterServer:
         n = self.stop - self.start
         state = {name: torch.empty(n, dtype=self.optimizer.master.dtype) for name in STATE_NAMES}
         for name in STATE_NAMES:
-            self.group.world.recv(state[name], sender, STATE)
+            self.world.recv(state[name], sender, STATE)
         self.optimizer.load_state(state, {"steps_taken": steps_taken})
         self.params = self.optimizer.master.to(self.param_dtype, copy=True)
         self.version, self.started = step, True
@@ -487,7 +494,7 @@ class ParameterServer:
     def _answer(self) -> None:
         """Send the newest parameters (and the optimizer state, where asked) to every worker whose pull can be
         answered now. Each send keeps its own tensor: the next update makes new ones."""
-        world = self.group.world
+        world = self.world
         norm, staleness = self.last
         reply = torch.tensor([self.version, norm, self.optimizer.steps_taken, self.ending, *staleness],
                              dtype=torch.float64)
@@ -495,10 +502,14 @@ class ParameterServer:
             if needs > self.version and not self.ending:
                 continue
             del self.needs[worker]
-            rank = self.group.workers[worker]
-            sends = [world.send_async(reply, rank, REPLY), world.send_async(self.params, rank, PARAMS)]
-            state = self.optimizer.state_tensors()
-            sends += [world.send_async(state[name].clone(), rank, STATE) for name in STATE_NAMES if with_state]
+            rank, sends = self.group.workers[worker], []
+            try:
+                sends += [world.send_async(reply, rank, REPLY), world.send_async(self.params, rank, PARAMS)]
+                state = self.optimizer.state_tensors()
+                sends += [world.send_async(state[name].clone(), rank, STATE) for name in STATE_NAMES if with_state]
+            except CollectiveError:
+                if not self.group.elastic:
+                    raise  # elastic: a worker that died, whose departure is on its way
             self.sending += [(pending, worker) for pending in sends]
         still = []
         for pending, worker in self.sending:

@@ -164,6 +164,11 @@ class Comm:
         self.tag: str | None = None  # set around a region whose collectives' seconds are wanted apart (take_tagged)
         self._tagged: dict[str, float] = {}
 
+    def unwatched(self) -> "Comm":
+        """The same group without the collective watch: an op that fails raises at once, undiagnosed, and ends no
+        other rank (a parameter server's transfers with workers that may die, --ps.elastic)."""
+        return Comm(self.rank, self.world_size, self.group, self.device, self.name)
+
     @property
     def clock(self):
         if self._clock is None:

@@ -273,14 +273,14 @@ class _Departures:
         """Let this failure's rank leave (True), or not: it is then the run's failure."""
         if failure.rank not in self.may_leave or failure.refusal is not None:
             return False
-        how = failure.detail.strip().splitlines()[-1]
+        how = (failure.detail.strip().splitlines() or ["no detail"])[-1]
         self.left[failure.rank] = how
         print(f"minitrain: rank {failure.rank} left the run ({how}); the others go on without it", file=sys.stderr,
               flush=True)
         import torch.distributed as dist
 
         try:
-            store = dist.TCPStore("127.0.0.1", self.port, is_master=False, timeout=timedelta(seconds=10))
+            store = dist.TCPStore("127.0.0.1", self.port, is_master=False, timeout=timedelta(seconds=5))
             store.set(left_key(failure.rank), how)
         except (RuntimeError, OSError) as e:  # rank 0 gone too: its own failure ends the run
             print(f"minitrain: could not tell the run that rank {failure.rank} left: {e}", file=sys.stderr)

@@ -20,7 +20,7 @@ from ..errors import ConfigError
 from ..models import spec_for
 from ..parallel.layout import FlatParameters, WholeModel
 from ..parallel.norms import SquareSums
-from ..parallel.param_server import SUMMARY, ParameterServer
+from ..parallel.param_server import SUMMARY, DepartureWatch, ParameterServer
 from ..runtime.servers import ServerGroup, shard_bounds
 from ..runtime.topology import Topology
 from .estimate import model_params
@@ -45,13 +45,19 @@ def train_with_parameter_servers(topo: Topology, cfg: RunConfig, train: Callable
     cfg = dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, fingerprint_every=0))
     if topo.is_main:
         print(_layout_line(group), flush=True)
-    if group.is_server:
-        summary = None
-        served = _serve(topo, cfg, group)
-    else:
-        summary = train(topo.as_worker(group), cfg)
-        served = None
-    servers = _servers_report(group, served)
+    # --ps.elastic: worker 0 tells the servers of each worker the launcher let leave, until they have reported.
+    departures = DepartureWatch(group) if group.elastic and not group.is_server and group.index == 0 else None
+    try:
+        if group.is_server:
+            summary = None
+            served = _serve(topo, cfg, group)
+        else:
+            summary = train(topo.as_worker(group), cfg)
+            served = None
+        servers = _servers_report(group, served)
+    finally:
+        if departures is not None:
+            departures.close()
     if topo.is_main:
         summary = {**summary, "parameter_servers": {"servers": len(group.servers), "workers": len(group.workers),
                                                     "staleness_bound": group.staleness, "served": servers}}

@@ -98,7 +98,9 @@ def zero_stages(docs: list[dict]) -> list[str]:
     peers = {"ddp": "DDP", "zero-redundancy": "ZeroRedundancyOptimizer", "fsdp2-zero2": "FSDP2, no reshard",
              "fsdp2": "FSDP2"}
     rows = []
-    for world, configs in sorted(docs[0]["results"].items(), key=lambda item: int(item[0])):
+    # One result file, or one per run of some worlds (gpt2-124m: 2 ranks, then 4): every world in order.
+    worlds = {world: configs for doc in docs for world, configs in doc["results"].items()}
+    for world, configs in sorted(worlds.items(), key=lambda item: int(item[0])):
         for name, entry in configs.items():
             if "peer" not in entry:
                 continue  # a peer's own figures appear in its stage's row
@@ -371,7 +373,7 @@ def object_store(docs: list[dict]) -> list[str]:
 TABLES = {
     "prepare_vs_peers": ("prepare_vs_peers.json", prepare_vs_peers),
     "zero_stages": ("zero_stages.json", zero_stages),
-    "zero_stages_gpt2": ("zero_stages_gpt2-124m.json", zero_stages),
+    "zero_stages_gpt2": ("zero_stages_gpt2-124m*.json", zero_stages),
     "ddp_modes": ("ddp_modes.json", ddp_modes),
     "activation_checkpointing": ("activation_checkpointing.json", activation_checkpointing),
     "offload": ("offload.json", offload),

@@ -14,7 +14,7 @@ and how long does an elastic run take to come back from a lost node.
 
 Needs root (network namespaces). Results: benchmarks/results/multinode.json, the table in docs/multi-node.md.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/multinode.py [--repeats 20] [--elastic-trials 3]
+    .venv/bin/python benchmarks/multinode.py [--repeats 20] [--elastic-trials 3]
 """
 from __future__ import annotations
 
@@ -27,6 +27,9 @@ from pathlib import Path
 
 from record import RESULTS, write_result  # benchmarks/record.py
 from safetensors.torch import load_file
+
+sys.path.insert(0, str(RESULTS.parent.parent))  # the repository root: the clusters and runs of tests/ are reused
+
 
 from minitrain.runtime.launch import launch
 from minitrain.train.metrics import format_table

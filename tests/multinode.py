@@ -109,7 +109,8 @@ def elastic_run(cluster: Cluster, argv: list[str], out: Path, log_dir: Path, *, 
     def after(t: float, world: int | None = None) -> list[dict]:
         return [r for r in metric_rows(out) if r["time"] > t and world in (None, len(r["param_norm_per_rank"]))]
 
-    first = _wait_for("step after the node loss", lambda: after(killed_at), timeout_s, cluster)[0]
+    # At the smaller world: a step the full world logged as node 1 died is rolled back with the resume.
+    first = _wait_for("step after the node loss", lambda: after(killed_at, world=nproc), timeout_s, cluster)[0]
     _wait_for(f"{steps_between} steps at the smaller world", lambda: len(after(killed_at)) >= steps_between,
               timeout_s, cluster)
     back_at = time.time()

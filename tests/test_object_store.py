@@ -166,6 +166,15 @@ class Cable:
                     end.shutdown(socket.SHUT_RDWR)
 
 
+def _latest_named(url: str) -> int | None:
+    """The step URL/latest.json names, None before it is written."""
+    fs, root = remote.store(url)
+    try:
+        return json.loads(fs.cat_file(f"{root}/{remote.LATEST_NAME}"))["step"]
+    except FileNotFoundError:
+        return None
+
+
 def test_a_store_that_goes_away_mid_run_stops_it_naming_the_object_and_keeps_what_was_committed(s3, tmp_path):
     url = f"s3://{BUCKET}/goes-away"
     cable = Cable(int(os.environ["AWS_ENDPOINT_URL"].rsplit(":", 1)[1]))
@@ -176,7 +185,8 @@ def test_a_store_that_goes_away_mid_run_stops_it_naming_the_object_and_keeps_wha
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 60
-        while remote.committed_steps(url) != [2]:  # step 2 is in the store: now the network goes
+        # Step 2 is in the store and its commit is over (latest.json, its last write, names it): now the network goes.
+        while remote.committed_steps(url) != [2] or _latest_named(url) != 2:
             assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
             time.sleep(0.1)
         cable.down = True

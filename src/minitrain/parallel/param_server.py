@@ -119,6 +119,9 @@ class DepartureWatch:
 
     def __init__(self, group: ServerGroup):
         self.group = group
+        # A Comm of this thread's own (the training thread's keeps its own books), unwatched: a send to a server
+        # that has gone fails here without ending the run; the launcher reports that server.
+        self.comm = group.world.unwatched()
         self.told: set[int] = set()  # worker indices
         self.stop = threading.Event()
         # The rendezvous store, which rank 0 (this one) holds: the launcher posts there.
@@ -139,12 +142,10 @@ class DepartureWatch:
                 self.told.add(worker)
                 header = _header(LEFT, worker)
                 # To every server at once: one may not receive before another has (its update's all-gather waits
-                # for a server that waits for this news). Past Comm, whose books are the training thread's: a
-                # whole message of its own, told apart from that thread's by its kind.
-                sends = [dist.isend(header, group=self.group.world.group, group_dst=server, tag=HEADER)
-                         for server in self.group.servers]
-                for send in sends:
-                    with contextlib.suppress(RuntimeError):  # a server gone: the launcher ends the run
+                # for a server that waits for this news). A whole message of its own, told apart from the training
+                # thread's by its kind.
+                with contextlib.suppress(CollectiveError):  # a server gone: the launcher ends the run
+                    for send in [self.comm.send_async(header, server, HEADER) for server in self.group.servers]:
                         send.wait()
 
     def close(self) -> None:
@@ -250,22 +251,20 @@ class ParameterServerWorker(FlatStrategy):
         return float(reply[1])
 
     @torch.no_grad()
-    def wait_for_last_update(self) -> bool:
+    def wait_for_last_update(self, with_state: bool = False) -> bool:
         """Take the parameters of the update of this worker's last step, once it is in (the end of a user's loop:
-        under K > 0 a worker ahead waits here for the others). False when it never came: another worker ended
-        first, so that update could not be complete."""
+        under K > 0 a worker ahead waits here for the others), and with_state the servers' optimizer state. False
+        when it never came: another worker ended first, so that update could not be complete."""
         self._start_servers()
-        self._send_all(_header(SYNC, self.steps_pushed, epoch=self.epoch))
-        self._pull()
+        self._send_all(_header(FETCH if with_state else SYNC, self.steps_pushed, epoch=self.epoch))
+        self._pull(with_state=with_state)
         return min(self.versions) >= self.steps_pushed
 
     @torch.no_grad()
     def settle_for_save(self) -> None:
         """Every worker waits for the update of its last step and takes its parameters (a save is a point where
         the workers agree, whatever K); worker 0 also takes the servers' optimizer state, which it writes."""
-        self._start_servers()
-        self._send_all(_header(FETCH if self.comm.rank == 0 else SYNC, self.steps_pushed, epoch=self.epoch))
-        self._pull(with_state=self.comm.rank == 0)
+        self.wait_for_last_update(with_state=self.comm.rank == 0)
 
     @torch.no_grad()
     def resumed_at(self, step: int) -> None:

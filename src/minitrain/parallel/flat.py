@@ -24,6 +24,7 @@ from .config import ParallelConfig
 from .layout import FlatParameters, Ranges, WholeModel, local_views, take
 from .memory_math import MEMORY_KINDS, MemoryLedger, memory_terms
 from .norms import SquareSums, clip_coefficient, clip_coefficient_tensor
+from .piece_vector import held_bytes
 from .placement import Placement, placements
 from .visible_grads import BackwardEndSync, VisibleGradGuard
 
@@ -215,7 +216,7 @@ class FlatStrategy:
             summed = torch.cat([local[a:b] for a, b in dense]).to(self._ep.device)  # local may be host-held
             self._ep.all_reduce_sum(summed)
             for (a, b), part in zip(dense, summed.split([b - a for a, b in dense])):
-                local[a:b].copy_(part)
+                local[a:b] = part  # (item assignment: local may be a PieceVector, ZeRO-2/3's shard)
         local.div_(self._ep.world_size)
 
     def _synced_grad(self) -> torch.Tensor:
@@ -231,7 +232,7 @@ class FlatStrategy:
         taken from `ranges`, in float64 (no tensor parallelism: [0, everything])."""
         square_sums = SquareSums()  # its float64 buffer lives as long as this norm's computation
         if self.tp.world_size == 1:
-            return torch.cat([local.new_zeros(1, dtype=torch.float64), square_sums(local).reshape(1)])
+            return torch.cat([torch.zeros(1, dtype=torch.float64, device=local.device), square_sums(local).reshape(1)])
         sharded = self.flat.local_ranges(self._tp_sharded, ranges)
         in_slices = sum((square_sums(local[a:b]) for a, b in sharded),
                         torch.zeros((), dtype=torch.float64, device=local.device))
@@ -459,7 +460,7 @@ class FlatStrategy:
         state = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in self.optimizer.held_tensors()}
         state = list(state.values())
         return {"params": params.nbytes(),
-                "grads": 0 if grads is None else grads.untyped_storage().nbytes(),
+                "grads": 0 if grads is None else held_bytes(grads),
                 # A storage shared with the parameters is counted once, as parameters.
                 "optimizer": sum(t.nbytes() for t in state if t.data_ptr() != params.data_ptr())}
 

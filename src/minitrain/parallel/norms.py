@@ -53,7 +53,8 @@ class SquareSums:
         dotted where they are (chunks at the same offsets: the same alignment, the same rounding)."""
         chunk = self.block(x.device)
         if x.dtype == torch.float64:
-            return [part.dot(part) for part in x.split(chunk)] if x.numel() else [x.new_zeros(())]
+            return ([part.dot(part) for part in x.split(chunk)] if x.numel() else
+                    [torch.zeros((), dtype=x.dtype, device=x.device)])
         buffer = self._buffer
         if buffer is None or buffer.device != x.device or buffer.numel() < min(x.numel(), chunk):
             buffer = self._buffer = torch.empty(max(1, min(x.numel(), chunk)), dtype=torch.float64, device=x.device)

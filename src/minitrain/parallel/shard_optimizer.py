@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from .offload import OffloadStore
+from .piece_vector import PieceVector
 from .layout import FlatParameters, Ranges
 
 OptimizerFn = Callable[..., torch.optim.Optimizer]
@@ -148,15 +149,16 @@ class TorchShardOptimizer:
                            for _, a, b in self.views]
 
     @torch.no_grad()
-    def step(self, grad: torch.Tensor, lr: float | None, grad_scale: float = 1.0) -> None:
-        """Update the master from `grad` (local layout) times grad_scale (clipping, unscaling)."""
+    def step(self, grad: torch.Tensor | PieceVector, lr: float | None, grad_scale: float = 1.0) -> None:
+        """Update the master from `grad` (local layout; ZeRO-2/3's pieces, piece_vector.py) times grad_scale
+        (clipping, unscaling)."""
         if self.store is not None:
             self.store.check()  # a file truncated under its mapping: one clear error, not SIGBUS below
-        g = grad if grad.dtype == self.master.dtype else grad.to(self.master.dtype)  # mixed precision: widen
-        if grad_scale != 1.0:
-            g.mul_(grad_scale)  # in place: the caller is done with its gradient buffer
         for view, a, b in self.views:
-            view.grad = g[a:b].view_as(view)
+            g = grad[a:b].to(self.master.dtype)  # mixed precision: widened
+            if grad_scale != 1.0:
+                g.mul_(grad_scale)  # in place: the caller is done with its gradient buffer
+            view.grad = g.view_as(view)
         if lr is not None:
             for group in self.inner.param_groups:
                 group["lr"] = lr

@@ -39,6 +39,7 @@ from .config import ParallelConfig
 from .flat import FlatStrategy, OptimizerFactory
 from .layout import Segment, local_views, missing_gradients
 from .offload import host_zeros
+from .piece_vector import PieceVector
 from .units import module_units, unit_layout
 from .visible_grads import ShardedGradient
 
@@ -148,13 +149,15 @@ class Zero2(ShardedStrategy):
         plans = module_units(model)
         super().__init__(model, comm, pcfg, make_optimizer, units=unit_layout(plans), keep_grad=False, **kwargs)
         self.plans = plans
-        # Offloaded, in host memory beside the master (ZeRO-Offload): each unit's reduce-scatter lands on the device
-        # and is copied out. Otherwise on the device the gradients are reduced on.
+        # The gradient shard, one piece per unit (piece_vector.py). Offloaded, views of one vector in host memory
+        # beside the master (ZeRO-Offload), kept for the run: each unit's reduce-scatter lands on the device and is
+        # copied out. Otherwise tensors of their own on the device the gradients are reduced on, which
+        # zero_grad(release=True) gives back and each unit's next reduction allocates again.
         self.grad_offloaded = pcfg.offload != "none"
-        numel = self.optimizer.master.numel()
-        self.grad_shard = (host_zeros(numel, self.reduce_dtype) if self.grad_offloaded else
-                           torch.zeros(numel, dtype=self.reduce_dtype, device=comm.device))
-        self._shard_views = local_views(self.grad_shard, self.shard_ranges)  # one per unit
+        self._host_shard = host_zeros(self.optimizer.master.numel(), self.reduce_dtype) if self.grad_offloaded else None
+        self._pieces: list[torch.Tensor | None] = (
+            local_views(self._host_shard, self.shard_ranges) if self.grad_offloaded else
+            [torch.zeros(b - a, dtype=self.reduce_dtype, device=comm.device) for a, b in self.shard_ranges])
         for i, unit in enumerate(self.flat.units):
             for seg in unit.segments:
                 self.hooks.append(self.flat.param(seg).register_post_accumulate_grad_hook(
@@ -163,10 +166,6 @@ class Zero2(ShardedStrategy):
         self._buffers: dict[int, torch.Tensor] = {}  # unit -> its full gradient, being filled by backward
         self._inflight: deque[tuple[int, PendingCollective, torch.Tensor | None, torch.Tensor]] = deque()
         self._reduced: set[int] = set()
-        # While zero_grad has released the shard, each unit's reduced chunk is held apart until the sync finishes
-        # (or the step reads the shard): a released shard comes back chunk by chunk as backward frees activations,
-        # not whole at its first reduction, when activations are at their peak (FSDP2's sharded grads grow so).
-        self._landed: dict[int, torch.Tensor] = {}
         self._fresh: dict[int, bool] = {}  # unit -> whether this backward's gradients started afresh (user_loop)
         self._intervals: list[tuple[float, float]] = []
         # What p.grad holds once its gradient is on its way to the shard: None, or for a loop that reads p.grad a
@@ -178,41 +177,24 @@ class Zero2(ShardedStrategy):
         # gradient accumulation the last unit's full gradient does not sit through a forward.
         self.hooks.append(model.register_forward_pre_hook(lambda _m, _args: self._retire_all()))
 
-    def held_grads(self) -> torch.Tensor:
-        return self.grad_shard
+    def held_grads(self) -> torch.Tensor | PieceVector:
+        if self._host_shard is not None:
+            return self._host_shard
+        held = [p for p in self._pieces if p is not None]
+        return PieceVector(held or [torch.empty(0, dtype=self.reduce_dtype, device=self.comm.device)])
 
     def zero_grad(self, release: bool = False) -> None:
         self._settled = False  # fresh gradients: settled afresh under expert parallelism (flat.py)
         for name in self._sharded_grads:
             self.flat.param_named(name).grad = None
-        for chunk in self._landed.values():
-            self.ledger.drop("grads", chunk)
-        self._landed = {}
-        if release and not self.grad_offloaded:  # the storage goes back; the sync's end brings it again (_ensure)
-            self.grad_shard.untyped_storage().resize_(0)
-        elif not self._shard_released():  # (a released shard is zeros already)
-            self.grad_shard.zero_()
+        if release and not self.grad_offloaded:  # given back; each unit's next reduction allocates its piece again
+            self._pieces = [None] * len(self._pieces)
+        else:
+            for piece in self._pieces:
+                if piece is not None:  # (a piece given back is zeros already)
+                    piece.zero_()
         self._reduced = set()
         self._intervals = []
-
-    def _shard_released(self) -> bool:
-        return self.grad_shard.untyped_storage().nbytes() == 0 and self.grad_shard.numel() > 0
-
-    def _ensure_grad_shard(self) -> None:
-        """The gradient shard holds memory (if zero_grad released it: the chunks that landed apart since, zeros
-        elsewhere): its views are valid again."""
-        if self._shard_released():
-            # New pages, touched as they are written: the units that landed apart are copied in one at a time,
-            # each freed after its copy, the others zeroed; so the shard and its chunks are not resident twice.
-            self.grad_shard.untyped_storage().resize_(self.grad_shard.numel() * self.grad_shard.element_size())
-            for i, view in enumerate(self._shard_views):
-                chunk = self._landed.pop(i, None)
-                if chunk is None:
-                    view.zero_()
-                else:
-                    view.copy_(chunk)
-                    self.ledger.drop("grads", chunk)
-        # (Chunks land apart only while the shard is released, so none is left here.)
 
     @torch.no_grad()
     def _grad_ready(self, i: int, seg: Segment, p: nn.Parameter) -> None:
@@ -261,13 +243,16 @@ class Zero2(ShardedStrategy):
             self._retire_oldest()
         buffer = self._buffers.pop(i)
         adds = i in self._reduced  # a later micro-batch: reduce beside the shard, then add
-        # Offloaded, the reduction lands on the device first; with the shard released, beside it (_landed).
-        if adds or self.grad_offloaded or self._shard_released():
-            chunk = torch.empty(self._shard_views[i].shape, dtype=self.reduce_dtype, device=buffer.device)
+        length = self.shard_ranges[i][1] - self.shard_ranges[i][0]
+        # Offloaded, the reduction lands on the device first.
+        if adds or self.grad_offloaded:
+            chunk = torch.empty(length, dtype=self.reduce_dtype, device=buffer.device)
             self.ledger.hold("grads", chunk)
-        else:  # the shard still holds zero_grad's zeros: reduce straight into it
+        else:  # straight into the piece: zero_grad's zeros, or (given back) a new one the reduction fills whole
             chunk = None
-        target = self._shard_views[i] if chunk is None else chunk
+            if self._pieces[i] is None:
+                self._pieces[i] = torch.empty(length, dtype=self.reduce_dtype, device=buffer.device)
+        target = self._pieces[i] if chunk is None else chunk
         self._inflight.append((i, self.comm.reduce_scatter_sum_async(target, buffer), chunk, buffer, adds))
         self._reduced.add(i)
         self._unit_reduced(i)
@@ -284,20 +269,14 @@ class Zero2(ShardedStrategy):
         i, pending, chunk, buffer, adds = self._inflight.popleft()
         self._intervals.append(pending.wait())
         if self._averaged_in_sync:  # the shard holds averages: each backward's sum is divided as it lands
-            (self._shard_views[i] if chunk is None else chunk).div_(self.comm.world_size)
+            (self._pieces[i] if chunk is None else chunk).div_(self.comm.world_size)
         if chunk is not None:
-            if i in self._landed:  # a later micro-batch's, while the shard is still released
-                self._landed[i].add_(chunk)
-                self.ledger.drop("grads", chunk)
-            elif self._shard_released():
-                self._landed[i] = chunk  # held (and counted) until _ensure_grad_shard
+            shard = self._pieces[i]
+            if adds:  # on the shard's side (the host's, offloaded), as the step reads it
+                shard.add_(chunk.to(shard.device))
             else:
-                shard = self._shard_views[i]
-                if adds:  # on the shard's side (the host's, offloaded), as the step reads it
-                    shard.add_(chunk.to(shard.device))
-                else:
-                    shard.copy_(chunk)
-                self.ledger.drop("grads", chunk)
+                shard.copy_(chunk)
+            self.ledger.drop("grads", chunk)
         self.ledger.drop("grads", buffer)
 
     @torch.no_grad()
@@ -318,6 +297,10 @@ class Zero2(ShardedStrategy):
             self.sync_at(len(self.flat.units), self._intervals, backward_end)
             self._intervals = []
 
-    def _gradient_shard(self) -> torch.Tensor:
-        self._ensure_grad_shard()  # the chunks that landed apart since zero_grad released it (zeros elsewhere)
-        return self.grad_shard
+    def _gradient_shard(self) -> torch.Tensor | PieceVector:
+        if self._host_shard is not None:
+            return self._host_shard
+        # A unit no backward reduced since zero_grad gave its piece back holds zeros (a step with no backward).
+        self._pieces = [torch.zeros(b - a, dtype=self.reduce_dtype, device=self.comm.device) if piece is None else
+                        piece for piece, (a, b) in zip(self._pieces, self.shard_ranges)]
+        return PieceVector(self._pieces)

@@ -342,7 +342,9 @@ class Trainer:
         cfg, strategy, timer = self.cfg.train, self.strategy, self.timer
         if not self.model.training:  # train() walks every module: not on every step
             self.model.train()
-        strategy.zero_grad()
+        # ZeRO-2/3 give their gradient shard back until this step's first reduction takes it again: it is not held
+        # through the forward's activations (FSDP2's sharded gradients are freed by zero_grad(set_to_none=True)).
+        strategy.zero_grad(release=True)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.topo.device)
         for micro in range(cfg.grad_accum):
             last = micro == cfg.grad_accum - 1

@@ -78,6 +78,13 @@ def worker(topo, name: str, steps: int) -> list[tuple[str, float, float]]:
     return marks  # the last step's
 
 
+def print_marks(name: str, marks: list[tuple[str, float, float]]) -> None:
+    print(f"{name}: peak MiB since the line before / held at the mark (rank 0, above the pre-model baseline)")
+    for label, peak_mib, held_mib in marks:
+        print(f"  {label:34s} {peak_mib:7.1f} {held_mib:7.1f}")
+    print(f"  {'the step':34s} {max(p for _, p, _ in marks):7.1f}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("configs", nargs="+", choices=CONFIGS)
@@ -85,11 +92,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))  # inherited by the ranks: RSS follows tensors
     for name in args.configs:
-        marks = launch(worker, 2, name, args.steps, backend="gloo", timeout_s=600)[0]
-        print(f"{name}: peak MiB since the line before / held at the mark (rank 0, above the pre-model baseline)")
-        for label, peak_mib, held_mib in marks:
-            print(f"  {label:34s} {peak_mib:7.1f} {held_mib:7.1f}")
-        print(f"  {'the step':34s} {max(p for _, p, _ in marks):7.1f}")
+        print_marks(name, launch(worker, 2, name, args.steps, backend="gloo", timeout_s=600)[0])
     return 0
 
 

@@ -16,7 +16,7 @@ import argparse
 import gc
 import os
 
-from memory_by_phase import resident_bytes  # benchmarks/memory_by_phase.py
+from memory_by_phase import print_marks, resident_bytes  # benchmarks/memory_by_phase.py
 from zero_stages import CONFIGS, MODELS, PEER_OF  # benchmarks/zero_stages.py
 
 from minitrain.bench.peers import PeerTrainer
@@ -73,11 +73,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))  # inherited by the ranks: RSS follows tensors
     for name in args.configs:
-        marks = launch(worker, args.world, name, args.steps, MODELS[args.model], backend="gloo", timeout_s=900)[0]
-        print(f"{name}: peak MiB since the line before / held at the mark (rank 0, above the pre-model baseline)")
-        for label, peak_mib, held_mib in marks:
-            print(f"  {label:34s} {peak_mib:7.1f} {held_mib:7.1f}")
-        print(f"  {'the step':34s} {max(p for _, p, _ in marks):7.1f}")
+        print_marks(name, launch(worker, args.world, name, args.steps, MODELS[args.model], backend="gloo",
+                                 timeout_s=900)[0])
     return 0
 
 

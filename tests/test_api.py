@@ -46,8 +46,8 @@ def _train(kind, optimizer, zero, steps, rank, world, micro=1):
                 loss = lm_loss(model, part) / micro
                 loss.backward()
             total += loss.item()
-        if zero >= 2 and step > 0:  # the shard zero_grad gave back was taken again by backward's first reduction,
-            assert strategy.memory_bytes()["grads"] == strategy.expected_memory_bytes()["grads"]  # written in place
+        if zero >= 2 and step > 0:  # the shard zero_grad gave back: each unit's reduction allocated its piece again
+            assert strategy.memory_bytes()["grads"] == strategy.expected_memory_bytes()["grads"]
         norms.append(minitrain.clip_grad_norm_(model, MAX_NORM))
         opt.step()
         after_step = strategy.memory_bytes()

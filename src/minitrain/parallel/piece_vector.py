@@ -76,11 +76,6 @@ class PieceVector:
             piece.div_(value)
         return self
 
-    def mul_(self, value) -> PieceVector:
-        for piece in self.pieces:
-            piece.mul_(value)
-        return self
-
 
 def held_bytes(vector: torch.Tensor | PieceVector) -> int:
     """Bytes of the storage (or storages) holding a vector."""

@@ -89,11 +89,16 @@ def top_kernels(topo, batch: int, count: int = 15) -> list[dict]:
         trainer.train_step()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             trainer.train_step()
-    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0 and not _annotation(e)]
     total = sum(e.self_device_time_total for e in events)
     events.sort(key=lambda e: e.self_device_time_total, reverse=True)
     return [{"name": e.key[:90], "calls": e.count, "device_ms": e.self_device_time_total / 1000,
              "share": e.self_device_time_total / total if total else 0.0} for e in events[:count]]
+
+
+def _annotation(event) -> bool:
+    """Whether a profiler event is a label's span (record_function), not device work."""
+    return bool(getattr(event, "is_user_annotation", False)) or event.key.startswith(("minitrain.", "Optimizer."))
 
 
 def _kernel_times(step, steps: int = 3) -> dict:
@@ -115,9 +120,12 @@ def _kernel_times(step, steps: int = 3) -> dict:
         torch.cuda.synchronize()
         wall = (time.perf_counter() - began) / steps
     events = prof.events()
-    # Device activity: kernels, copies and sets; not the per-operator device totals the profiler also lists.
+    # Device activity: kernels, copies and sets; not the per-operator device totals the profiler also lists, nor
+    # the spans of record_function's labels on the device's timeline (minitrain.forward, Optimizer.step#...),
+    # which cover the gaps between their kernels.
     device = sorted(((e.time_range.start, e.time_range.end, e.name) for e in events
-                     if e.device_type == DeviceType.CUDA and not e.name.startswith("aten::")), key=lambda t: t[0])
+                     if e.device_type == DeviceType.CUDA and not e.name.startswith("aten::")
+                     and not _annotation(e)), key=lambda t: t[0])
     host = [(e.time_range.start, e.time_range.end, e.name) for e in events if e.device_type == DeviceType.CPU]
     by_name: dict[str, float] = {}
     for a, b, name in device:
@@ -207,13 +215,23 @@ def _where(frames: list[dict]) -> str:
     return " < ".join(picked[:3]) or (frames[0]["name"] if frames else "?")
 
 
-def _measure(topo, batch: int, steps: int) -> dict:
+def _measure(topo, batch: int, steps: int, partial: str) -> dict:
+    """Every section in turn; after each, what is measured so far goes to `partial` (JSON), so that a run stopped
+    at its time limit still leaves the sections it finished."""
+    import json
+
     topo = topo.issuing_alone()  # every collective through NCCL, as at world > 1, so that its costs show
-    return {"device": torch.cuda.get_device_name(), "cuda": torch.version.cuda, "nccl": ".".join(
-        map(str, torch.cuda.nccl.version())), "backend": topo.backend, "memory": memory_rows(topo, batch),
-            "timings": timing_rows(topo, batch, steps), "top_kernels": top_kernels(topo, batch),
-            "against_plain": against_plain(topo), "peak": [peak_composition(topo, batch, 0, "block"),
-                                                         peak_composition(topo, batch, 0, "none")]}
+    body = {"device": torch.cuda.get_device_name(), "cuda": torch.version.cuda,
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())), "backend": topo.backend}
+    sections = {"memory": lambda: memory_rows(topo, batch), "timings": lambda: timing_rows(topo, batch, steps),
+                "top_kernels": lambda: top_kernels(topo, batch), "against_plain": lambda: against_plain(topo),
+                "peak": lambda: [peak_composition(topo, batch, 0, "block"), peak_composition(topo, batch, 0, "none")]}
+    for name, measure in sections.items():
+        body[name] = measure()
+        with open(partial, "w") as f:
+            json.dump(body, f, indent=1, default=str)
+        print(f"benchmarks/gpu.py: {name} measured", flush=True)
+    return body
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -225,7 +243,8 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         print("benchmarks/gpu.py: error: no CUDA device here", file=sys.stderr)
         sys.exit(2)
-    [body] = launch(_measure, 1, args.batch, args.steps, backend="nccl", threads_per_rank=16, timeout_s=900)
+    [body] = launch(_measure, 1, args.batch, args.steps, args.out + ".partial", backend="nccl", threads_per_rank=16,
+                    timeout_s=900)
     body.update(preset=PRESET, batch=args.batch, precision="bf16")
     path = write_result(args.out, __file__, argv, body)
     print(f"{body['device']}, CUDA {body['cuda']}, NCCL {body['nccl']}, {PRESET} bf16, batch {args.batch}")

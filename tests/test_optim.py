@@ -71,3 +71,25 @@ def test_the_device_side_skip_and_clip_equal_the_host_decisions_bit_for_bit():
         host.step(grad.clone(), 1e-2)
         device.step(grad.clone(), 1e-2, found_inf=torch.zeros(()))
         assert all(torch.equal(getattr(host, n), getattr(device, n)) for n in FlatAdamW.STATE_NAMES), dtype
+
+
+def test_a_narrower_gradient_is_upcast_and_scaled_in_one_pass_with_the_same_bits():
+    """Mixed precision: the chunk that the fused kernel steps on is g * scale in float32, computed by one
+    multiplication that upcasts as it reads; the same bits as upcasting first and scaling after, with the scale a
+    Python float (the host's clip decision) or a float64 tensor (the device's), and none changed when the scale
+    is 1 or the gradient already has the master's dtype."""
+    torch.manual_seed(0)
+    where = torch.device("cpu")
+    for narrow in (torch.bfloat16, torch.float16):
+        g = (torch.randn(5000) * 1e-3).to(narrow)
+        for scale in (0.37, 1.0 / 1024, torch.tensor(0.123456789012345, dtype=torch.float64), 1.0):
+            one_pass = FlatAdamW._scaled_chunk(g, torch.float32, where, scale)
+            two_passes = g.to(torch.float32)
+            two_passes.mul_(scale)
+            assert one_pass.dtype == torch.float32 and torch.equal(one_pass, two_passes), (narrow, scale)
+            assert one_pass.data_ptr() != g.data_ptr()
+    full = torch.randn(100)
+    assert FlatAdamW._scaled_chunk(full, torch.float32, where, 1.0) is full  # nothing to copy or scale
+    expected = full * 0.5
+    assert torch.equal(FlatAdamW._scaled_chunk(full, torch.float32, where, 0.5), expected)
+    assert torch.equal(full, expected)  # scaled in place: the caller's buffer, done with

@@ -122,16 +122,27 @@ class FlatAdamW:
                     if lo < b and hi > a:
                         self.master[max(lo, a):min(hi, b)].mul_(decay)
             w = self.master[a:b]
-            # A chunk-sized copy in mixed precision or when offloaded; the gradient itself otherwise.
-            g = grad[a:b].to(device=where, dtype=w.dtype)
-            if isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0:
-                g.mul_(grad_scale)
+            g = self._scaled_chunk(grad[a:b], w.dtype, where, grad_scale)
             adamw([w], [g], [self.exp_avg[a:b]], [self.exp_avg_sq[a:b]], [], [self._steps[a // self.chunk]],
                   amsgrad=False, beta1=beta1, beta2=beta2, lr=lr, weight_decay=0.0, eps=self.eps, maximize=False,
                   found_inf=found_inf, **self._kernel)
             if self.store is not None:  # disk: this chunk's pages go back to the kernel, the file keeps them
                 for t in (w, self.exp_avg[a:b], self.exp_avg_sq[a:b]):
                     self.store.release(t)
+
+    @staticmethod
+    def _scaled_chunk(g: torch.Tensor, dtype: torch.dtype, where: torch.device,
+                      grad_scale: float | torch.Tensor) -> torch.Tensor:
+        """g * grad_scale in `dtype` on `where`: a chunk-sized copy in mixed precision or when offloaded, the
+        gradient itself scaled in place otherwise. A narrower gradient on the master's device is upcast by the
+        multiplication itself (a one-element `dtype` factor: the product is computed in `dtype`, each bf16 or fp16
+        element converted exactly first), one pass where a copy and then a scaling made two."""
+        unscaled = not isinstance(grad_scale, torch.Tensor) and grad_scale == 1.0
+        if g.dtype != dtype and g.device == where and not unscaled:
+            factor = torch.as_tensor(grad_scale, dtype=dtype, device=where).reshape(1)
+            return g * factor
+        g = g.to(device=where, dtype=dtype)
+        return g if unscaled else g.mul_(grad_scale)
 
     def release_pages(self) -> None:
         """Disk offload: after the strategy has published the master, its pages go back to the kernel too."""

@@ -128,8 +128,10 @@ def _kernel_times(step, steps: int = 3) -> dict:
                      and not _annotation(e)), key=lambda t: t[0])
     host = [(e.time_range.start, e.time_range.end, e.name) for e in events if e.device_type == DeviceType.CPU]
     by_name: dict[str, float] = {}
+    calls: dict[str, float] = {}
     for a, b, name in device:
         by_name[name] = by_name.get(name, 0.0) + (b - a) / 1e6 / steps
+        calls[name] = calls.get(name, 0) + 1 / steps
     busy, gaps, end = 0.0, [], None  # microseconds
     for a, b, _ in device:
         if end is not None and a > end:
@@ -150,7 +152,8 @@ def _kernel_times(step, steps: int = 3) -> dict:
         for table, key in ((idle_by_phase, phase), (idle_by_op, op)):
             table[key] = table.get(key, 0.0) + (b - a) / 1e6 / steps
     top = lambda table: dict(sorted(table.items(), key=lambda kv: -kv[1])[:10])  # noqa: E731
-    return {"wall_s": wall, "busy_s": busy / 1e6 / steps, "by_name": by_name, "idle_by_phase": top(idle_by_phase),
+    return {"wall_s": wall, "busy_s": busy / 1e6 / steps, "by_name": by_name, "calls": calls,
+            "idle_by_phase": top(idle_by_phase),
             "idle_by_op": top(idle_by_op)}
 
 
@@ -168,10 +171,11 @@ def against_plain(topo, batch: int = 16) -> dict:
     names = set(ours["by_name"]) | set(plain["by_name"])
     diff = sorted(((ours["by_name"].get(n, 0.0) - plain["by_name"].get(n, 0.0), n) for n in names), reverse=True)
     summary = lambda k: {key: k[key] for key in ("wall_s", "busy_s", "idle_by_phase", "idle_by_op")}  # noqa: E731
+    row = lambda d, n: {"name": n[:90], "extra_ms": 1000 * d, "calls": round(ours["calls"].get(n, 0)),  # noqa: E731
+                        "plain_calls": round(plain["calls"].get(n, 0))}
     return {"batch": batch, "late_stats": trainer.late_stats, "ours": summary(ours), "ours_read_at_once":
             summary(at_once), "plain": summary(plain),
-            "kernels_more": [{"name": n[:90], "extra_ms": 1000 * d} for d, n in diff[:12]],
-            "kernels_less": [{"name": n[:90], "extra_ms": 1000 * d} for d, n in diff[-5:]]}
+            "kernels_more": [row(d, n) for d, n in diff[:20]], "kernels_less": [row(d, n) for d, n in diff[-8:]]}
 
 
 def peak_composition(topo, batch: int, zero: int, checkpointing: str, count: int = 12) -> dict:
@@ -274,8 +278,9 @@ def main(argv: list[str] | None = None) -> None:
               f"{human_bytes(p['allocated_at_end'])} at the step's end; plan {p['plan']}")
         for block in p["largest_at_peak"]:
             print(f"    {human_bytes(block['bytes']):>10}  {block['where']}")
-    print(format_table(["kernel (ours - plain)", "ms per step"],
-                       [[k["name"], f"{k['extra_ms']:+.2f}"] for k in vs["kernels_more"] + vs["kernels_less"]]))
+    print(format_table(["kernel (ours - plain)", "ms per step", "calls", "plain's"],
+                       [[k["name"], f"{k['extra_ms']:+.2f}", k.get("calls", "?"), k.get("plain_calls", "?")]
+                        for k in vs["kernels_more"] + vs["kernels_less"]]))
     print(f"wrote {path}")
 
 

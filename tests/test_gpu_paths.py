@@ -344,19 +344,36 @@ def test_a_snapshot_makes_no_second_copy_of_the_state_where_it_lives(tmp_path, m
         assert torch.equal(job.shards["params"], state.strategy.local_params()), zero
 
 
-def test_a_gpus_norm_upcasts_in_its_reduction_and_agrees_with_the_float64_copies():
-    """On a GPU SquareSums takes each chunk's sum of squares by a float64 reduction that upcasts as it reads (no
-    float64 copy, no cuBLAS dot: 1.8 ms of a gpt2-124m step on an H100). The same sums as the CPU's copies to
-    float64 summation's error (the two sum in other orders: 6e-14 apart on this CPU's float32 chunks), chunk by
-    chunk, for every narrow dtype and a vector of several chunks and a tail."""
-    from minitrain.parallel.norms import SquareSums, sum_in_order, upcasting_square_sums
+def test_a_gpus_norm_sums_squares_in_float64_without_a_copy_and_agrees_with_the_float64_copies(monkeypatch):
+    """On a GPU SquareSums takes each chunk's sum of squares by one compiled kernel that upcasts as it reads (no
+    float64 copy, no cuBLAS dot: 1.8 ms of a gpt2-124m step on an H100), here compiled for this CPU. The same sums
+    as the CPU's copies to float64 summation's error (the two sum in other orders), chunk by chunk, for a narrow
+    and a full dtype, a vector of several chunks and a tail; where torch.compile cannot run, the eager form with
+    a warning that says so."""
+    from minitrain.parallel import norms
 
+    monkeypatch.setattr(norms, "_compiled_square_sum", None)
     torch.manual_seed(0)
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        x = (torch.randn(3 * SquareSums.CHUNK + 777) * 3).to(dtype)
-        copied, upcast = SquareSums().block_dots(x), upcasting_square_sums(x, SquareSums.CHUNK)
+    chunk = norms.SquareSums.CHUNK
+    for dtype in (torch.bfloat16, torch.float32):
+        x = (torch.randn(3 * chunk + 777) * 3).to(dtype)
+        copied, upcast = norms.SquareSums().block_dots(x), norms.upcasting_square_sums(x, chunk)
         assert len(copied) == len(upcast) == 4 and all(d.dtype == torch.float64 for d in upcast)
         for a, b in zip(copied, upcast):
             assert abs(float(a) - float(b)) <= 1e-12 * float(a), (dtype, float(a), float(b))
         exact = float(x.double().square().sum())
-        assert abs(float(sum_in_order(upcast, x.device)) - exact) <= 1e-12 * exact
+        assert abs(float(norms.sum_in_order(upcast, x.device)) - exact) <= 1e-12 * exact
+    assert norms._compiled_square_sum is not False  # compiled, not the fallback
+
+    def no_compiler(fn, **kwargs):
+        def fails(*args):
+            raise RuntimeError("no Triton here")
+        return fails
+
+    monkeypatch.setattr(norms, "_compiled_square_sum", None)
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    x = torch.randn(1000).to(torch.bfloat16)
+    with pytest.warns(UserWarning, match="torch.compile failed .*no Triton here.*run eagerly"):
+        [eager] = norms.upcasting_square_sums(x, chunk)
+    assert eager.dtype == torch.float64 and abs(float(eager) - float(x.double().square().sum())) <= 1e-12 * float(eager)
+    assert norms._compiled_square_sum is False

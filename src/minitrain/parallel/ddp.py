@@ -86,7 +86,7 @@ class NaiveDataParallel(ReplicatedStrategy):
         backward_end = self.comm.clock.mark()
         intervals = [self.comm.all_reduce_sum_async(self.to_reduce.range(s.offset, s.offset + s.numel)).wait()
                      for s in self.flat.segments]
-        self.to_reduce.tensor().div_(self.comm.world_size)
+        self._average(self.to_reduce.tensor())
         self.sync_at(len(self.flat.segments), intervals, backward_end)
 
 
@@ -108,7 +108,7 @@ class BucketedDataParallel(ReplicatedStrategy):
     def _sync(self) -> None:
         backward_end = self.comm.clock.mark()
         intervals = self.overlapped.finish()
-        self.to_reduce.tensor().div_(self.comm.world_size)
+        self._average(self.to_reduce.tensor())
         self.sync_at(len(self.buckets), intervals, backward_end)
 
 
@@ -138,7 +138,7 @@ class TorchDataParallel(ReplicatedStrategy):
         wide = buffer if self.reduce_dtype == buffer.dtype else buffer.to(self.reduce_dtype)
         pending = self.comm.all_reduce_sum_async(wide)
         self._launched.append(pending)
-        return pending.then(lambda: buffer.copy_(wide.div_(self.comm.world_size)))
+        return pending.then(lambda: buffer.copy_(self._average(wide)))
 
     def no_sync(self):
         return self.module.no_sync()

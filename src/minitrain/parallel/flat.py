@@ -219,6 +219,11 @@ class FlatStrategy:
                 local[a:b] = part  # (item assignment: local may be a PieceVector, ZeRO-2/3's shard)
         local.div_(self._ep.world_size)
 
+    def _average(self, summed: torch.Tensor) -> torch.Tensor:
+        """summed / the data-parallel ranks, in place. One rank's sum is left as it is: dividing by 1 changes no
+        bit, and on one GPU the pass over the whole gradient is time the plain loop does not spend."""
+        return summed if self.comm.world_size == 1 else summed.div_(self.comm.world_size)
+
     def _synced_grad(self) -> torch.Tensor:
         """_averaged_grad(), settled once per step under expert parallelism."""
         grad = self._averaged_grad()

@@ -1,6 +1,8 @@
 """Global norms and clipping, as the strategies compute them: float64 sums of squares and the clip coefficient."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 
@@ -70,14 +72,37 @@ class SquareSums:
 
 
 def upcasting_square_sums(x: torch.Tensor, chunk: int) -> list[torch.Tensor]:
-    """Each chunk's sum of squares by a float64 reduction that upcasts as it reads (SquareSums' way on a GPU).
-    There the float64 copy and cuBLAS's float64 dot cost, at gpt2-124m in bf16, 1.8 ms of a 54 ms step for the
-    gradient's and the parameters' norms (an H100, benchmarks/gpu.py); this reads each element once. It sums in
-    another order than the dot: the two agree to float64 summation's error (1e-13 relative at most, against the
-    1e-7 of a float32 sum). A chunk's value depends on its elements and on how its start is aligned (the
-    reduction's vectorised loads), so pieces cut at multiples of the chunk agree with the whole vector to those
-    roundings, not always to the bit as the CPU's copies do."""
-    return [torch.linalg.vector_norm(part, dtype=torch.float64).square() for part in x.split(chunk)]
+    """Each chunk's sum of squares in float64 with no float64 copy of it (SquareSums' way on a GPU). There the
+    copy and cuBLAS's float64 dot cost, at gpt2-124m in bf16, 1.8 ms of a 54 ms step for the gradient's and the
+    parameters' norms (an H100, benchmarks/gpu.py); torch.linalg.vector_norm(dtype=float64) makes the same copy
+    inside. A compiled kernel reads each element once and keeps the float64 sum in registers. It sums in another
+    order than the dot: the two agree to float64 summation's error (1e-13 relative at most, against the 1e-7 of a
+    float32 sum), so pieces cut at multiples of the chunk agree with the whole vector to those roundings, not
+    always to the bit as the CPU's copies do."""
+    return [_float64_square_sum(part.detach()) for part in x.split(chunk)]
+
+
+def _square_sum_in_float64(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.float64).square().sum()
+
+
+_compiled_square_sum = None  # torch.compile of the above, made at first use; False where compiling failed
+
+
+def _float64_square_sum(x: torch.Tensor) -> torch.Tensor:
+    """_square_sum_in_float64, compiled (one kernel: upcast, square and sum fused; any length, one graph); eager,
+    with a chunk-sized float64 copy, where torch.compile cannot run (no Triton, no C++ compiler)."""
+    global _compiled_square_sum
+    if _compiled_square_sum is None:
+        _compiled_square_sum = torch.compile(_square_sum_in_float64, dynamic=True)
+    if _compiled_square_sum is not False:
+        try:
+            return _compiled_square_sum(x)
+        except Exception as e:  # noqa: BLE001 - whatever stops the compiler, the eager form gives the same sum
+            warnings.warn(f"norms: torch.compile failed ({type(e).__name__}: {str(e)[:200]}); the float64 sums "
+                          "of squares run eagerly, with a float64 copy of each chunk", stacklevel=2)
+            _compiled_square_sum = False
+    return _square_sum_in_float64(x)
 
 
 def sum_in_order(dots, device: torch.device) -> torch.Tensor:

@@ -84,7 +84,7 @@ class ShardedStrategy(FlatStrategy):
             self.finish_grad_sync()
             self._grad = self._gradient_shard()
             if not self._averaged_in_sync:
-                self._grad.div_(self.comm.world_size)
+                self._average(self._grad)
         return self._grad
 
     def _end_step(self) -> None:
@@ -127,7 +127,7 @@ class Zero1(ShardedStrategy):
             self.sync_at(len(self.buckets), intervals, backward_end)
             self._synced = True
             if self._averaged_in_sync:
-                self._show_averaged(self.to_reduce.tensor().div_(self.comm.world_size))
+                self._show_averaged(self._average(self.to_reduce.tensor()))
 
     def _gradient_shard(self) -> torch.Tensor:
         """This rank's range of the summed gradient: a view (one unit, the whole model, gives one range)."""
@@ -269,7 +269,7 @@ class Zero2(ShardedStrategy):
         i, pending, chunk, buffer, adds = self._inflight.popleft()
         self._intervals.append(pending.wait())
         if self._averaged_in_sync:  # the shard holds averages: each backward's sum is divided as it lands
-            (self._pieces[i] if chunk is None else chunk).div_(self.comm.world_size)
+            self._average(self._pieces[i] if chunk is None else chunk)
         if chunk is not None:
             shard = self._pieces[i]
             if adds:  # on the shard's side (the host's, offloaded), as the step reads it

@@ -93,3 +93,36 @@ def test_a_narrower_gradient_is_upcast_and_scaled_in_one_pass_with_the_same_bits
     expected = full * 0.5
     assert torch.equal(FlatAdamW._scaled_chunk(full, torch.float32, where, 0.5), expected)
     assert torch.equal(full, expected)  # scaled in place: the caller's buffer, done with
+
+
+def test_the_decay_folded_into_the_fused_kernel_matches_torchs_fused_adamw_in_float64():
+    """On a GPU the fused kernel applies the weight decay (fold_decay): the same bits as torch.optim.AdamW with
+    fused=True, chunk boundaries falling inside decayed and undecayed ranges (a 1000-element chunk), a tail, and
+    skip decisions on the device that leave everything untouched."""
+    torch.manual_seed(0)
+    ours_model = MiniGPT(ModelConfig(**PRESETS["tiny"])).double()
+    ref = MiniGPT(ModelConfig(**PRESETS["tiny"])).double()
+    ref.load_state_dict(ours_model.state_dict())
+    flat = FlatParameters(ours_model, world_size=3)
+    opt = FlatAdamW(flat.data.clone(), flat.decay_ranges(), (0.9, 0.95), 1e-8, 0.1, chunk=1000, fold_decay=True)
+    assert any(len(calls) == 2 for calls in opt._calls)  # some chunk holds runs with and without decay
+    decay = [p for p in ref.parameters() if p.dim() >= 2]
+    no_decay = [p for p in ref.parameters() if p.dim() < 2]
+    torch_opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=1e-2, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    for step in range(4):
+        x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(step))
+        flat.grad.zero_()
+        ours_model(x, x).backward()
+        opt.step(flat.grad, lr=1e-2, found_inf=torch.zeros(()))
+        flat.data.copy_(opt.master)
+        torch_opt.zero_grad()
+        ref(x, x).backward()
+        torch_opt.step()
+    before = {n: getattr(opt, n).clone() for n in FlatAdamW.STATE_NAMES}
+    opt.step(flat.grad, lr=1e-2, found_inf=torch.ones(()))
+    assert all(torch.equal(getattr(opt, n), before[n]) for n in FlatAdamW.STATE_NAMES)
+    assert opt.steps_taken == 4 and len({float(c) for c in opt._steps}) == 1
+    for (name, a), b in zip(ours_model.named_parameters(), ref.parameters()):
+        assert torch.equal(a, b), name
+    assert torch.all(flat.data[flat.numel:] == 0)

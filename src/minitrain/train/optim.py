@@ -45,6 +45,9 @@ class FlatAdamW:
     The update is PyTorch's own fused AdamW kernel (one pass over w, g, m and v per chunk, where
     the unfused form makes seven), with weight decay applied just before it, chunk by chunk, as
     torch.optim.AdamW applies it: the two agree to the last bit in float64 (tests/test_optim.py).
+    On a GPU (fold_decay) the kernel applies the decay itself, as torch.optim.AdamW(fused=True) does (w -= lr *
+    decay * w, rounded otherwise than w *= 1 - lr * decay): a chunk is then two calls, its runs with and without
+    decay, each run with its own step count; a pass over the master and a kernel per decayed range fewer.
     """
 
     STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
@@ -60,10 +63,11 @@ class FlatAdamW:
 
     def __init__(self, master: torch.Tensor, decay_ranges: list[tuple[int, int]],
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
-                 store: OffloadStore | None = None, chunk: int | None = None):
+                 store: OffloadStore | None = None, chunk: int | None = None, fold_decay: bool | None = None):
         """store: where the master and the state live (offload.py); None: where `master` is. chunk: elements
         stepped per kernel call (--train.offload_chunk_mb when offloaded: with disk, what is resident at once;
-        by default chunk_for the master's device)."""
+        by default chunk_for the master's device). fold_decay: the fused kernel applies the weight decay
+        (default: where the master is on a GPU)."""
         self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
         self.store, self.chunk = store, chunk or FlatAdamW.chunk_for(master.device)
         self.master = master if store is None else store.copy_of("master", master)
@@ -76,9 +80,28 @@ class FlatAdamW:
         # float32 (exact to 2**24 steps), where the master is (the host's when offloaded). A step the fused kernel
         # skips (found_inf) it also takes back from the count: the count is right on the device without the host
         # ever reading the gradient norm, so the trainer can read a step's statistics after the next step began.
-        chunks = max(1, -(-self.master.numel() // self.chunk))
-        self._steps = [torch.zeros((), dtype=torch.float32, device=self.master.device) for _ in range(chunks)]
         self._kernel = {"fused": True} if self.master.device.type in FUSED_DEVICES else {"foreach": True}
+        fold = self.master.device.type == "cuda" if fold_decay is None else fold_decay
+        self._fold = bool(fold and "fused" in self._kernel and self.weight_decay)
+        # Per chunk, the kernel calls that step it: (weight decay, [(start, stop), ...]). Folded, a chunk's runs
+        # with decay and its runs without, each run counted by its own step tensor.
+        self._calls = [self._chunk_calls(a, min(a + self.chunk, self.master.numel()))
+                       for a in range(0, self.master.numel(), self.chunk)]
+        runs = max(1, sum(len(runs) for calls in self._calls for _, runs in calls))
+        self._steps = [torch.zeros((), dtype=torch.float32, device=self.master.device) for _ in range(runs)]
+
+    def _chunk_calls(self, a: int, b: int) -> list[tuple[float, list[tuple[int, int]]]]:
+        """The kernel calls for master[a:b]: one without decay over the whole chunk (the decay is a pass of its own
+        before it), or, folded, the chunk cut at the decay ranges' ends into a call over the runs that decay and
+        one over the runs that do not."""
+        if not self._fold:
+            return [(0.0, [(a, b)])]
+        cuts = sorted({a, b} | {x for lo, hi in self.decay_ranges for x in (lo, hi) if a < x < b})
+        runs = list(zip(cuts, cuts[1:]))
+        decays = [any(lo <= x and y <= hi for lo, hi in self.decay_ranges) for x, y in runs]
+        calls = [(self.weight_decay, [r for r, d in zip(runs, decays) if d]),
+                 (0.0, [r for r, d in zip(runs, decays) if not d])]
+        return [(wd, rs) for wd, rs in calls if rs]
 
     @property
     def skips_on_device(self) -> bool:
@@ -115,17 +138,20 @@ class FlatAdamW:
             grad_scale = grad_scale.to(where)
         # Chunk by chunk, so what the weight decay and the scaling touch is still in cache when the
         # kernel reads it, and a mixed-precision step upcasts one chunk, not the whole gradient.
-        for a in range(0, self.master.numel(), self.chunk):
+        counts = iter(self._steps)
+        for a, calls in zip(range(0, self.master.numel(), self.chunk), self._calls):
             b = min(a + self.chunk, self.master.numel())
-            if self.weight_decay:
+            if self.weight_decay and not self._fold:
                 for lo, hi in self.decay_ranges:
                     if lo < b and hi > a:
                         self.master[max(lo, a):min(hi, b)].mul_(decay)
             w = self.master[a:b]
             g = self._scaled_chunk(grad[a:b], w.dtype, where, grad_scale)
-            adamw([w], [g], [self.exp_avg[a:b]], [self.exp_avg_sq[a:b]], [], [self._steps[a // self.chunk]],
-                  amsgrad=False, beta1=beta1, beta2=beta2, lr=lr, weight_decay=0.0, eps=self.eps, maximize=False,
-                  found_inf=found_inf, **self._kernel)
+            for weight_decay, runs in calls:
+                adamw([w[x - a:y - a] for x, y in runs], [g[x - a:y - a] for x, y in runs],
+                      [self.exp_avg[x:y] for x, y in runs], [self.exp_avg_sq[x:y] for x, y in runs], [],
+                      [next(counts) for _ in runs], amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
+                      weight_decay=weight_decay, eps=self.eps, maximize=False, found_inf=found_inf, **self._kernel)
             if self.store is not None:  # disk: this chunk's pages go back to the kernel, the file keeps them
                 for t in (w, self.exp_avg[a:b], self.exp_avg_sq[a:b]):
                     self.store.release(t)

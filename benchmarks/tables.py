@@ -388,6 +388,7 @@ TABLES = {
     "torchrun_restarts": ("torchrun_restarts_*.json", torchrun_restarts),
     "throughput": ("throughput.json", throughput),
     "throughput_gpu": ("throughput_gpu*.json", throughput),
+    "gpu_throughput_before": ("gpu_throughput_*.json", throughput),  # an earlier commit, the same session
     "gpu_memory": ("gpu.json", gpu_memory),
     "gpu_timings": ("gpu.json", gpu_timings),
     "gpu_against_plain": ("gpu.json", gpu_against_plain),

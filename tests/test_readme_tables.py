@@ -24,7 +24,7 @@ KEYS = {"prepare_vs_peers": TIMED | {"world", "warmup"}, "zero_stages": TIMED | 
         "torchrun_restarts": {"label", "minitrain_src", "trials", "results"},
         "throughput": {"device", "format", "results"}, "before_after": {"before", "repeats", "format", "results"},
         "multinode": {"repeats", "elastic_trials", "rdzv_conf", "exactness", "elastic"},
-        "throughput_gpu": {"device", "format", "results"}, "gpu_before_after": {"device", "nccl", "memory", "timings"},
+        "throughput_gpu": {"device", "format", "results"}, "gpu_throughput_before": {"device", "format", "results"}, "gpu_before_after": {"device", "nccl", "memory", "timings"},
         "gpu_memory": {"device", "memory"}, "gpu_timings": {"device", "nccl", "timings"},
         "gpu_against_plain": {"device", "against_plain", "peak"},
         "object_store": {"preset", "bytes", "repeats", "format", "results"}}

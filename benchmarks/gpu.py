@@ -22,6 +22,7 @@ Writes benchmarks/results/gpu.json (or --out). Needs a CUDA device; exits 2 with
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 
@@ -219,7 +220,7 @@ def _where(frames: list[dict]) -> str:
     return " < ".join(picked[:3]) or (frames[0]["name"] if frames else "?")
 
 
-def _measure(topo, batch: int, steps: int, partial: str) -> dict:
+def _measure(topo, batch: int, steps: int, partial: str, only: list[str] | None = None) -> dict:
     """Every section in turn; after each, what is measured so far goes to `partial` (JSON), so that a run stopped
     at its time limit still leaves the sections it finished."""
     import json
@@ -231,6 +232,8 @@ def _measure(topo, batch: int, steps: int, partial: str) -> dict:
                 "top_kernels": lambda: top_kernels(topo, batch), "against_plain": lambda: against_plain(topo),
                 "peak": lambda: [peak_composition(topo, batch, 0, "block"), peak_composition(topo, batch, 0, "none")]}
     for name, measure in sections.items():
+        if only and name not in only:
+            continue
         body[name] = measure()
         with open(partial, "w") as f:
             json.dump(body, f, indent=1, default=str)
@@ -243,12 +246,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=8, help="examples per step (default 8)")
     parser.add_argument("--steps", type=int, default=5, help="measured steps per timing row (default 5)")
     parser.add_argument("--out", default=str(RESULTS / "gpu.json"))
+    parser.add_argument("--only", nargs="+", metavar="SECTION", help="measure these sections only (memory, timings, "
+                        "top_kernels, against_plain, peak) and print their figures; a check, not a results file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/gpu.py: error: no CUDA device here", file=sys.stderr)
         sys.exit(2)
-    [body] = launch(_measure, 1, args.batch, args.steps, args.out + ".partial", backend="nccl", threads_per_rank=16,
-                    timeout_s=900)
+    [body] = launch(_measure, 1, args.batch, args.steps, args.out + ".partial", args.only, backend="nccl",
+                    threads_per_rank=16, timeout_s=900)
+    if args.only:
+        print(json.dumps(body, indent=1, default=str))
+        return
     body.update(preset=PRESET, batch=args.batch, precision="bf16")
     path = write_result(args.out, __file__, argv, body)
     print(f"{body['device']}, CUDA {body['cuda']}, NCCL {body['nccl']}, {PRESET} bf16, batch {args.batch}")

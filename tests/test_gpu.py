@@ -169,6 +169,10 @@ def test_offload_keeps_the_state_on_the_host_and_trains_as_without(zero, offload
             losses = [trainer.train_step().loss for _ in range(3)]
             where = {"params": s.held_params().device.type, "master": s.optimizer.master.device.type,
                      "grads": s.held_grads().device.type}
+            # Published exactly: the parameters are the master rounded to bf16, every element (world 1: the shard is
+            # everything), whether the rounding ran on the host or on the device after the copy.
+            published = s.held_params().detach().cpu()
+            assert torch.equal(published, s.optimizer.master.detach().cpu().to(published.dtype)), (zero, mode)
             return losses, before, s.optimizer.master.detach().cpu().clone(), where
 
     plain, ours = run("none"), run(offload)

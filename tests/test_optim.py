@@ -88,6 +88,9 @@ def test_a_narrower_gradient_is_upcast_and_scaled_in_one_pass_with_the_same_bits
             two_passes.mul_(scale)
             assert one_pass.dtype == torch.float32 and torch.equal(one_pass, two_passes), (narrow, scale)
             assert one_pass.data_ptr() != g.data_ptr()
+            kept = torch.full((6000,), float("nan"))  # an offloaded step's buffer, longer than the chunk
+            into = FlatAdamW._scaled_chunk(g, torch.float32, where, scale, out=kept)
+            assert into.data_ptr() == kept.data_ptr() and torch.equal(into, two_passes), (narrow, scale)
     full = torch.randn(100)
     assert FlatAdamW._scaled_chunk(full, torch.float32, where, 1.0) is full  # nothing to copy or scale
     expected = full * 0.5

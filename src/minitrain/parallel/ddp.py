@@ -27,6 +27,7 @@ from ..runtime.comm import Comm, PendingCollective
 from .buckets import GradientToReduce, OverlappedAllReduce
 from .config import ParallelConfig
 from .flat import FlatStrategy, OptimizerFactory
+from .offload import copy_converting_on_device
 
 
 class ReplicatedStrategy(FlatStrategy):
@@ -56,7 +57,8 @@ class ReplicatedStrategy(FlatStrategy):
 
     def _publish(self) -> None:
         if not self.master_is_params:  # else the optimizer has updated the parameters themselves
-            self.flat.data.copy_(self.optimizer.master)  # rounds to the parameters' dtype in mixed precision
+            # Rounds to the parameters' dtype in mixed precision (on the device when the master is offloaded).
+            copy_converting_on_device(self.flat.data, self.optimizer.master)
 
     def _end_step(self) -> None:
         self._synced = False

@@ -38,7 +38,7 @@ from .buckets import GradientToReduce, OverlappedAllReduce
 from .config import ParallelConfig
 from .flat import FlatStrategy, OptimizerFactory
 from .layout import Segment, local_views, missing_gradients
-from .offload import host_zeros
+from .offload import copy_converting_on_device, host_zeros
 from .piece_vector import PieceVector
 from .units import module_units, unit_layout
 from .visible_grads import ShardedGradient
@@ -59,8 +59,8 @@ class ShardedStrategy(FlatStrategy):
         master = self.optimizer.master  # at ZeRO-1 it may be this rank's chunk of flat.data: gathered in place
         # From the device the collective runs on: an offloaded master is on the host.
         data = self.flat.data
-        source = master if (master.dtype, master.device) == (data.dtype, data.device) else master.to(
-            device=data.device, dtype=data.dtype)
+        source = master if (master.dtype, master.device) == (data.dtype, data.device) else copy_converting_on_device(
+            torch.empty(master.numel(), dtype=data.dtype, device=data.device), master)
         if source is not master:
             self.ledger.hold("params", source)
         views = local_views(source, self.shard_ranges)
@@ -274,8 +274,8 @@ class Zero2(ShardedStrategy):
             shard = self._pieces[i]
             if adds:  # on the shard's side (the host's, offloaded), as the step reads it
                 shard.add_(chunk.to(shard.device))
-            else:
-                shard.copy_(chunk)
+            else:  # offloaded: into pinned memory without the host waiting (finish_grad_sync waits once for all)
+                shard.copy_(chunk, non_blocking=True)
             self.ledger.drop("grads", chunk)
         self.ledger.drop("grads", buffer)
 
@@ -288,6 +288,8 @@ class Zero2(ShardedStrategy):
     def finish_grad_sync(self) -> None:
         backward_end = self.comm.clock.mark()
         self._retire_all()
+        if self.grad_offloaded and self.comm.device.type == "cuda":  # the host reads the shard next: its copies
+            torch.cuda.current_stream(self.comm.device).synchronize()  # from the device have landed
         unreduced = [u for i, u in enumerate(self.flat.units) if i not in self._reduced or self._arrived[i]]
         if unreduced:
             missing = [s.name for u in unreduced for s in u.segments

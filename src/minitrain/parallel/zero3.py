@@ -34,6 +34,7 @@ from ..runtime.comm import Comm, PendingCollective
 from .config import ParallelConfig
 from .flat import OptimizerFactory
 from .layout import local_views, take
+from .offload import copy_converting_on_device
 from .param_use import GatherOnUse, tensors_in
 from .zero import Zero2
 
@@ -251,4 +252,4 @@ class Zero3(Zero2):
         """Full precision: nothing to do, the optimizer updated the parameter shard in place.
         Mixed: round the master into the 16-bit shard (gathered unit by unit at the next forward)."""
         if not self.master_is_params:
-            self.param_shard.copy_(self.optimizer.master)
+            copy_converting_on_device(self.param_shard, self.optimizer.master)

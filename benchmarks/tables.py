@@ -362,6 +362,18 @@ def gpu_before_after(docs: list[dict]) -> list[str]:
             *_table(["ZeRO", "offload", "before ms", "after ms", "after / before"], "><>>>", rows)]
 
 
+def offload_gpu(docs: list[dict]) -> list[str]:
+    """benchmarks/gpu.py's timing rows, for the offloaded step: its time against the same stage without offload (the
+    same run), and where it went."""
+    doc = docs[0]
+    base = {r["zero"]: r["step_s"] for r in doc["timings"] if r["offload"] == "none"}
+    rows = [[str(r["zero"]), r["offload"], f"{1000 * r['step_s']:.1f}", f"{r['step_s'] / base[r['zero']]:.2f}",
+             f"{1000 * r['phases_s']['backward']:.1f}", f"{1000 * r['phases_s']['optimizer']:.1f}"]
+            for r in doc["timings"] if r["zero"] in (0, 2)]
+    return [f"{doc['device']}, {doc['preset']} {doc['precision']}, batch {doc['batch']}; medians of 5 steps.", "",
+            *_table(["ZeRO", "offload", "step ms", "vs none", "backward ms", "optimizer ms"], "><>>>>", rows)]
+
+
 def object_store(docs: list[dict]) -> list[str]:
     doc = docs[0]
     rows = [[op, fmt_range(stats, "{:.0f}")] for op, stats in doc["results"].items()]
@@ -394,6 +406,7 @@ TABLES = {
     "gpu_against_plain": ("gpu.json", gpu_against_plain),
     "gpu_before_after": ("gpu_[bh]*.json", gpu_before_after),  # both on the H200
     "object_store": ("object_store.json", object_store),
+    "offload_gpu": ("offload_gpu.json", offload_gpu),
     "multinode": ("multinode.json", multinode),
     "before_after": ("before_after.json", before_after),
 }

@@ -25,6 +25,7 @@ KEYS = {"prepare_vs_peers": TIMED | {"world", "warmup"}, "zero_stages": TIMED | 
         "throughput": {"device", "format", "results"}, "before_after": {"before", "repeats", "format", "results"},
         "multinode": {"repeats", "elastic_trials", "rdzv_conf", "exactness", "elastic"},
         "throughput_gpu": {"device", "format", "results"}, "gpu_throughput_before": {"device", "format", "results"}, "gpu_before_after": {"device", "nccl", "memory", "timings"},
+        "offload_gpu": {"device", "timings", "preset", "precision", "batch"},
         "gpu_memory": {"device", "memory"}, "gpu_timings": {"device", "nccl", "timings"},
         "gpu_against_plain": {"device", "against_plain", "peak"},
         "object_store": {"preset", "bytes", "repeats", "format", "results"}}

@@ -37,6 +37,7 @@ part 60 "throughput, eager, statistics read at once" python3 benchmarks/throughp
 part 170 "benchmarks/gpu.py" python3 benchmarks/gpu.py --out "$OUT/gpu.json"
 part 120 "throughput, compiled" python3 benchmarks/throughput.py --configs gpt2-124m/bf16 --batch-size 16 \
     --rounds 7 --compile --out "$OUT/throughput_gpu_compiled.json"
+part 40 "offload's copies and the host's Adam, one by one" python3 benchmarks/offload_copies_gpu.py
 part 40 "minitrain train on the GPU, as a user runs it" python3 -m minitrain train --preset small --zero 2 \
     --precision bf16 --steps 30 --train.log_every 10 --memory-profile --out /tmp/cli-run
 echo "=== done $(date +%T)"

@@ -165,7 +165,7 @@ class FlatAdamW:
     def _landed(self, g: torch.Tensor) -> torch.Tensor:
         """A device's gradient chunk copied into a pinned host buffer kept for the run, which the next chunk
         overwrites. Copied into fresh pageable memory, gpt2-124m's bf16 gradient took 205 ms on an H100, against 5
-        ms into pinned memory (docs/offload.md); each host upcast then also lands in one kept buffer (_upcast)."""
+        ms into pinned memory (benchmarks/offload_copies_gpu.py); each host upcast then lands in a kept buffer too."""
         if self._landing is None or self._landing.dtype != g.dtype:
             pinned = torch.cuda.is_available()
             self._landing = torch.empty(self.chunk, dtype=g.dtype, pin_memory=pinned)

@@ -374,3 +374,23 @@ def test_two_runs_given_one_offload_directory_write_apart(tmp_path):
     assert offload_directory(first) != offload_directory(second)
     assert offload_directory(first).parent == offload_directory(second).parent == tmp_path / "nvme"
     assert offload_directory(_config(1, 0, "disk", str(tmp_path / "c"))) == tmp_path / "c" / "offload"
+
+
+def test_a_gpus_copies_go_through_kept_buffers_and_round_as_one_copy_would():
+    """What a GPU's offloaded step does with its copies, on this CPU: the master crosses into a staging buffer and
+    is rounded after (copy_through, any length against any buffer), the same bits as one converting copy; each
+    gradient chunk lands in one buffer kept for the run, in the gradient's dtype, which the next chunk reuses."""
+    from minitrain.parallel.offload import copy_through
+    from minitrain.train.optim import FlatAdamW
+
+    torch.manual_seed(0)
+    master = torch.randn(1000) * 10
+    for stage_len in (7, 1000, 4096):
+        published = copy_through(torch.empty(1000, dtype=torch.bfloat16), master, torch.empty(stage_len))
+        assert torch.equal(published, master.to(torch.bfloat16)), stage_len
+    opt = FlatAdamW(master.clone(), [(0, 600)], chunk=300)
+    first = opt._landed(torch.randn(300).to(torch.bfloat16))
+    assert first.dtype == torch.bfloat16 and opt._landing.numel() == 300 and opt._upcast.dtype == torch.float32
+    g = torch.randn(100).to(torch.bfloat16)
+    second = opt._landed(g)
+    assert torch.equal(second, g) and second.data_ptr() == first.data_ptr()  # the same buffer, reused

@@ -35,7 +35,11 @@ def copy_converting_on_device(dst: torch.Tensor, src: torch.Tensor, chunk: int =
     to cross as it is (benchmarks/offload_copies_gpu.py). Elsewhere a plain copy_."""
     if dst.device.type != "cuda" or src.device == dst.device or src.dtype == dst.dtype:
         return dst.copy_(src)
-    stage = torch.empty(min(chunk, src.numel()), dtype=src.dtype, device=dst.device)
+    return copy_through(dst, src, torch.empty(min(chunk, src.numel()), dtype=src.dtype, device=dst.device))
+
+
+def copy_through(dst: torch.Tensor, src: torch.Tensor, stage: torch.Tensor) -> torch.Tensor:
+    """dst.copy_(src), 1-D, stage's length at a time: into `stage` as src is, then into dst (converted there)."""
     for a in range(0, src.numel(), stage.numel()):
         b = min(a + stage.numel(), src.numel())
         dst[a:b].copy_(stage[:b - a].copy_(src[a:b]))

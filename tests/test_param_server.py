@@ -59,9 +59,12 @@ def test_synchronous_servers_equal_data_parallel_bit_for_bit(setting, tmp_path):
 
 
 def _stale_run(tmp_path, name: str, staleness: int) -> list:
-    # Worker 1 sleeps 0.2 s at the start of every step; worker 0 computes in milliseconds.
-    values = {**TINY, "dist.nproc": 3, "train.steps": 8, "ps.servers": 1, "ps.staleness": staleness, "fault.kind": "slow",
-              "fault.rank": 1, "fault.step": 1, "fault.slow_s": 0.2, "out": str(tmp_path / name)}
+    # Worker 1 sleeps 0.4 s at the start of every step; worker 0 computes in milliseconds, but its first K steps must
+    # all come before worker 1's first update: at 0.2 s a loaded CI machine once ran them slower than that.
+    # Synchronous (staleness 0), the workers go in step whatever their speeds: no sleep.
+    slow = {"fault.kind": "slow", "fault.rank": 1, "fault.step": 1, "fault.slow_s": 0.4} if staleness else {}
+    values = {**TINY, "dist.nproc": 3, "train.steps": 7, "ps.servers": 1, "ps.staleness": staleness, **slow,
+              "out": str(tmp_path / name)}
     return run_ranks(_trained, 3, values)
 
 
@@ -72,13 +75,13 @@ def test_bounded_staleness_blocks_the_fastest_worker_at_exactly_k_and_is_reprodu
     fast, slow, _ = _stale_run(tmp_path, "a", k)
     # The fast worker runs ahead until it is K steps ahead of the slow one, then waits for it at every step: its
     # gradients are exactly K updates stale from step K + 1 on, never more.
-    assert [p["staleness"] for p in fast["ps"]] == [min(c, k) for c in range(8)]
+    assert [p["staleness"] for p in fast["ps"]] == [min(c, k) for c in range(7)]
     blocked = [p["push_pull_s"] for p in fast["ps"][k:-1]]
     assert min(blocked) > 0.1, blocked  # held for the slow worker's sleep
     # The slow one always finds the fast one's gradient there: its own are never stale.
     assert all(p["staleness"] == 0 for p in slow["ps"])
     served = fast["summary"]["parameter_servers"]["served"][0]
-    assert served["updates"] == 8 and max(int(s) for s in served["staleness_counts"]) == k
+    assert served["updates"] == 7 and max(int(s) for s in served["staleness_counts"]) == k
     # Both end on the last update; with the same delays, the same run again.
     assert torch.equal(fast["params"], slow["params"])
     again, _, _ = _stale_run(tmp_path, "b", k)

@@ -15,7 +15,7 @@ import torch
 from torch.optim.adamw import adamw
 
 from ..config import TrainConfig
-from ..parallel.offload import OffloadStore
+from ..parallel.offload import OffloadStore, host_zeros
 
 # Devices with PyTorch's fused (single-kernel) AdamW; elsewhere its multi-tensor (foreach) form.
 FUSED_DEVICES = ("cpu", "cuda")
@@ -167,8 +167,7 @@ class FlatAdamW:
         overwrites. Copied into fresh pageable memory, gpt2-124m's bf16 gradient took 205 ms on an H100, against 5
         ms into pinned memory (benchmarks/offload_copies_gpu.py); each host upcast then lands in a kept buffer too."""
         if self._landing is None or self._landing.dtype != g.dtype:
-            pinned = torch.cuda.is_available()
-            self._landing = torch.empty(self.chunk, dtype=g.dtype, pin_memory=pinned)
+            self._landing = host_zeros(self.chunk, g.dtype)
             self._upcast = torch.empty(self.chunk, dtype=self.master.dtype)
         return self._landing[:g.numel()].copy_(g)
 
@@ -181,14 +180,11 @@ class FlatAdamW:
         factor: the product is computed in `dtype`, each bf16 or fp16 element converted exactly first), one pass
         where a copy and then a scaling made two."""
         unscaled = not isinstance(grad_scale, torch.Tensor) and grad_scale == 1.0
-        if g.dtype != dtype and g.device == where:
-            if out is not None:
-                out = out[:g.numel()]
-                if unscaled:
-                    return out.copy_(g)
-                return torch.mul(g, torch.as_tensor(grad_scale, dtype=dtype, device=where).reshape(1), out=out)
-            if not unscaled:
-                return g * torch.as_tensor(grad_scale, dtype=dtype, device=where).reshape(1)
+        if g.dtype != dtype and g.device == where and not (unscaled and out is None):
+            out = None if out is None else out[:g.numel()]
+            if unscaled:
+                return out.copy_(g)
+            return torch.mul(g, torch.as_tensor(grad_scale, dtype=dtype, device=where).reshape(1), out=out)
         g = g.to(device=where, dtype=dtype)
         return g if unscaled else g.mul_(grad_scale)
 

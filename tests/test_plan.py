@@ -169,8 +169,9 @@ def test_the_peak_counts_the_loss_backward_of_a_large_vocabulary(zero, checkpoin
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_offload_moves_the_optimizer_state_off_the_device_total(zero):
     # Master, m and v (12 bytes per element of this rank's share, float32) leave the device's total for host
-    # memory or files. At ZeRO-3 in full precision the master, the parameter shard until now, becomes a copy of its
-    # own there: the device keeps the shard and loses m and v only.
+    # memory or files. At ZeRO-2/3 in full precision the master, the parameter shard until now, becomes a copy of its
+    # own there: the device keeps the shard (ZeRO-2 no longer: it keeps its full parameters whole, zero.py) and loses
+    # m and v only.
     model = run_config(cli_values=MODELS["mid"]).model
     P = plan.model_params(model)
 
@@ -184,12 +185,14 @@ def test_offload_moves_the_optimizer_state_off_the_device_total(zero):
     assert disk["disk"] == disk["optimizer"] == round(12 * share) and cpu["host"] == round(12 * share) + grads
     assert disk["host"] == grads and cpu["disk"] == 0
     assert none["host"] == none["disk"] == 0
-    assert none["optimizer"] == round((8 if zero == 3 else 12) * share)
+    assert none["optimizer"] == round((8 if zero >= 2 else 12) * share)
+    assert none["params"] - disk["params"] == (round(4 * share) if zero == 2 else 0)
     # (less the device chunk each unit's reduce-scatter lands in before its copy to the host)
     landing = disk["reduce_copy"] - none["reduce_copy"]
     assert (landing > 0) == (zero >= 2)
     # (the landing chunk counts only where the layers' backward is the peak's moment, not the loss's)
-    assert none["optimizer"] + grads - landing <= none["total"] - disk["total"] <= none["optimizer"] + grads
+    moved = none["optimizer"] + grads + none["params"] - disk["params"]
+    assert moved - landing <= none["total"] - disk["total"] <= moved
     assert disk["total"] == cpu["total"]
 
 

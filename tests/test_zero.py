@@ -101,14 +101,16 @@ def test_at_rest_memory_equals_the_formula_and_shards_as_one_over_n():
         assert all(rank[zero]["memory"] == rank[zero]["expected"] for rank in four), f"ZeRO-{zero}, 4 ranks"
         padding = four[0][zero]["padded"] - single[zero]["numel"]  # each unit padded to a multiple of 4
         assert 0 <= padding < 4 * four[0][zero]["units"]
-        sharded = {"optimizer": zero >= 1, "grads": zero >= 2, "params": zero >= 3}
-        # ZeRO-3's optimizer holds m and v only: its master is the parameter shard.
-        for kind, per_param in (("params", 4), ("grads", 4), ("optimizer", 8 if zero == 3 else 12)):
+        # Float32 bytes per element over the whole model and over one rank's shard. ZeRO-2 keeps the full parameters
+        # and the shard they are gathered from; at ZeRO-2/3 the optimizer holds m and v only, its master being the
+        # parameter shard.
+        bytes_of = {"params": {2: (4, 4), 3: (0, 4)}.get(zero, (4, 0)), "grads": (0, 4) if zero >= 2 else (4, 0),
+                    "optimizer": (0, 8) if zero >= 2 else (0, 12) if zero == 1 else (12, 0)}
+        padded = four[0][zero]["padded"]
+        for kind, (whole, shard) in bytes_of.items():
             n1, n4 = single[zero]["memory"][kind], four[0][zero]["memory"][kind]
-            if sharded[kind]:
-                assert 4 * n4 == n1 + per_param * padding, f"ZeRO-{zero} {kind}: {n4} at 4 ranks vs {n1} at 1"
-            else:
-                assert n4 == n1 + per_param * padding, f"ZeRO-{zero} {kind} is not sharded"
+            assert n1 == (whole + shard) * single[zero]["numel"], f"ZeRO-{zero} {kind} at 1 rank: {n1}"
+            assert 4 * n4 == 4 * whole * padded + shard * padded, f"ZeRO-{zero} {kind}: {n4} at 4 ranks vs {n1} at 1"
     assert four[0][3]["empty_at_rest"] and not four[0][2]["empty_at_rest"]  # ZeRO-3 holds no full parameter
 
 
@@ -177,8 +179,14 @@ def test_zero2_and_zero3_memory_read_from_real_storage_through_a_step():
     # ZeRO-3: the parameter shard, plus one gathered block (two while the next one is prefetched).
     assert most[(3, False)]["params"] == shard + largest
     assert shard + largest <= most[(3, True)]["params"] <= shard + 2 * largest < full
-    assert all(sample["params"] == full for sample in r[(2, True)]["samples"])  # ZeRO-2 keeps full parameters
-    for key in ((3, True), (3, False)):  # and the strategy's own ledger saw no less than the storages held
+    # ZeRO-2: the full parameters and the shard they are gathered from, from the step's end through forward; in
+    # backward each block's full parameters are freed once its gradient is reduced (at the embedding's backward only
+    # the shared unit is still whole), and the step's end gathers them all again.
+    z2 = {sample["where"]: sample["params"] for sample in r[(2, True)]["samples"]}
+    assert all(held == full + shard for where, held in z2.items() if "forward" in where or "step" in where), z2
+    assert z2["backward reaches blocks.5"] > z2["backward reaches blocks.0"] + 4 * largest // 2, z2
+    assert shard < z2["backward reaches tok_emb"] < shard + largest, z2
+    for key in ((2, True), (3, True), (3, False)):  # and the strategy's own ledger saw no less than the storages held
         assert most[key]["params"] <= r[key]["ledger_peak"]["params"], key
 
 

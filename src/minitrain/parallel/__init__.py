@@ -21,6 +21,7 @@ from .pipeline import Pipeline
 from .tensor import tensor_parallel_slices
 from .tp_plan import apply_tensor_parallel
 from .zero import Zero1, Zero2
+from .zero2_units import Zero2Units
 from .zero3 import Zero3
 
 
@@ -77,6 +78,8 @@ def make_strategy(model: nn.Module, comm: Comm, pcfg: ParallelConfig, make_optim
     kwargs = {"whole": whole}
     if pcfg.zero == 3:
         strategy = Zero3(model, comm, pcfg, make_optimizer, **kwargs)
+    elif pcfg.zero == 2 and Zero2Units.applies(model, pcfg):  # each unit freed after backward (zero2_units.py)
+        strategy = Zero2Units(model, comm, pcfg, make_optimizer, **kwargs)
     elif pcfg.zero in (1, 2):
         strategy = (Zero1 if pcfg.zero == 1 else Zero2)(model, comm, pcfg, make_optimizer, **kwargs)
     else:
@@ -95,5 +98,5 @@ def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 __all__ = ["BucketedDataParallel", "NaiveDataParallel", "TorchDataParallel", "FlatStrategy", "ModelPlan",
-           "ParallelConfig", "Pipeline", "WholeModel", "Zero1", "Zero2", "Zero3", "cast_parameters", "make_strategy",
+           "ParallelConfig", "Pipeline", "WholeModel", "Zero1", "Zero2", "Zero2Units", "Zero3", "cast_parameters", "make_strategy",
            "parallelize"]

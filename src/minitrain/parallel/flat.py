@@ -22,7 +22,7 @@ import torch.nn as nn
 from ..runtime.comm import Comm
 from .config import ParallelConfig
 from .layout import FlatParameters, Ranges, WholeModel, local_views, take
-from .memory_math import MEMORY_KINDS, MemoryLedger, memory_terms
+from .memory_math import MEMORY_KINDS, MemoryLedger, memory_terms, term_bytes, term_formula
 from .norms import SquareSums, clip_coefficient, clip_coefficient_tensor
 from .piece_vector import held_bytes
 from .placement import Placement, placements
@@ -476,7 +476,7 @@ class FlatStrategy:
         peak["total"] = sum(rest.values()) + self.ledger.peak_total_transient
         return peak
 
-    def _memory_terms(self) -> dict[str, tuple[int, bool]]:
+    def _memory_terms(self) -> dict[str, tuple[int, int]]:
         return memory_terms(self.stage, self.master_is_params, self.optimizer.elementwise_states())
 
     def element_sizes(self) -> dict[str, int]:
@@ -490,15 +490,13 @@ class FlatStrategy:
     def expected_memory_bytes(self) -> dict[str, int]:
         """Bytes at rest by the memory math: P = padded params, N = ranks, E = bytes per element."""
         elem, P, N = self.element_sizes(), self.flat.padded_numel, self.comm.world_size
-        return {kind: count * elem[kind] * (P // N if sharded else P)
-                for kind, (count, sharded) in self._memory_terms().items()}
+        return {kind: term_bytes(terms, elem[kind], P, P // N) for kind, terms in self._memory_terms().items()}
 
     def memory_formula(self) -> dict[str, str]:
         """expected_memory_bytes() as text in bytes per parameter, e.g. {"optimizer": "12*P/N", ...}
         (float32: 3 tensors of 4 bytes)."""
         elem = self.element_sizes()
-        return {kind: f"{count * elem[kind]}*P" + ("/N" if sharded else "")
-                for kind, (count, sharded) in self._memory_terms().items()}
+        return {kind: term_formula(terms, elem[kind]) for kind, terms in self._memory_terms().items()}
 
     def state_snapshot(self) -> dict[str, torch.Tensor]:
         """A copy of everything this rank holds that a resume must reproduce: its parameters

@@ -8,13 +8,28 @@ import torch
 MEMORY_KINDS = ("params", "grads", "optimizer")
 
 
-def memory_terms(stage: int, master_is_params: bool, states: int = 2) -> dict[str, tuple[int, bool]]:
-    """The memory math, per kind: (tensors of P elements, sharded over N?). The optimizer holds `states`
+def memory_terms(stage: int, master_is_params: bool, states: int = 2) -> dict[str, tuple[int, int]]:
+    """The memory math, per kind: (tensors of P elements, tensors of P/N elements). The optimizer holds `states`
     elementwise tensors (Adam's m and v: 2; SGD's momentum: 1) plus its master, unless the master is the
-    parameters themselves. Stage s shards the optimizer state (s >= 1), gradients (s >= 2), parameters
-    (s = 3). The strategies and the planner both use this one rule."""
-    return {"params": (1, stage >= 3), "grads": (1, stage >= 2),
-            "optimizer": (states + (0 if master_is_params else 1), stage >= 1)}
+    parameters themselves. Stage s shards the optimizer state (s >= 1) and gradients (s >= 2); ZeRO-3 keeps only
+    the parameter shard, and ZeRO-2 the full parameters, with beside them, when it frees them after backward, the
+    shard they are gathered from (zero2_units.py). At ZeRO-2/3 `master_is_params` means the shard is the master
+    (counted as parameters). The strategies and the planner both use this one rule."""
+    optimizer = states + (0 if master_is_params else 1)
+    return {"params": {0: (1, 0), 1: (1, 0), 2: (1, int(master_is_params))}.get(stage, (0, 1)),
+            "grads": (1, 0) if stage < 2 else (0, 1),
+            "optimizer": (optimizer, 0) if stage == 0 else (0, optimizer)}
+
+
+def term_bytes(terms: tuple[int, int], element: int, whole: float, shard: float) -> float:
+    """Bytes of one kind's terms: `whole` and `shard` elements (P and P/N) of `element` bytes each."""
+    return element * (terms[0] * whole + terms[1] * shard)
+
+
+def term_formula(terms: tuple[int, int], element: int) -> str:
+    """'4*P + 4*P/N', '12*P/N', '0'."""
+    parts = [f"{count * element}*P{suffix}" for count, suffix in zip(terms, ("", "/N")) if count]
+    return " + ".join(parts) or "0"
 
 
 def padded_numel(unit_sizes: list[int], world_size: int) -> int:

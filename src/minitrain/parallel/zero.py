@@ -15,16 +15,17 @@ rank then reads its shard of the sum. An all-reduce moves twice a reduce-scatter
 bytes in theory, but it hides behind backward, which one reduce-scatter of the whole
 model after backward cannot, and on gloo it is also the faster op (43 MB at 2 ranks:
 39 ms against 88 ms). This is how PyTorch's ZeroRedundancyOptimizer is used (under
-DDP) and DeepSpeed's stage 1 with overlap_comm. ZeRO-2 keeps no full gradient buffer: each block is a
-unit, and as soon as backward has produced a unit's last gradient its
-reduce_scatter starts (overlapping the rest of backward) into the rank's
-persistent gradient shard (4*P/N bytes). A unit's gradient exists in full
-only between its backward and the end of its reduce_scatter, with at most
-MAX_INFLIGHT units in flight.
+DDP) and DeepSpeed's stage 1 with overlap_comm.
 
-With gradient accumulation ZeRO-2 reduces every micro-batch and adds into the
+ZeRO-2 (and ZeRO-3, zero3.py, built on it) keeps no full gradient buffer. Each block is a unit, and
+as soon as backward has produced a unit's last gradient its reduce_scatter starts
+(overlapping the rest of backward) into the rank's gradient shard (4*P/N bytes). A
+unit's gradient exists in full only between its backward and the end of its
+reduce_scatter, with at most MAX_INFLIGHT units in flight.
+
+With gradient accumulation they reduce every micro-batch and add into the
 shard: keeping full gradients across micro-batches (FSDP's no_sync) would undo
-the sharding it exists for.
+the sharding they exist for.
 """
 from __future__ import annotations
 
@@ -141,6 +142,8 @@ class Zero1(ShardedStrategy):
 
 
 class Zero2(ShardedStrategy):
+    """ZeRO-2 with the full parameters whole all the time, in one flat buffer (DeepSpeed's stage 2), and the
+    gradient shard that ZeRO-3 (zero3.py) and ZeRO-2 with units freed after backward (zero2_units.py) share."""
     name = "zero2"
     stage = 2
 

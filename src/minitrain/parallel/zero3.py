@@ -42,6 +42,8 @@ from .zero import Zero2
 class Zero3(Zero2):
     name = "zero3"
     stage = 3
+    # A gathered unit is a transient in the memory ledger; ZeRO-2 with units counts them at rest (whole between steps).
+    gathered_at_rest = False
 
     def __init__(self, model: nn.Module, comm: Comm, pcfg: ParallelConfig, make_optimizer: OptimizerFactory,
                  **kwargs):
@@ -76,6 +78,11 @@ class Zero3(Zero2):
         self.hooks.append(model.register_forward_hook(self._after_model_forward))
         if pcfg.user_loop:
             self._watch_uses(model)
+
+    def _set_down(self, i: int) -> None:
+        """Unit i is not needed until its backward (or the next forward): ZeRO-3 frees it; ZeRO-2 with units
+        (zero2_units.py) keeps it until its gradient is reduced."""
+        self._free(i)
 
     def _watch_uses(self, model: nn.Module) -> None:
         """GatherOnUse active from the first forward pre-hook of any of the model's modules to its matching post-hook
@@ -139,7 +146,8 @@ class Zero3(Zero2):
             return
         buffer = self._buffers_whole[i]
         buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
-        self.ledger.hold("params", buffer)
+        if not self.gathered_at_rest:
+            self.ledger.hold("params", buffer)
         self._gathering[i] = self.comm.all_gather_async(buffer, self._param_views[i])
 
     def _ensure(self, i: int) -> None:
@@ -154,7 +162,8 @@ class Zero3(Zero2):
         if i in self._gathered:
             self._gathered.remove(i)
             buffer = self._buffers_whole[i]
-            self.ledger.drop("params", buffer)
+            if not self.gathered_at_rest:
+                self.ledger.drop("params", buffer)
             buffer.untyped_storage().resize_(0)
 
     # --- hooks ----------------------------------------------------------------------------
@@ -165,7 +174,7 @@ class Zero3(Zero2):
     def _after_model_forward(self, model, _args, output) -> None:
         if not torch.is_grad_enabled():  # no backward will come to free them
             for i in [*self._shared, *self._pinned]:
-                self._free(i)
+                self._set_down(i)
         elif self._shared:
             # Backward starts at the model's output: make sure the shared unit is whole then too
             # (a no-grad forward, or another backward, may have freed it since this forward).
@@ -198,7 +207,7 @@ class Zero3(Zero2):
     def _after_forward(self, pos: int, output) -> None:
         i = self._order[pos]
         if i not in self._pinned:
-            self._free(i)
+            self._set_down(i)
         if torch.is_grad_enabled():
             self._hook_outputs(output, lambda _grad, pos=pos: self._before_backward(pos), self.plans[i].name)
 
@@ -219,7 +228,7 @@ class Zero3(Zero2):
         for i in list(self._gathering):
             self._ensure(i)
         for i in list(self._gathered):
-            self._free(i)
+            self._set_down(i)
 
     # --- what this rank holds ----------------------------------------------------------------
     def held_params(self) -> torch.Tensor:

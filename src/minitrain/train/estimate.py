@@ -43,7 +43,7 @@ import torch
 from ..config import ConfigError, ModelConfig
 from . import plan_servers
 from .optim import FlatAdamW
-from ..parallel.memory_math import memory_terms, padded_numel
+from ..parallel.memory_math import memory_terms, padded_numel, term_bytes
 
 GB = 1e9
 
@@ -205,14 +205,21 @@ def state_element_bytes(inp: PlanInput) -> dict[str, int]:
     return {"params": elem, "grads": reduce_bytes(inp) if inp.zero >= 2 else elem, "optimizer": 4}
 
 
+def units_freed(inp: PlanInput) -> bool:
+    """ZeRO-2 frees each unit's full parameters after backward, gathering them from the master: in full precision,
+    not offloaded (Zero2Units.applies)."""
+    return inp.zero == 2 and inp.precision == "fp32" and inp.offload == "none"
+
+
 def model_state_bytes(inp: PlanInput) -> dict[str, int]:
     mixed, P, elem = inp.precision != "fp32", layout_params(inp), state_element_bytes(inp)
     out = {}
-    # fp32 keeps a separate master except at ZeRO-3 (the shard is the master); mixed precision always does, and so
-    # does offload (the master goes with the state, the shard stays with the model).
-    shard_is_master = inp.zero == 3 and not mixed and inp.offload == "none"
-    for kind, (count, sharded) in memory_terms(inp.zero, master_is_params=shard_is_master).items():
-        out[kind] = round(count * elem[kind] * (P / shard_ranks(inp) if sharded else P))
+    # fp32 keeps a separate master except at ZeRO-2/3 (the parameter shard is the master, and ZeRO-2 frees its full
+    # parameters after backward: zero2_units.py); mixed precision always does, and so does offload (the master goes
+    # with the state, the shard stays with the model).
+    shard_is_master = units_freed(inp) or (inp.zero == 3 and not mixed and inp.offload == "none")
+    for kind, terms in memory_terms(inp.zero, master_is_params=shard_is_master).items():
+        out[kind] = round(term_bytes(terms, elem[kind], P, P / shard_ranks(inp)))
     if inp.servers:  # a parameter-server worker: the servers hold the optimizer
         out["optimizer"] = 0
     return out
@@ -369,9 +376,11 @@ def communication(inp: PlanInput) -> list[dict]:
             calls = units if inp.zero >= 2 else 1
             rows.append(_row("reduce_scatter gradients", dp_links, "reduce_scatter", (N - 1) / N, grads, syncs,
                              calls))
-            gathers = 2 * inp.grad_accum if inp.zero == 3 else 1  # ZeRO-3: before forward and before backward
+            # ZeRO-3: before forward and before backward; ZeRO-2: after the update, and before each micro-batch's
+            # forward after the first (the previous backward freed them)
+            gathers = 2 * inp.grad_accum if inp.zero == 3 else inp.grad_accum if units_freed(inp) else 1
             rows.append(_row("all_gather parameters", dp_links, "all_gather", (N - 1) / N, params, gathers,
-                             units if inp.zero == 3 else 1))
+                             units if inp.zero >= 2 else 1))
     if inp.model and (inp.tp > 1 or inp.pp > 1):
         act = elem * inp.micro_batch * inp.model.seq_len * inp.model.d_model
         micro = inp.grad_accum * max(1, inp.microbatches)

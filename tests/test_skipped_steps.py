@@ -33,7 +33,10 @@ def _cli_config(world: int, zero: int, precision: str = "fp32"):
 def _trainer_state(trainer) -> dict:
     """Everything of a trainer a later step reads, copied."""
     strategy = trainer.strategy
-    return {"tensors": strategy.state_snapshot(), "scalars": dict(strategy.optimizer.scalar_state()),
+    tensors = strategy.state_snapshot()
+    if strategy.stage < 3:  # the model's own parameters, read as a user would: whole between steps (ZeRO-2's too)
+        tensors["model"] = torch.cat([p.detach().reshape(-1).clone() for p in trainer.model.parameters()])
+    return {"tensors": tensors, "scalars": dict(strategy.optimizer.scalar_state()),
             "scaler": trainer.loss_scaler.state() if trainer.loss_scaler else None}
 
 

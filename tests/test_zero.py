@@ -4,6 +4,7 @@ Stage 0 (data parallel), 1, 2 and 3 must follow plain PyTorch in one process wit
 same global batch (tests/reference.py): in float64 every difference is reduction-order rounding.
 """
 import gc
+import math
 
 import pytest
 import torch
@@ -318,3 +319,23 @@ def test_cli_memory_profile_prints_the_table_and_writes_memory_json(tmp_path):
     assert bad.returncode == 2 and "train.zero must be one of 0, 1, 2, 3" in bad.stderr
     assert not (tmp_path / "bad").exists()
 
+
+
+def _update_skipped_through_step(topo):
+    """The trainer's ZeRO-2 (each block freed once its gradient is reduced) through strategy.step() with non-finite
+    gradients: the update is skipped, and the parameters are whole again all the same."""
+    trainer = Trainer(_config(topo.world_size, 2, "float64"), topo)
+    trainer.train_step()
+    model, strategy = trainer.model, trainer.strategy
+    before = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+    (model(torch.zeros(1, 8, dtype=torch.long)).sum() * float("nan")).backward()
+    freed = sum(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    norm = strategy.step()
+    after = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+    return type(strategy).__name__, freed, norm, before, after
+
+
+def test_zero2_whole_between_steps_after_a_skipped_update():
+    for name, freed, norm, before, after in run_ranks(_update_skipped_through_step, 2):
+        assert name == "Zero2Units" and freed > 0 and math.isnan(norm)
+        assert torch.equal(before, after)

@@ -70,6 +70,11 @@ class Zero2Units(Zero3):
     def _publish(self) -> None:
         self._gather_all()  # the optimizer updated the shard in place: it is the master
 
+    def _end_step(self) -> None:
+        super()._end_step()
+        if not self._whole():  # a skipped step (non-finite gradients) published nothing: whole between steps all the same
+            self._gather_all()
+
     def _load_params(self, local: torch.Tensor) -> None:
         super()._load_params(local)
         self._gather_all()
@@ -89,6 +94,11 @@ class Zero2Units(Zero3):
             return super().param_norm_tensor()
         whole = PieceVector(self._buffers_whole)
         return self._total_sum_sq(self._sum_sq_parts(whole, [(0, self.flat.padded_numel)])).sqrt()
+
+    def state_snapshot(self) -> dict[str, torch.Tensor]:
+        state = super().state_snapshot()
+        state["params"] = torch.cat(self._buffers_whole)  # what it holds between steps, as zero.py's Zero2 holds it
+        return state
 
     def memory_bytes(self) -> dict[str, int]:
         held = super().memory_bytes()  # the shard (with the optimizer's state)

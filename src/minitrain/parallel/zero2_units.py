@@ -68,12 +68,11 @@ class Zero2Units(Zero3):
             self._ensure(i)
 
     def _publish(self) -> None:
-        self._gather_all()  # the optimizer updated the shard in place: it is the master
+        """Nothing here: the optimizer updated the shard in place (it is the master), and _end_step gathers."""
 
     def _end_step(self) -> None:
         super()._end_step()
-        if not self._whole():  # a skipped step (non-finite gradients) published nothing: whole between steps all the same
-            self._gather_all()
+        self._gather_all()  # from the shard, updated or (a skipped update: non-finite gradients) as it was
 
     def _load_params(self, local: torch.Tensor) -> None:
         super()._load_params(local)

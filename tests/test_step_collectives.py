@@ -10,6 +10,7 @@ import pytest
 from torch.overrides import TorchFunctionMode
 
 
+from minitrain.train import estimate as plan
 from minitrain.train.run_config import run_config
 from minitrain.train.trainer import Trainer
 
@@ -97,3 +98,34 @@ def test_one_step_reads_device_values_once(measured, mode, zero):
     # Only the statistics exchange: its rows (the gradient norm among them) come to the host once and are
     # read there as Python lists. Clipping and skipping a non-finite step happen on the device.
     assert measured[(mode, zero)]["host_reads"] == ["cpu", "tolist"]
+
+
+def _accumulated_step(topo):
+    """ZeRO-2 over 2 micro-batches, in float32 (blocks freed after each backward: gathered again by the next
+    forward) and in bf16 (the flat layout: gathered once, after the update)."""
+    out = {}
+    for precision in ("fp32", "bf16"):
+        cfg = run_config(cli_values={"dist.nproc": topo.world_size, "train.zero": 2, "train.grad_accum": 2,
+                                     "train.precision": precision, "train.log_every": 0})
+        trainer = Trainer(cfg, topo)
+        trainer.train_step()
+        before = {op: s.calls for op, s in topo.dp.stats.items()}
+        trainer.train_step()
+        calls = {op: s.calls - before.get(op, 0) for op, s in topo.dp.stats.items()}
+        out[precision] = {"calls": calls, "units": len(trainer.strategy.flat.units), "model": cfg.model,
+                          "strategy": type(trainer.strategy).__name__}
+    return out
+
+
+def test_zero2_gathers_as_the_planner_counts_with_accumulation():
+    for precision, got in run_ranks(_accumulated_step, 2)[0].items():
+        rows = {row["what"]: row for row in plan.communication(plan.PlanInput(
+            model=got["model"], params=plan.model_params(got["model"]), zero=2, dp=2, grad_accum=2,
+            precision=precision))}
+        gathers = 2 if precision == "fp32" else 1  # per unit and step: after the update, and before micro-batch 2
+        assert got["strategy"] == ("Zero2Units" if precision == "fp32" else "Zero2"), got
+        # (the step statistics' all_gather besides)
+        assert got["calls"]["all_gather"] == gathers * got["units"] + 1, got
+        assert got["calls"]["reduce_scatter"] == 2 * got["units"], got
+        assert rows["all_gather parameters"]["calls"] == gathers * got["units"], rows
+        assert rows["reduce_scatter gradients"]["calls"] == 2 * got["units"], rows

@@ -185,7 +185,7 @@ def test_zero2_and_zero3_memory_read_from_real_storage_through_a_step():
     # the shared unit is still whole), and the step's end gathers them all again.
     z2 = {sample["where"]: sample["params"] for sample in r[(2, True)]["samples"]}
     assert all(held == full + shard for where, held in z2.items() if "forward" in where or "step" in where), z2
-    assert z2["backward reaches blocks.5"] > z2["backward reaches blocks.0"] + 4 * largest // 2, z2
+    assert z2["backward reaches blocks.5"] > z2["backward reaches blocks.0"] + 2 * largest, z2  # 5 blocks freed
     assert shard < z2["backward reaches tok_emb"] < shard + largest, z2
     for key in ((2, True), (3, True), (3, False)):  # and the strategy's own ledger saw no less than the storages held
         assert most[key]["params"] <= r[key]["ledger_peak"]["params"], key

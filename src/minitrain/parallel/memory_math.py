@@ -16,7 +16,7 @@ def memory_terms(stage: int, master_is_params: bool, states: int = 2) -> dict[st
     shard they are gathered from (zero2_units.py). At ZeRO-2/3 `master_is_params` means the shard is the master
     (counted as parameters). The strategies and the planner both use this one rule."""
     optimizer = states + (0 if master_is_params else 1)
-    return {"params": {0: (1, 0), 1: (1, 0), 2: (1, int(master_is_params))}.get(stage, (0, 1)),
+    return {"params": (0, 1) if stage == 3 else (1, int(stage == 2 and master_is_params)),
             "grads": (1, 0) if stage < 2 else (0, 1),
             "optimizer": (optimizer, 0) if stage == 0 else (0, optimizer)}
 

@@ -176,6 +176,64 @@ def test_messages_name_the_likely_cause():
         loss_of(model, x).backward()  # a second backward while the first's buckets are in flight
 
 
+class WithOptionalLayer(Net):
+    """Net with a layer a step's forward may leave out."""
+
+    def __init__(self):
+        super().__init__()
+        self.optional = nn.Linear(D, D)
+
+    def forward(self, x, use_optional=True):
+        h = self.emb(x)
+        h = self.optional(h) if use_optional else h
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def _optional_loss(model, x, use_optional):
+    logits = model(x, use_optional)
+    return F.cross_entropy(logits[:, :-1].reshape(-1, V), x[:, 1:].reshape(-1))
+
+
+def _train_alike(zero, dp, uses, set_to_none):
+    """Plain torch and prepare(zero, dp) trained one step per entry of `uses` (whether the forward takes the optional
+    layer), zero_grad(set_to_none) after each; asserts the parameters match and each p.grad is what torch leaves."""
+    ref = WithOptionalLayer().double()
+    ref_opt = ADAMW(ref.parameters())
+    model, opt = minitrain.prepare(WithOptionalLayer().double(), ADAMW, zero=zero, dp=dp)
+    for m, o in ((ref, ref_opt), (model, opt)):
+        for x, use_optional in zip(batches(len(uses)), uses):
+            _optional_loss(m, x, use_optional).backward()
+            o.step()
+            o.zero_grad(set_to_none=set_to_none)
+        assert all(p.grad is None if set_to_none else not p.grad.any() for p in m.parameters())
+    state = minitrain.full_state_dict(model)
+    for key, value in ref.state_dict().items():
+        assert (state[key] - value).abs().max().item() <= TOL, key
+
+
+@pytest.mark.parametrize("zero,dp", [(0, "naive"), (0, "bucketed"), (1, "bucketed")])
+def test_zero_grad_leaves_none_as_torch_and_a_parameter_then_missed_is_refused(zero, dp):
+    """optimizer.zero_grad() (set_to_none, torch's default) at ZeRO-0/1 leaves every p.grad None, as torch's does,
+    and the next backward's gradients land in the flat buffer. A parameter that backward then misses would find
+    its part of the buffer holding the step before's gradient: it is refused, named. (The buffer used to be
+    zero-filled, and ZeRO-0 with dp='naive' stepped such a parameter on a zero gradient, which torch leaves
+    alone.) With set_to_none=False the gradients stay zeros, and the naive sync steps on them as torch does (a
+    bucketed one needs every parameter in every step, as DDP does)."""
+    _train_alike(zero, dp, (True, True, True), set_to_none=True)
+    model, opt = minitrain.prepare(WithOptionalLayer().double(), ADAMW, zero=zero, dp=dp)
+    x, y = batches(2)
+    _optional_loss(model, x, True).backward()
+    opt.step()
+    opt.zero_grad()
+    with pytest.raises(RuntimeError, match="no gradient reached optional.weight, optional.bias this step"):
+        _optional_loss(model, y, False).backward()
+        opt.step()
+    if dp == "naive":
+        _train_alike(zero, dp, (True, False, True), set_to_none=False)
+
+
 # --- the API, 2 ranks ---------------------------------------------------------------------------------------
 def _two_ranks(topo):
     minitrain.init_distributed(topology=topo)

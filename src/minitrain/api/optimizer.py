@@ -73,9 +73,10 @@ class PreparedOptimizer(torch.optim.Optimizer):
         return norm
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradients for the next step. They live in minitrain's buffers, so they are zeroed in place;
-        with set_to_none (torch's default) ZeRO-2/3 also give back their gradient shard's memory until the next
-        backward, as FSDP2 frees its sharded gradients."""
+        """Clear the gradients for the next step. With set_to_none (torch's default) every p.grad is None until
+        the next backward, as in torch: at ZeRO-0/1 that backward's gradients are copied into minitrain's
+        flat buffer (which p.grad then views), and ZeRO-2/3 give back their gradient shard's memory until then,
+        as FSDP2 frees its sharded gradients. set_to_none=False zeroes the buffers in place."""
         self._prepared.max_norm = self._prepared.pushed_norm = None
         self._strategy.zero_grad(release=set_to_none)
 

@@ -231,14 +231,19 @@ class FlatParameters:
         return [(s.offset, s.offset + s.numel) for s in self.segments if len(s.shape) >= 2]
 
     def check_grads_in_place(self) -> None:
-        """Fail loudly if autograd replaced a .grad instead of accumulating into the buffer
-        (e.g. someone called zero_grad(set_to_none=True)): the sync would miss it."""
+        """Fail loudly if a parameter's gradient is not its view of the buffer: None (no gradient reached it since
+        the gradients were set to None, so its part of the buffer still holds an earlier step's), or a tensor
+        someone put in p.grad that the sync would miss."""
         base, size = self.grad.data_ptr(), self.grad.element_size()  # once: this runs every step
+        missing = [seg.name for seg, p in zip(self.segments, self._params) if seg.numel and p.grad is None]
+        if missing:
+            raise RuntimeError(missing_gradients(missing, sum(1 for seg in self.segments if seg.numel),
+                                                 "the gradient sync"))
         for seg, p in zip(self.segments, self._params):
-            if seg.numel and (p.grad is None or p.grad.data_ptr() != base + seg.offset * size):
-                raise RuntimeError(f"the gradient of '{seg.name}' was replaced (p.grad set to None, e.g. by "
-                                   "model.zero_grad()), so the gradient sync would miss it: zero gradients with the "
-                                   "optimizer's zero_grad()")
+            if seg.numel and p.grad.data_ptr() != base + seg.offset * size:
+                raise RuntimeError(f"the gradient of '{seg.name}' was replaced by a tensor of its own (p.grad = ...), "
+                                   "so the gradient sync would miss it: change p.grad in place, or let backward "
+                                   "make it")
 
     # --- coordinates ----------------------------------------------------------------
     def to_logical(self, physical: torch.Tensor) -> torch.Tensor:

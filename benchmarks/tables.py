@@ -384,6 +384,7 @@ def object_store(docs: list[dict]) -> list[str]:
 # Table name -> (result files, renderer). Benchmarks run at several sizes write one file per size.
 TABLES = {
     "prepare_vs_peers": ("prepare_vs_peers.json", prepare_vs_peers),
+    "prepare_vs_peers_w4": ("prepare_vs_peers_w4.json", prepare_vs_peers),
     "zero_stages": ("zero_stages.json", zero_stages),
     "zero_stages_gpt2": ("zero_stages_gpt2-124m*.json", zero_stages),
     "ddp_modes": ("ddp_modes.json", ddp_modes),

@@ -215,15 +215,20 @@ def _train_alike(zero, dp, uses, set_to_none):
 
 @pytest.mark.parametrize("zero,dp", [(0, "naive"), (0, "bucketed"), (1, "bucketed")])
 def test_zero_grad_leaves_none_as_torch_and_a_parameter_then_missed_is_refused(zero, dp):
-    """optimizer.zero_grad() (set_to_none, torch's default) at ZeRO-0/1 leaves every p.grad None, as torch's does,
-    and the next backward's gradients land in the flat buffer. A parameter that backward then misses would find
-    its part of the buffer holding the step before's gradient: it is refused, named. (The buffer used to be
-    zero-filled, and ZeRO-0 with dp='naive' stepped such a parameter on a zero gradient, which torch leaves
-    alone.) With set_to_none=False the gradients stay zeros, and the naive sync steps on them as torch does (a
+    """optimizer.zero_grad() (set_to_none, torch's default) at ZeRO-0/1 leaves every p.grad None, as torch's does
+    (and as prepare leaves them), and the next backward's gradients land in the flat buffer. A parameter that
+    backward then misses would find its part of the buffer holding the step before's gradient: it is refused,
+    named, in the first step as in later ones. (The buffer used to be zero-filled, and ZeRO-0 with dp='naive'
+    stepped such a parameter on a zero gradient, which torch leaves alone.) With set_to_none=False the gradients stay zeros, and the naive sync steps on them as torch does (a
     bucketed one needs every parameter in every step, as DDP does)."""
     _train_alike(zero, dp, (True, True, True), set_to_none=True)
     model, opt = minitrain.prepare(WithOptionalLayer().double(), ADAMW, zero=zero, dp=dp)
+    assert all(p.grad is None for p in model.parameters())  # as torch's before the first backward
     x, y = batches(2)
+    with pytest.raises(RuntimeError, match="no gradient reached optional.weight, optional.bias this step"):
+        _optional_loss(model, y, False).backward()
+        opt.step()
+    model, opt = minitrain.prepare(WithOptionalLayer().double(), ADAMW, zero=zero, dp=dp)
     _optional_loss(model, x, True).backward()
     opt.step()
     opt.zero_grad()

@@ -10,7 +10,8 @@ import tables
 
 # What the renderers read from each kind of result file. Timed benchmarks also record their steps and repeats.
 TIMED = {"steps", "repeats", "format", "results"}
-KEYS = {"prepare_vs_peers": TIMED | {"world", "warmup"}, "zero_stages": TIMED | {"model", "warmup"},
+KEYS = {"prepare_vs_peers": TIMED | {"world", "warmup"}, "prepare_vs_peers_w4": TIMED | {"world", "warmup"},
+        "zero_stages": TIMED | {"model", "warmup"},
         "zero_stages_gpt2": TIMED | {"model", "warmup"},
         "ddp_modes": TIMED, "activation_checkpointing": TIMED | {"model", "warmup"},
         "offload": TIMED | {"warmup", "batch"},

@@ -149,6 +149,7 @@ class FlatStrategy:
             self._follow_user_state_dict(model)
             if self.flat.grad is not None:
                 self._keep_grads_in_place()
+                self._drop_kept_grads()  # as a model fresh from torch: no p.grad before the first backward
 
     def close(self) -> None:
         """Take every hook this strategy put on the model off it. The strategy then holds no place in autograd or in
@@ -343,10 +344,13 @@ class FlatStrategy:
             # into the buffer. One copy per gradient, where a zero-filled buffer costs a fill and an add (about 3%
             # of a 10M-parameter GPT-2's step on 2 CPU ranks). A parameter that then gets no gradient is refused at
             # the sync (check_grads_in_place), so the buffer's last step is never read as this one's.
-            for p in self._kept_in_place:
-                p.grad = None
+            self._drop_kept_grads()
             return
         self.flat.grad.zero_()
+
+    def _drop_kept_grads(self) -> None:
+        for p in self._kept_in_place:
+            p.grad = None
 
     def no_sync(self):
         """Context for all but the last micro-batch of a step: backward without gradient sync.

@@ -341,9 +341,10 @@ class FlatStrategy:
         self._settled = False
         if release and self._kept_in_place:
             # torch's set_to_none: p.grad is None until the next backward, whose fresh gradient the hook above copies
-            # into the buffer. One copy per gradient, where a zero-filled buffer costs a fill and an add (about 3%
-            # of a 10M-parameter GPT-2's step on 2 CPU ranks). A parameter that then gets no gradient is refused at
-            # the sync (check_grads_in_place), so the buffer's last step is never read as this one's.
+            # into the buffer. One copy per gradient, where a zero-filled buffer costs a fill and an add (ZeRO-0 went
+            # from 1.01 to 0.96 of DDP's step in benchmarks/prepare_vs_peers.py). A parameter that then gets no
+            # gradient is refused at the sync (check_grads_in_place), so the buffer's last step is never read as
+            # this one's.
             self._drop_kept_grads()
             return
         self.flat.grad.zero_()

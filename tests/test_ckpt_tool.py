@@ -9,7 +9,7 @@ from minitrain import checkpoint
 from minitrain.config import build_config
 from minitrain.models.minigpt.model import MiniGPT
 
-from .dist import run_cli
+from .dist import run_cli, run_main
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,7 @@ def zero3_tied(tmp_path_factory):
 
 def test_consolidate_gives_a_state_dict_minigpt_loads(zero3_tied, tmp_path):
     target = tmp_path / "model.safetensors"
-    proc = run_cli("ckpt", "consolidate", str(zero3_tied), str(target))
+    proc = run_main("ckpt", "consolidate", str(zero3_tied), str(target))
     assert proc.returncode == 0, proc.stderr
     state = load_file(str(target))
     assert {"tok_emb.weight", "head.weight"} <= state.keys()  # tied: both names, as state_dict() has them
@@ -37,9 +37,9 @@ def test_consolidate_gives_a_state_dict_minigpt_loads(zero3_tied, tmp_path):
 
 
 def test_verify_and_inspect(zero3_tied, tmp_path):
-    ok = run_cli("ckpt", "verify", str(zero3_tied))
+    ok = run_cli("ckpt", "verify", str(zero3_tied))  # the command itself; the rest in-process (no rank starts)
     assert ok.returncode == 0 and "every sha256 matches" in ok.stdout
-    shown = run_cli("ckpt", "inspect", str(zero3_tied)).stdout
+    shown = run_main("ckpt", "inspect", str(zero3_tied)).stdout
     assert "step 3; world size 2" in shown and "ZeRO-3" in shown and "rank-00001.safetensors" in shown
 
     broken = tmp_path / "broken"
@@ -49,15 +49,15 @@ def test_verify_and_inspect(zero3_tied, tmp_path):
     data[-1] ^= 0x01
     shard.write_bytes(bytes(data))
     for action in ("verify", "inspect"):
-        bad = run_cli("ckpt", action, str(broken))
+        bad = run_main("ckpt", action, str(broken))
         assert bad.returncode == 1 and "rank-00001.safetensors is corrupt" in bad.stderr, bad.stderr
     # 2 is a usage error, never a verdict on a checkpoint: a path that is not there, a missing argument.
-    missing = run_cli("ckpt", "verify", str(tmp_path / "no-such-run"))
+    missing = run_main("ckpt", "verify", str(tmp_path / "no-such-run"))
     assert missing.returncode == 2 and "no such file or directory" in missing.stderr, missing.stderr
-    assert run_cli("ckpt", "verify").returncode == 2
+    assert run_main("ckpt", "verify").returncode == 2
 
 
 def test_consolidate_refuses_a_bad_output_and_writes_nothing(zero3_tied, tmp_path):
-    bad = run_cli("ckpt", "consolidate", str(zero3_tied), str(tmp_path / "model.pt"))
+    bad = run_main("ckpt", "consolidate", str(zero3_tied), str(tmp_path / "model.pt"))
     assert bad.returncode == 2 and "should end in .safetensors" in bad.stderr
     assert not list(tmp_path.iterdir())

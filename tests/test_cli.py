@@ -109,7 +109,7 @@ def test_runs_under_torchrun(tmp_path):
 
 
 def test_help_teaches():
-    out = run_cli("train", "--help").stdout
+    out = run_main("train", "--help").stdout
     for flag in ("--preset", "--nproc", "--steps", "--seed", "--batch-size", "--lr", "--zero",
                  "--ckpt-every-steps", "--resume", "--out", "--config", "--model.d_model", "torchrun"):
         assert flag in out

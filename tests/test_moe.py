@@ -200,7 +200,7 @@ def test_the_cli_reports_the_expert_load_per_step_and_plots_it(tmp_path):
     for step in steps:  # 2 layers of 4 experts and the dropped count; every slot of the step's batch, once
         assert len(step["expert_load"]) == 2 and all(len(layer) == 5 for layer in step["expert_load"])
         assert all(sum(layer[:4]) == step["tokens"] * 2 for layer in step["expert_load"]), step["expert_load"]
-    report = run_cli("report", str(out))
+    report = run_main("report", str(out))
     assert report.returncode == 0 and (out / "report" / "expert_load.png").is_file(), report.stderr
 
 

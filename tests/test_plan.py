@@ -15,7 +15,7 @@ from minitrain.parallel.recompute import apply_activation_checkpointing
 from minitrain.runtime.topology import Topology
 from minitrain.train.trainer import Trainer
 
-from .dist import run_cli, run_main, run_ranks
+from .dist import run_main, run_ranks
 
 # The memory terms of the machine these tests measure on, a CPU (its autocast keeps the loss in float32); the
 # data sheet's FLOP and link figures are not used by them.
@@ -36,7 +36,7 @@ def test_reproduces_the_zero_papers_figure_1(zero, gb):
 
 
 def test_cli_json_has_the_promised_fields():
-    proc = run_cli("plan", "--params", "7.5e9", "--precision", "fp16", "--reduce-dtype", "compute", "--dp", "64",
+    proc = run_main("plan", "--params", "7.5e9", "--precision", "fp16", "--reduce-dtype", "compute", "--dp", "64",
                    "--zero", "2", "--json")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)

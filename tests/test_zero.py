@@ -303,7 +303,7 @@ def test_checkpoints_move_between_stages_and_world_sizes(tmp_path, saved_as, loa
 def test_cli_memory_profile_prints_the_table_and_writes_memory_json(tmp_path):
     import json
 
-    from .dist import run_cli
+    from .dist import run_cli, run_main
 
     out = tmp_path / "z3"
     proc = run_cli("train", "--nproc", "2", "--zero", "3", "--steps", "3", "--memory-profile", "--out", str(out))
@@ -315,7 +315,7 @@ def test_cli_memory_profile_prints_the_table_and_writes_memory_json(tmp_path):
     rank0 = report["ranks"][0]
     assert rank0["at_rest"]["params"] == 4 * report["padded_params"] // 2
     assert rank0["peak_in_step"]["params"] > rank0["at_rest"]["params"]  # a gathered block on top of the shard
-    bad = run_cli("train", "--zero", "4", "--out", str(tmp_path / "bad"))
+    bad = run_main("train", "--zero", "4", "--out", str(tmp_path / "bad"))  # refused before any rank
     assert bad.returncode == 2 and "train.zero must be one of 0, 1, 2, 3" in bad.stderr
     assert not (tmp_path / "bad").exists()
 

@@ -46,8 +46,8 @@ class ReplicatedStrategy(FlatStrategy):
 
     def finish_grad_sync(self) -> None:
         if not self._synced:
-            self._sync()  # first: a bucketed sync finishes what it launched before naming a missing gradient
-            self.flat.check_grads_in_place()
+            self.flat.grads_in_place()
+            self._sync()
             self._synced = True
             self._show_averaged(self.to_reduce.tensor())
 

@@ -343,7 +343,7 @@ class FlatStrategy:
             # torch's set_to_none: p.grad is None until the next backward, whose fresh gradient the hook above copies
             # into the buffer. One copy per gradient, where a zero-filled buffer costs a fill and an add (ZeRO-0 went
             # from 1.01 to 0.96 of DDP's step in benchmarks/prepare_vs_peers.py). A parameter that then gets no
-            # gradient is refused at the sync (check_grads_in_place), so the buffer's last step is never read as
+            # gradient is zeroed before the sync (flat.grads_in_place), so the buffer's last step is never read as
             # this one's.
             self._drop_kept_grads()
             return

@@ -230,17 +230,19 @@ class FlatParameters:
         """Physical ranges of matrices and embeddings (>= 2-D), the ones AdamW decays."""
         return [(s.offset, s.offset + s.numel) for s in self.segments if len(s.shape) >= 2]
 
-    def check_grads_in_place(self) -> None:
-        """Fail loudly if a parameter's gradient is not its view of the buffer: None (no gradient reached it since
-        the gradients were set to None, so its part of the buffer still holds an earlier step's), or a tensor
-        someone put in p.grad that the sync would miss."""
+    def grads_in_place(self) -> None:
+        """Before a sync reads the buffer: every p.grad is its view of it. One that is None got no gradient since
+        the gradients were set to None, and its part of the buffer still holds an earlier step's: it is zeroed
+        and viewed again, the zero a zero-filled buffer would have held (a bucketed sync refuses such a step
+        anyway, naming the parameter). A tensor someone put in p.grad instead, which the sync would miss, is
+        refused."""
         base, size = self.grad.data_ptr(), self.grad.element_size()  # once: this runs every step
-        missing = [seg.name for seg, p in zip(self.segments, self._params) if seg.numel and p.grad is None]
-        if missing:
-            raise RuntimeError(missing_gradients(missing, sum(1 for seg in self.segments if seg.numel),
-                                                 "the gradient sync"))
         for seg, p in zip(self.segments, self._params):
-            if seg.numel and p.grad.data_ptr() != base + seg.offset * size:
+            if not seg.numel:
+                continue
+            if p.grad is None:
+                p.grad = self.grad[seg.offset:seg.offset + seg.numel].zero_().view(seg.shape)
+            elif p.grad.data_ptr() != base + seg.offset * size:
                 raise RuntimeError(f"the gradient of '{seg.name}' was replaced by a tensor of its own (p.grad = ...), "
                                    "so the gradient sync would miss it: change p.grad in place, or let backward "
                                    "make it")

@@ -222,7 +222,7 @@ class ParameterServerWorker(FlatStrategy):
         group of the user's optimizer on the servers (the API's; the CLI gives `lr`, or keeps the servers' own)."""
         if self.closed:
             raise RuntimeError("this param-server strategy was closed (its hooks are off the model)")
-        self.flat.check_grads_in_place()
+        self.flat.grads_in_place()
         self._start_servers()
         self.optimizer.release_pages()  # a save's copy of the servers' state is written by now
         began = time.perf_counter()

@@ -122,9 +122,9 @@ class Zero1(ShardedStrategy):
     @torch.no_grad()
     def finish_grad_sync(self) -> None:
         if not self._synced:
+            self.flat.grads_in_place()
             backward_end = self.comm.clock.mark()
-            intervals = self.overlapped.finish()  # first: it finishes what it launched before naming a missing one
-            self.flat.check_grads_in_place()
+            intervals = self.overlapped.finish()
             self.sync_at(len(self.buckets), intervals, backward_end)
             self._synced = True
             if self._averaged_in_sync:

@@ -18,6 +18,10 @@ from .numerics import assert_bit_equal
 STAGES = (0, 1, 2, 3)
 MODES = ("none", "cpu", "disk")
 STEPS = 4
+# Full precision, and bf16 parameters beside a float32 master: there an offloaded master is published through a
+# copy on the parameters' side (rounded) at every stage, chunk by chunk as the optimizer steps it.
+DTYPES = {"float64": {"train.dtype": "float64"}, "float32": {"train.dtype": "float32"},
+          "bf16": {"train.precision": "bf16"}}
 
 
 def _config(world: int, zero: int, offload: str, out: str, **extra):
@@ -36,11 +40,11 @@ def _every_mode(topo, out):
     from minitrain.train.trainer import Trainer
 
     got = {}
-    for dtype in ("float64", "float32"):
+    for dtype in DTYPES:
         for zero in STAGES:
             for mode in MODES:
                 root = f"{out}/{dtype}-{zero}-{mode}"
-                with Trainer(_config(topo.world_size, zero, mode, root, **{"train.dtype": dtype}), topo) as trainer:
+                with Trainer(_config(topo.world_size, zero, mode, root, **DTYPES[dtype]), topo) as trainer:
                     losses = [trainer.train_step().loss for _ in range(STEPS)]
                     files = sorted(p.name for p in Path(root, "offload").glob(f"rank-{topo.rank:05d}-*.bin"))
                     got[(dtype, zero, mode)] = {"losses": losses, "state": _state(trainer), "files": files,
@@ -51,7 +55,7 @@ def _every_mode(topo, out):
 
 def test_every_offload_mode_trains_bit_for_bit_as_without_at_every_stage(tmp_path):
     for rank, got in enumerate(run_ranks(_every_mode, 2, str(tmp_path))):
-        for dtype in ("float64", "float32"):
+        for dtype in DTYPES:
             for zero in STAGES:
                 plain = got[(dtype, zero, "none")]
                 for mode in ("cpu", "disk"):
@@ -376,21 +380,66 @@ def test_two_runs_given_one_offload_directory_write_apart(tmp_path):
     assert offload_directory(_config(1, 0, "disk", str(tmp_path / "c"))) == tmp_path / "c" / "offload"
 
 
-def test_a_gpus_copies_go_through_kept_buffers_and_round_as_one_copy_would():
-    """What a GPU's offloaded step does with its copies, on this CPU: the master crosses into a staging buffer and
-    is rounded after (copy_through, any length against any buffer), the same bits as one converting copy; each
-    gradient chunk lands in one buffer kept for the run, in the gradient's dtype, which the next chunk reuses."""
+def test_a_gpus_master_crosses_into_a_kept_buffer_and_rounds_as_one_copy_would():
+    """What a GPU's publishing of an offloaded master does, on this CPU: the master crosses into a staging buffer
+    and is rounded after (copy_through, any length against any buffer), the same bits as one converting copy."""
     from minitrain.parallel.offload import copy_through
-    from minitrain.train.optim import FlatAdamW
 
     torch.manual_seed(0)
     master = torch.randn(1000) * 10
     for stage_len in (7, 1000, 4096):
         published = copy_through(torch.empty(1000, dtype=torch.bfloat16), master, torch.empty(stage_len))
         assert torch.equal(published, master.to(torch.bfloat16)), stage_len
-    opt = FlatAdamW(master.clone(), [(0, 600)], chunk=300)
-    first = opt._landed(torch.randn(300).to(torch.bfloat16))
-    assert first.dtype == torch.bfloat16 and opt._landing.numel() == 300 and opt._upcast.dtype == torch.float32
-    g = torch.randn(100).to(torch.bfloat16)
-    second = opt._landed(g)
-    assert torch.equal(second, g) and second.data_ptr() == first.data_ptr()  # the same buffer, reused
+
+
+class _CopiesAsAStreamRunsThem:
+    """offload.CopyStream as a GPU's stream runs an offloaded step's copies, on this CPU: every chunk crosses (as
+    if the gradient and the parameters were on a GPU and the master on the host), and each copy runs either as
+    it is issued or only once the host waits for its mark or a later one (one stream: in order)."""
+
+    def __init__(self, runs_when: str):
+        self.runs_when, self.issued, self.ran = runs_when, [], 0
+
+    def crosses(self, tensor, device) -> bool:
+        return True
+
+    def issue(self, copy, device) -> int:
+        self.issued.append(copy)
+        if self.runs_when == "issued":
+            self.wait(len(self.issued))
+        return len(self.issued)
+
+    def wait(self, mark) -> None:
+        while mark is not None and self.ran < mark:
+            self.issued[self.ran]()
+            self.ran += 1
+
+
+@pytest.mark.parametrize("runs_when", ["issued", "waited for"])
+def test_an_offloaded_step_copies_ahead_and_reads_no_chunk_before_it_lands(runs_when):
+    """A GPU's offloaded step issues its copies without waiting: each gradient chunk to the host one chunk ahead
+    of the one the host steps (two pinned buffers kept for the run, by turns), each stepped chunk of the master
+    back to the parameters, through a device buffer and rounded there. Copies that land at once, or only when
+    waited for, give the bits of plain copies: no chunk is read before it lands, none is overwritten before it is
+    stepped, and every one has landed when the step returns."""
+    from minitrain.train.optim import FlatAdamW
+
+    torch.manual_seed(0)
+    n, chunk = 1000, 128  # 8 chunks, the last one short
+    for dtype in (torch.bfloat16, torch.float32):
+        master = torch.randn(n) * 10
+        plain = FlatAdamW(master.clone(), [(0, 600)], chunk=chunk)
+        copies = _CopiesAsAStreamRunsThem(runs_when)
+        ours = FlatAdamW(master.clone(), [(0, 600)], chunk=chunk, copies=copies)
+        params = torch.full((n,), float("nan"), dtype=dtype)
+        for step in range(3):
+            grad = torch.randn(n).to(dtype)
+            plain.step(grad.clone(), 1e-2, grad_scale=0.5)
+            ours.step(grad.clone(), 1e-2, grad_scale=0.5, publish_to=params)
+            where = f"{dtype}, step {step}"
+            assert torch.equal(params, plain.master.to(dtype)), where
+            assert all(torch.equal(ours.state_tensors()[k], v) for k, v in plain.state_tensors().items()), where
+            if step == 0:
+                kept = [t.data_ptr() for t in ours._landing]
+        assert [t.data_ptr() for t in ours._landing] == kept and len(set(kept)) == 2, "two buffers, kept"
+        assert len(copies.issued) == 3 * 2 * 8, "each chunk crossed both ways"

@@ -70,9 +70,9 @@ def test_fp16_and_bf16_optimizer_state_and_unscaled_gradients_follow_plain_fp32(
     stepped_with = []  # the gradient each update used: as handed to the optimizer, times its scale factor
     optimizer_step = strategy.optimizer.step
 
-    def recording_step(grad, lr, grad_scale=1.0, found_inf=None):
+    def recording_step(grad, lr, grad_scale=1.0, found_inf=None, publish_to=None):
         stepped_with.append(flat.to_logical(grad).double() * grad_scale)
-        optimizer_step(grad, lr, grad_scale, found_inf=found_inf)
+        optimizer_step(grad, lr, grad_scale, found_inf=found_inf, publish_to=publish_to)
 
     strategy.optimizer.step = recording_step
     records = [trainer.train_step() for _ in range(8)]

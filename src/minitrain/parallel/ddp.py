@@ -55,9 +55,12 @@ class ReplicatedStrategy(FlatStrategy):
         self.finish_grad_sync()
         return self.to_reduce.tensor()
 
-    def _publish(self) -> None:
-        if not self.master_is_params:  # else the optimizer has updated the parameters themselves
-            # Rounds to the parameters' dtype in mixed precision (on the device when the master is offloaded).
+    def _publish_target(self) -> torch.Tensor | None:
+        return self.flat.data if self.pcfg.offload != "none" and not self.master_is_params else None
+
+    def _publish(self, published: torch.Tensor | None) -> None:
+        if published is None and not self.master_is_params:  # else the optimizer has updated the parameters
+            # Rounds to the parameters' dtype in mixed precision.
             copy_converting_on_device(self.flat.data, self.optimizer.master)
 
     def _end_step(self) -> None:

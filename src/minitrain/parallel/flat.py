@@ -370,8 +370,16 @@ class FlatStrategy:
     def _end_step(self) -> None:
         """Release this step's gradient (called after every step, skipped or not)."""
 
-    def _publish(self) -> None:
-        """Make the updated master the parameters every rank computes with."""
+    def _publish_target(self) -> torch.Tensor | None:
+        """Offloaded: the tensor the optimizer copies each chunk of the master into as soon as it has stepped it
+        (its step's publish_to), so the copies to the device overlap the host's step; _publish goes on from there.
+        None: _publish copies the master once the step is done (without offload nothing crosses a bus, and a
+        target made before the step would stand beside the step's own buffers)."""
+        return None
+
+    def _publish(self, published: torch.Tensor | None) -> None:
+        """Make the updated master the parameters every rank computes with; `published`: the _publish_target the
+        optimizer has already copied it into, or None."""
         raise NotImplementedError
 
     def grad_norm(self, loss_scale: float = 1.0) -> float:
@@ -419,8 +427,10 @@ class FlatStrategy:
             norm = self.grad_norm(loss_scale)
             if math.isfinite(norm):  # every rank sees the same norm, so every rank decides alike
                 clip = self.pcfg.grad_clip if max_norm is None else max_norm
-                self.optimizer.step(self._synced_grad(), lr, clip_coefficient(norm, clip) / loss_scale)
-                self._publish()
+                target = self._publish_target()
+                self.optimizer.step(self._synced_grad(), lr, clip_coefficient(norm, clip) / loss_scale,
+                                    publish_to=target)
+                self._publish(target)
                 self.optimizer.release_pages()
             # else skip: parameters and optimizer state unchanged
         finally:
@@ -444,8 +454,9 @@ class FlatStrategy:
             norm = self._grad_norm_tensor(loss_scale)
             found_inf = (~torch.isfinite(norm)).to(torch.float32)
             scale = clip_coefficient_tensor(norm, self.pcfg.grad_clip) / loss_scale
-            self.optimizer.step(self._synced_grad(), lr, scale, found_inf=found_inf)
-            self._publish()  # a skipped step publishes the unchanged master: the same parameters
+            target = self._publish_target()
+            self.optimizer.step(self._synced_grad(), lr, scale, found_inf=found_inf, publish_to=target)
+            self._publish(target)  # a skipped step publishes the unchanged master: the same parameters
             self.optimizer.release_pages()
         finally:
             self._settled = False

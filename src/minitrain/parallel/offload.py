@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -44,6 +45,31 @@ def copy_through(dst: torch.Tensor, src: torch.Tensor, stage: torch.Tensor) -> t
         b = min(a + stage.numel(), src.numel())
         dst[a:b].copy_(stage[:b - a].copy_(src[a:b]))
     return dst
+
+
+class CopyStream:
+    """Copies between host memory and a GPU, run as the GPU runs them: issue(copy, device) enqueues the copy on the
+    device's current stream and returns at once (a non_blocking copy to or from pinned memory), with a mark;
+    wait(mark) blocks the host until everything issued up to that mark has landed (one stream: in order). So an
+    offloaded step copies the next gradient chunk to the host, and the chunk it just stepped back to the device,
+    while the host's Adam steps the chunk between. Where no GPU takes part (a CPU-only machine: host and device
+    coincide) issue runs the copy and there is nothing to wait for: the same code, done in order."""
+
+    def crosses(self, tensor, device: torch.device) -> bool:
+        """Whether `tensor` must be copied to be used on `device` (a chunk of it then crosses through a buffer)."""
+        return tensor.device != device
+
+    def issue(self, copy: Callable[[], object], device: torch.device):
+        copy()
+        if device.type != "cuda":
+            return None
+        mark = torch.cuda.Event()
+        mark.record(torch.cuda.current_stream(device))
+        return mark
+
+    def wait(self, mark) -> None:
+        if mark is not None:
+            mark.synchronize()
 
 
 class OffloadStore:

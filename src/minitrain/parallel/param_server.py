@@ -179,7 +179,7 @@ class ParameterServerWorker(FlatStrategy):
     def _averaged_grad(self) -> torch.Tensor:
         return self.flat.grad
 
-    def _publish(self) -> None:
+    def _publish(self, published: torch.Tensor | None) -> None:
         pass
 
     def _send_all(self, header: torch.Tensor, pieces: list[torch.Tensor] = (), tag: int = STATE) -> None:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from .offload import OffloadStore
+from .offload import OffloadStore, copy_converting_on_device
 from .piece_vector import PieceVector
 from .layout import FlatParameters, Ranges
 
@@ -149,9 +149,11 @@ class TorchShardOptimizer:
                            for _, a, b in self.views]
 
     @torch.no_grad()
-    def step(self, grad: torch.Tensor | PieceVector, lr: float | None, grad_scale: float = 1.0) -> None:
+    def step(self, grad: torch.Tensor | PieceVector, lr: float | None, grad_scale: float = 1.0,
+             publish_to: torch.Tensor | None = None) -> None:
         """Update the master from `grad` (local layout; ZeRO-2/3's pieces, piece_vector.py) times grad_scale
-        (clipping, unscaling)."""
+        (clipping, unscaling); then copy it to `publish_to` where given (FlatAdamW.step's: a torch optimizer
+        steps all its tensors in one call, so the copy follows it whole)."""
         if self.store is not None:
             self.store.check()  # a file truncated under its mapping: one clear error, not SIGBUS below
         for view, a, b in self.views:
@@ -167,6 +169,8 @@ class TorchShardOptimizer:
             view.grad = None
         self.steps_taken += 1
         self._offload_state()
+        if publish_to is not None:
+            copy_converting_on_device(publish_to, self.master)
 
     def release_pages(self) -> None:
         """Disk offload: once the strategy has published the master, the state's pages go back to the kernel (the

@@ -54,16 +54,30 @@ class ShardedStrategy(FlatStrategy):
         """This rank's summed (not yet averaged) gradient shard, once the sync is finished."""
         raise NotImplementedError
 
-    def _publish(self) -> None:
+    def _gathered_as_it_is(self) -> bool:
+        """Whether the master is gathered from where it is, in its dtype (else through a copy on the device the
+        collective runs on, in the parameters' dtype; an offloaded master is on the host)."""
+        master, data = self.optimizer.master, self.flat.data
+        return (master.dtype, master.device) == (data.dtype, data.device)
+
+    def _publish_target(self) -> torch.Tensor | None:
+        if self.pcfg.offload == "none" or self._gathered_as_it_is():
+            return None
+        target = torch.empty(self.optimizer.master.numel(), dtype=self.flat.dtype, device=self.flat.data.device)
+        self.ledger.hold("params", target)
+        return target
+
+    def _publish(self, published: torch.Tensor | None) -> None:
         """Make the updated master shard the parameters every rank computes with (in mixed
-        precision, gathering the master rounded to the parameters' dtype: half the bytes)."""
+        precision, gathering the master rounded to the parameters' dtype: half the bytes).
+        published: the master's copy the optimizer has made on the device (offloaded), gathered from."""
         master = self.optimizer.master  # at ZeRO-1 it may be this rank's chunk of flat.data: gathered in place
-        # From the device the collective runs on: an offloaded master is on the host.
-        data = self.flat.data
-        source = master if (master.dtype, master.device) == (data.dtype, data.device) else copy_converting_on_device(
-            torch.empty(master.numel(), dtype=data.dtype, device=data.device), master)
-        if source is not master:
-            self.ledger.hold("params", source)
+        source = published
+        if source is None:
+            source = master if self._gathered_as_it_is() else copy_converting_on_device(
+                torch.empty(master.numel(), dtype=self.flat.dtype, device=self.flat.data.device), master)
+            if source is not master:
+                self.ledger.hold("params", source)
         views = local_views(source, self.shard_ranges)
         pending = [self.comm.all_gather_async(self.flat.data[u.start:u.stop], view)
                    for u, view in zip(self.flat.units, views)]

@@ -67,7 +67,7 @@ class Zero2Units(Zero3):
         for i in list(self._gathering):
             self._ensure(i)
 
-    def _publish(self) -> None:
+    def _publish(self, published: torch.Tensor | None) -> None:
         """Nothing here: the optimizer updated the shard in place (it is the master), and _end_step gathers."""
 
     def _end_step(self) -> None:

@@ -257,8 +257,12 @@ class Zero3(Zero2):
     def _load_params(self, local: torch.Tensor) -> None:
         self.param_shard.copy_(local)
 
-    def _publish(self) -> None:
+    def _publish_target(self) -> torch.Tensor | None:
+        return self.param_shard if self.pcfg.offload != "none" and not self.master_is_params else None
+
+    def _publish(self, published: torch.Tensor | None) -> None:
         """Full precision: nothing to do, the optimizer updated the parameter shard in place.
-        Mixed: round the master into the 16-bit shard (gathered unit by unit at the next forward)."""
-        if not self.master_is_params:
+        Mixed, or offloaded: round the master into the 16-bit shard (gathered unit by unit at the next forward),
+        unless the optimizer has already."""
+        if published is None and not self.master_is_params:
             copy_converting_on_device(self.param_shard, self.optimizer.master)

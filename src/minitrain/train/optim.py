@@ -15,7 +15,7 @@ import torch
 from torch.optim.adamw import adamw
 
 from ..config import TrainConfig
-from ..parallel.offload import OffloadStore, host_zeros
+from ..parallel.offload import CopyStream, OffloadStore, host_zeros
 
 # Devices with PyTorch's fused (single-kernel) AdamW; elsewhere its multi-tensor (foreach) form.
 FUSED_DEVICES = ("cpu", "cuda")
@@ -63,13 +63,16 @@ class FlatAdamW:
 
     def __init__(self, master: torch.Tensor, decay_ranges: list[tuple[int, int]],
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
-                 store: OffloadStore | None = None, chunk: int | None = None, fold_decay: bool | None = None):
+                 store: OffloadStore | None = None, chunk: int | None = None, fold_decay: bool | None = None,
+                 copies: CopyStream | None = None):
         """store: where the master and the state live (offload.py); None: where `master` is. chunk: elements
         stepped per kernel call (--train.offload_chunk_mb when offloaded: with disk, what is resident at once;
         by default chunk_for the master's device). fold_decay: the fused kernel applies the weight decay
-        (default: where the master is on a GPU)."""
+        (default: where the master is on a GPU). copies: how chunks cross between the gradient's or the
+        parameters' device and the master's (offloaded from a GPU: ahead of the host's step, offload.CopyStream)."""
         self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
         self.store, self.chunk = store, chunk or FlatAdamW.chunk_for(master.device)
+        self.copies = copies or CopyStream()
         self.master = master if store is None else store.copy_of("master", master)
         zeros = (lambda name: torch.zeros_like(self.master)) if store is None else (
             lambda name: store.zeros(name, self.master.numel(), self.master.dtype))
@@ -81,8 +84,8 @@ class FlatAdamW:
         # skips (found_inf) it also takes back from the count: the count is right on the device without the host
         # ever reading the gradient norm, so the trainer can read a step's statistics after the next step began.
         self._kernel = {"fused": True} if self.master.device.type in FUSED_DEVICES else {"foreach": True}
-        # Offloaded from a GPU: the pinned buffer each gradient chunk lands in, and the host's upcast of it.
-        self._landing: torch.Tensor | None = None
+        # Offloaded from a GPU: the two pinned buffers the gradient's chunks land in by turns, and the host's upcast.
+        self._landing: list[torch.Tensor] = []
         self._upcast: torch.Tensor | None = None
         fold = self.master.device.type == "cuda" if fold_decay is None else fold_decay
         self._fold = bool(fold and "fused" in self._kernel and self.weight_decay)
@@ -118,7 +121,7 @@ class FlatAdamW:
 
     @torch.no_grad()
     def step(self, grad: torch.Tensor, lr: float | None, grad_scale: float | torch.Tensor = 1.0,
-             found_inf: torch.Tensor | None = None) -> None:
+             found_inf: torch.Tensor | None = None, publish_to: torch.Tensor | None = None) -> None:
         """One update of `master` from `grad` (same length), multiplied by grad_scale (clipping,
         and unscaling an fp16 loss scale). In full precision `grad` is scaled in place: callers
         pass a gradient buffer they are done with. It may be in a narrower dtype than the master
@@ -126,7 +129,10 @@ class FlatAdamW:
         gradients are not flushed to zero by the unscaling.
         found_inf (a float32 0/1 tensor on the device, with skips_on_device): 1 leaves master, m and v
         untouched, decided on the device, so the host need not read the gradient norm to skip; the
-        kernel also takes the step back from its count."""
+        kernel also takes the step back from its count.
+        publish_to: a tensor of the master's length (the parameters, maybe narrower, maybe on a GPU while the
+        master is on the host) that gets each chunk of the master as soon as it is stepped, so the copy crosses
+        while the next chunk is stepped; every copy has landed when step returns."""
         if lr is None:
             raise ValueError("FlatAdamW takes its learning rate from each step (the caller's schedule)")
         beta1, beta2 = self.betas
@@ -141,35 +147,71 @@ class FlatAdamW:
             grad_scale = grad_scale.to(where)
         # Chunk by chunk, so what the weight decay and the scaling touch is still in cache when the
         # kernel reads it, and a mixed-precision step upcasts one chunk, not the whole gradient.
+        bounds = [(a, min(a + self.chunk, self.master.numel())) for a in range(0, self.master.numel(), self.chunk)]
         counts = iter(self._steps)
-        for a, calls in zip(range(0, self.master.numel(), self.chunk), self._calls):
-            b = min(a + self.chunk, self.master.numel())
+        stage, published = self._publish_stage(publish_to), None
+        for (a, b), calls, g in zip(bounds, self._calls, self._chunks_where_master_is(grad, bounds)):
             if self.weight_decay and not self._fold:
                 for lo, hi in self.decay_ranges:
                     if lo < b and hi > a:
                         self.master[max(lo, a):min(hi, b)].mul_(decay)
             w = self.master[a:b]
-            g = grad[a:b]
-            if g.device != where:  # offloaded from a GPU: through buffers kept for the run
-                g = self._landed(g)
             g = self._scaled_chunk(g, w.dtype, where, grad_scale, out=self._upcast)
             for weight_decay, runs in calls:
                 adamw([w[x - a:y - a] for x, y in runs], [g[x - a:y - a] for x, y in runs],
                       [self.exp_avg[x:y] for x, y in runs], [self.exp_avg_sq[x:y] for x, y in runs], [],
                       [next(counts) for _ in runs], amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
                       weight_decay=weight_decay, eps=self.eps, maximize=False, found_inf=found_inf, **self._kernel)
+            if publish_to is not None:
+                published = self._publish_chunk(publish_to[a:b], w, stage)
             if self.store is not None:  # disk: this chunk's pages go back to the kernel, the file keeps them
                 for t in (w, self.exp_avg[a:b], self.exp_avg_sq[a:b]):
                     self.store.release(t)
+        self.copies.wait(published)  # one stream: the last copy landed, so did every one before it
 
-    def _landed(self, g: torch.Tensor) -> torch.Tensor:
-        """A device's gradient chunk copied into a pinned host buffer kept for the run, which the next chunk
-        overwrites. Copied into fresh pageable memory, gpt2-124m's bf16 gradient took 205 ms on an H100, against 5
-        ms into pinned memory (benchmarks/offload_copies_gpu.py); each host upcast then lands in a kept buffer too."""
-        if self._landing is None or self._landing.dtype != g.dtype:
-            self._landing = host_zeros(self.chunk, g.dtype)
+    def _chunks_where_master_is(self, grad: torch.Tensor, bounds: list[tuple[int, int]]):
+        """Each chunk of `grad` on the master's device. A GPU's gradient crosses to the host one chunk ahead: the
+        copy of chunk k+1 is issued before chunk k is handed over, into the other of two pinned buffers kept for
+        the run (chunk k is in one; the other held chunk k-1, already stepped), so it crosses while the host steps
+        chunk k. Copied into fresh pageable memory instead, gpt2-124m's bf16 gradient took 205 ms on an H100,
+        against 5 ms into pinned memory (benchmarks/offload_copies_gpu.py)."""
+        if not self.copies.crosses(grad, self.master.device):
+            for a, b in bounds:
+                yield grad[a:b]
+            return
+        if not self._landing or self._landing[0].dtype != grad.dtype:
+            self._landing = [host_zeros(self.chunk, grad.dtype) for _ in range(2)]
             self._upcast = torch.empty(self.chunk, dtype=self.master.dtype)
-        return self._landing[:g.numel()].copy_(g)
+        ahead = self._fetch(grad, bounds[0], self._landing[0])
+        for k in range(len(bounds)):
+            landed, mark = ahead
+            if k + 1 < len(bounds):
+                ahead = self._fetch(grad, bounds[k + 1], self._landing[(k + 1) % 2])
+            self.copies.wait(mark)
+            yield landed
+
+    def _fetch(self, grad: torch.Tensor, bounds: tuple[int, int], landing: torch.Tensor):
+        """grad[a:b] into `landing`, issued (not yet landed): the landing chunk and its copy's mark."""
+        a, b = bounds
+        landed = landing[:b - a]
+        return landed, self.copies.issue(lambda: landed.copy_(grad[a:b], non_blocking=True), grad.device)
+
+    def _publish_stage(self, publish_to: torch.Tensor | None) -> torch.Tensor | None:
+        """For a master on the host published to a GPU's narrower parameters: a device buffer, one chunk long, each
+        chunk crosses into as it is and is rounded from there (copy_converting_on_device's way; one converting copy
+        across the bus is 7x slower). None where a plain copy does."""
+        if publish_to is None or publish_to.dtype == self.master.dtype or not self.copies.crosses(
+                self.master, publish_to.device):
+            return None
+        return torch.empty(min(self.chunk, self.master.numel()), dtype=self.master.dtype, device=publish_to.device)
+
+    def _publish_chunk(self, dst: torch.Tensor, w: torch.Tensor, stage: torch.Tensor | None):
+        """The stepped chunk w of the master into dst, the parameters' chunk: issued, its mark returned. Through
+        `stage` when there is one: the stream runs its copies in order, so the next chunk's copy into it waits for
+        this one's rounding."""
+        if stage is None:
+            return self.copies.issue(lambda: dst.copy_(w, non_blocking=True), dst.device)
+        return self.copies.issue(lambda: dst.copy_(stage[:w.numel()].copy_(w, non_blocking=True)), dst.device)
 
     @staticmethod
     def _scaled_chunk(g: torch.Tensor, dtype: torch.dtype, where: torch.device, grad_scale: float | torch.Tensor,

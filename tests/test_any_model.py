@@ -158,10 +158,30 @@ def _zero3_cases(topo, kinds):
                 total = torch.tensor([loss.item()], dtype=torch.float64)
                 dist.all_reduce(total)
                 losses.append(float(total) / topo.world_size)
+            if zero == 3:
+                out[(kind, "reads")] = _reads_between_steps(model)
             with torch.no_grad():  # an evaluation forward frees what it gathered
                 loss_of(kind, model, batches(1)[0])
             out[(kind, zero)] = losses, minitrain.full_state_dict(model)
     return out
+
+
+def _reads_between_steps(model) -> dict:
+    """For each parameter: what describes it, and what each read of its values between steps raised."""
+    seen = {}
+    for name, p in model.named_parameters():
+        reads = {"norm": lambda: p.norm(), "detach": lambda: p.detach().clone(), "print": lambda: print(p),
+                 ".data": lambda: p.data, "arithmetic": lambda: p * 2, "a list of them": lambda: torch.cat([p, p])}
+        said = {}
+        for what, read in reads.items():
+            try:
+                read()
+                said[what] = "read"
+            except RuntimeError as e:
+                said[what] = str(e)
+        description = (str(p.dtype), p.device.type, p.requires_grad, p.grad, p.numel() == p.shape.numel() > 0)
+        seen[name] = {"description": description, "values": said}
+    return seen
 
 
 def _ported_ddp_loops(topo):
@@ -432,6 +452,19 @@ def test_an_output_zero3_cannot_see_into_is_refused_naming_its_type():
     model, _ = minitrain.prepare(OpaqueBlocks().double(), ADAMW, zero=3)
     with pytest.raises(ValueError, match="in what 'blocks.0' returned \\(a Hidden\\)"):
         model(batches(1)[0])
+
+
+def test_zero3_refuses_reading_a_freed_parameter_between_steps_instead_of_reading_freed_memory(two_ranks):
+    """Between steps ZeRO-3 holds only shards. Code of the user's that reads a parameter then (an EMA, a logged norm,
+    print) read freed memory: garbage, or the process killed by SIGSEGV. Now it is refused, naming what to do; what
+    describes a parameter stays readable, and the run goes on exactly (its losses and final state are
+    test_zero3_gathers_parameters_used_outside_their_module_and_sees_into_any_output's)."""
+    for rank_out in two_ranks:
+        for kind in MODELS:
+            for name, seen in rank_out[0][(kind, "reads")].items():
+                assert seen["description"] == ("torch.float64", "cpu", True, None, True), (kind, name)
+                for what, said in seen["values"].items():
+                    assert "ZeRO-3 has freed" in said and "minitrain.full_state_dict(model)" in said, (kind, what, said)
 
 
 # --- refusals before anything is split ------------------------------------------------------------------------

@@ -33,6 +33,7 @@ import torch.nn as nn
 from ..runtime.comm import Comm, PendingCollective
 from .config import ParallelConfig
 from .flat import OptimizerFactory
+from .freed_params import guard_freed
 from .layout import local_views, take
 from .offload import copy_converting_on_device
 from .param_use import GatherOnUse, tensors_in
@@ -78,6 +79,8 @@ class Zero3(Zero2):
         self.hooks.append(model.register_forward_hook(self._after_model_forward))
         if pcfg.user_loop:
             self._watch_uses(model)
+            # The user's code between steps reads a freed parameter by mistake: refused, not read (freed_params.py).
+            guard_freed([self.flat.param(seg) for seg in self.flat.segments])
 
     def _set_down(self, i: int) -> None:
         """Unit i is not needed until its backward (or the next forward): ZeRO-3 frees it; ZeRO-2 with units

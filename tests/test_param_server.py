@@ -3,6 +3,7 @@ staleness keeps its bound, blocks the fastest worker at exactly K, and is reprod
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -205,15 +206,33 @@ def test_plan_counts_push_and_pull_against_the_ring_and_what_a_server_holds():
     assert refused.returncode == 2 and "do not combine with" in refused.stderr
 
 
+def _trained_worker_0_slow(topo, values: dict) -> dict | None:
+    """_trained, worker 0 sleeping 0.3 s as each step starts: worker 1 runs ahead to the staleness bound and is
+    waiting there for a newer update when worker 0 stops."""
+    from minitrain.train import faults
+
+    if topo.rank == 0:
+        at_step_start = faults.Faults.at_step_start
+
+        def slowed(self, step):
+            time.sleep(0.3)
+            at_step_start(self, step)
+
+        faults.Faults.at_step_start = slowed  # in this rank's process only
+    return _trained(topo, values)
+
+
 @pytest.mark.parametrize("servers", [1, 2])
 def test_under_bounded_staleness_a_worker_that_stops_stops_the_others_without_a_checkpoint(tmp_path, servers):
     # SIGTERM reaches worker 0 only. The workers are at different steps, so no checkpoint could hold them all: it
     # stops at once; the servers then answer the other worker at once, which stops too (it would otherwise wait for
     # worker 0's gradients for ever). Two servers apply the same updates (their norms' all-gathers must match).
+    # Worker 0 is the slower one, so worker 1 is always waiting at the bound when it stops (had worker 1 lagged, its
+    # pulls would be answered with the stop as they came, and a server that never answered early would pass).
     values = {**TINY, "dist.nproc": 2 + servers, "train.steps": 12, "ps.servers": servers, "ps.staleness": 2,
               "model.d_model": 128, "fault.kind": "sigterm", "fault.rank": 0, "fault.step": 4,
               "out": str(tmp_path / "run")}
-    first, second, *_ = run_ranks(_trained, 2 + servers, values, timeout_s=60)
+    first, second, *_ = run_ranks(_trained_worker_0_slow, 2 + servers, values, timeout_s=60)
     assert first["summary"]["stopped_by"] == "SIGTERM" and first["summary"]["steps"] == 4
     # The other may run K steps past it, and one more: the pull that step waits for is answered flagged.
     assert second["summary"]["stopped_by"] == "another worker left" and second["summary"]["steps"] <= 4 + 2 + 1
@@ -389,3 +408,33 @@ def test_elastic_servers_apply_only_the_gradients_every_server_holds():
     assert torch.equal(zero["pulled"], one["pulled"])
     for s in served:
         assert s["updates"] == 1 and s["left"] == [{"worker": 2, "rank": 2, "last_update": 0}]
+
+
+def _server_square_sums(topo) -> list[float]:
+    """Two servers' sum of squares of a vector cut at SquareSums' chunks (server 0 one chunk, server 1 two), and
+    SquareSums' own over the whole vector, as data parallel takes it."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from minitrain.parallel.norms import SquareSums
+    from minitrain.parallel.param_server import ParameterServer
+    from minitrain.runtime.comm import Comm
+
+    block = SquareSums.block(torch.device("cpu"))
+    whole = torch.zeros(3 * block, dtype=torch.float64)
+    whole[0] = 1.0
+    for start in (block, 2 * block):  # each later chunk's squares sum to 2^-53 exactly
+        whole[start:start + 2] = 2.0 ** -27
+    bounds = [(0, block), (block, 3 * block)]
+    a, b = bounds[topo.rank]
+    server = SimpleNamespace(bounds=bounds, group=SimpleNamespace(own=Comm(topo.rank, 2, dist.group.WORLD)))
+    return [ParameterServer._square_sum(server, whole[a:b]).item(), SquareSums()(whole).item()]
+
+
+def test_servers_add_the_norms_chunks_in_data_parallels_order():
+    # 1, then 2^-53 twice: in data parallel's order each addition is a tie that rounds to even, back to 1.0; a server
+    # that first added its own two chunks (2^-52) would give the next double above 1.0. The runs above meet such a
+    # case only by chance (float64 additions in another order often round alike).
+    for got, whole in run_ranks(_server_square_sums, 2):
+        assert got == whole == 1.0

@@ -163,13 +163,18 @@ def first_failure(output: str) -> str:
     return found.group(1) if found else ""
 
 
-def baseline(entries: list[dict], files: list[str], timeout: float) -> None:
-    """Every selected test passes on the unmutated copy. Plain node ids run together; a selection
-    with options (-k) runs alone, since pytest keeps only the last -k."""
+def pytest_runs(selections) -> list[list[str]]:
+    """The pytest runs that cover `selections`: plain node ids together; a selection with options (-k)
+    alone, since pytest keeps only the last -k (given two, it would run the last one only)."""
     ids, optioned = [], []
-    for s in dict.fromkeys(s for m in entries for s in m["tests"]):
+    for s in dict.fromkeys(selections):
         (optioned if any(a.startswith("-") for a in shlex.split(s)) else ids).append(s)
-    for group in ([ids] if ids else []) + [[s] for s in optioned]:
+    return ([ids] if ids else []) + [[s] for s in optioned]
+
+
+def baseline(entries: list[dict], files: list[str], timeout: float) -> None:
+    """Every selected test passes on the unmutated copy."""
+    for group in pytest_runs(s for m in entries for s in m["tests"]):
         scratch = scratch_copy(files)
         try:
             code, seconds, out = run_pytest(scratch, pytest_args(group), timeout * max(1, len(group)))
@@ -191,7 +196,12 @@ def mutate_one(m: dict, files: list[str], timeout: float) -> dict:
         except SyntaxError as e:
             return {"id": m["id"], "verdict": "error", "seconds": 0.0, "failed": f"does not compile: {e}", "output": ""}
         target.write_text(text)
-        code, seconds, out = run_pytest(scratch, pytest_args(m["tests"]), timeout)
+        seconds = 0.0
+        for group in pytest_runs(m["tests"]):  # in order, until one fails: the mutation is caught
+            code, took, out = run_pytest(scratch, pytest_args(group), timeout)
+            seconds += took
+            if code != 0:
+                break
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     verdict = {None: "timeout", 0: "survived", 1: "caught"}.get(code, "error")

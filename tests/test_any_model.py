@@ -171,7 +171,8 @@ def _reads_between_steps(model) -> dict:
     seen = {}
     for name, p in model.named_parameters():
         reads = {"norm": lambda: p.norm(), "detach": lambda: p.detach().clone(), "print": lambda: print(p),
-                 ".data": lambda: p.data, "arithmetic": lambda: p * 2, "a list of them": lambda: torch.cat([p, p])}
+                 ".data": lambda: p.data, "arithmetic": lambda: p * 2, "a list of them": lambda: torch.cat([p, p]),
+                 "a conversion": lambda: p.to(torch.float32), ".data =": lambda: setattr(p, "data", p.new_zeros(1))}
         said = {}
         for what, read in reads.items():
             try:
@@ -180,7 +181,10 @@ def _reads_between_steps(model) -> dict:
             except RuntimeError as e:
                 said[what] = str(e)
         description = (str(p.dtype), p.device.type, p.requires_grad, p.grad, p.numel() == p.shape.numel() > 0)
-        seen[name] = {"description": description, "values": said}
+        # What reads no value: the model moved where it is, a tensor shaped like the parameter.
+        unread = (model.to(p.device) is model and model.double() is model, torch.zeros_like(p).shape == p.shape,
+                  p.new_zeros(2).dtype == p.dtype)
+        seen[name] = {"description": description, "values": said, "unread": unread}
     return seen
 
 
@@ -463,6 +467,7 @@ def test_zero3_refuses_reading_a_freed_parameter_between_steps_instead_of_readin
         for kind in MODELS:
             for name, seen in rank_out[0][(kind, "reads")].items():
                 assert seen["description"] == ("torch.float64", "cpu", True, None, True), (kind, name)
+                assert seen["unread"] == (True, True, True), (kind, name)
                 for what, said in seen["values"].items():
                     assert "ZeRO-3 has freed" in said and "minitrain.full_state_dict(model)" in said, (kind, what, said)
 

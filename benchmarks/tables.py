@@ -381,6 +381,15 @@ def object_store(docs: list[dict]) -> list[str]:
             f"{doc['repeats']} repeats.", "", *_table(["operation", "MB/s"], "<>", rows)]
 
 
+def zero3_read_guard(docs: list[dict]) -> list[str]:
+    doc = docs[0]
+    rows = [[str(r["width"]), f"{r['with_check_ms']:.1f}", f"{r['without_ms']:.1f}", fmt_range(r["ratio"], "{:.2f}")]
+            for r in doc["rows"]]
+    return [f"A 4-layer Hugging Face GPT-2 through `prepare(zero=3)`, one process, with the check and without it "
+            f"alternating; median [min-max] of {doc['repeats']} repeats of {doc['steps']} steps.", "",
+            *_table(["width", "with the check ms", "without ms", "ratio"], ">>>>", rows)]
+
+
 # Table name -> (result files, renderer). Benchmarks run at several sizes write one file per size.
 TABLES = {
     "prepare_vs_peers": ("prepare_vs_peers.json", prepare_vs_peers),
@@ -410,6 +419,7 @@ TABLES = {
     "offload_gpu": ("offload_gpu.json", offload_gpu),
     "multinode": ("multinode.json", multinode),
     "before_after": ("before_after.json", before_after),
+    "zero3_read_guard": ("zero3_read_guard.json", zero3_read_guard),
 }
 
 

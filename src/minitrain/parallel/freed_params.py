@@ -64,8 +64,8 @@ def _gives_itself(func, args, kwargs) -> bool:
                                                                             if k != "copy"})
         except (TypeError, RuntimeError):
             return False
-        return (device is None or (device.type, device.index) in ((t.device.type, None), (t.device.type, t.device.index))
-                ) and dtype in (None, t.dtype) and layout in (None, torch.preserve_format)
+        same_device = device is None or (device.type == t.device.type and device.index in (None, t.device.index))
+        return same_device and dtype in (None, t.dtype) and layout in (None, torch.preserve_format)
     return False
 
 

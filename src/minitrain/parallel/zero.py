@@ -60,12 +60,17 @@ class ShardedStrategy(FlatStrategy):
         master, data = self.optimizer.master, self.flat.data
         return (master.dtype, master.device) == (data.dtype, data.device)
 
+    def _gather_source(self) -> torch.Tensor:
+        """A buffer for the master in the parameters' dtype, on the device the collective runs on (booked as
+        parameters until _publish drops it)."""
+        source = torch.empty(self.optimizer.master.numel(), dtype=self.flat.dtype, device=self.flat.data.device)
+        self.ledger.hold("params", source)
+        return source
+
     def _publish_target(self) -> torch.Tensor | None:
         if self.pcfg.offload == "none" or self._gathered_as_it_is():
             return None
-        target = torch.empty(self.optimizer.master.numel(), dtype=self.flat.dtype, device=self.flat.data.device)
-        self.ledger.hold("params", target)
-        return target
+        return self._gather_source()
 
     def _publish(self, published: torch.Tensor | None) -> None:
         """Make the updated master shard the parameters every rank computes with (in mixed
@@ -74,10 +79,7 @@ class ShardedStrategy(FlatStrategy):
         master = self.optimizer.master  # at ZeRO-1 it may be this rank's chunk of flat.data: gathered in place
         source = published
         if source is None:
-            source = master if self._gathered_as_it_is() else copy_converting_on_device(
-                torch.empty(master.numel(), dtype=self.flat.dtype, device=self.flat.data.device), master)
-            if source is not master:
-                self.ledger.hold("params", source)
+            source = master if self._gathered_as_it_is() else copy_converting_on_device(self._gather_source(), master)
         views = local_views(source, self.shard_ranges)
         pending = [self.comm.all_gather_async(self.flat.data[u.start:u.stop], view)
                    for u, view in zip(self.flat.units, views)]

@@ -1,7 +1,12 @@
 """Checkpoint cadence and retention, and --resume auto falling back past a corrupt checkpoint."""
+from pathlib import Path
+
 import pytest
 
-from .dist import run_cli, run_main
+from minitrain.train.loop import TrainingRun
+from minitrain.train.run_config import run_config
+
+from .dist import run_cli, run_main, run_ranks
 
 
 def _train(out, *extra):
@@ -23,13 +28,34 @@ def test_keep_last_keeps_the_newest_and_stale_temporaries_are_swept(tmp_path):
     assert not list((out / "checkpoints").glob(".tmp-*"))
 
 
-def test_every_minutes_saves_by_the_clock_and_at_the_end(tmp_path):
+def _clock_runs(topo, root: str) -> dict:
+    """Four steps under each save clock; per run, the steps saved and the collectives the run made."""
+    found = {}
+    for name, minutes, late in (("each", 1e-6, "off"), ("each-late", 1e-6, "on"), ("never", 60.0, "off"),
+                                ("off", 0.0, "off")):
+        values = {"train.steps": 4, "train.log_every": 0, "train.zero": 2, "dist.nproc": topo.world_size,
+                  "ckpt.every_minutes": minutes, "ckpt.final_save": True, "train.late_stats": late,
+                  "out": f"{root}/{name}"}
+        before = topo.everyone.totals().calls
+        TrainingRun(topo, run_config(cli_values=values)).run()
+        found[name] = (_steps(Path(root) / name), topo.everyone.totals().calls - before)
+    return found
+
+
+def test_every_minutes_saves_by_rank_0s_clock_with_no_collective_of_its_own(tmp_path):
+    found = run_ranks(_clock_runs, 2, str(tmp_path))[0]
+    assert found["each"][0] == ["step-000001", "step-000002", "step-000003", "step-000004"]  # due after every step
+    # Read late, step 1's reading comes with step 2; the reading taken before step 2's save counts no more at step 3.
+    assert found["each-late"][0] == ["step-000002", "step-000004"]
+    assert found["never"][0] == found["off"][0] == ["step-000004"]  # never due: only the final save
+    # The clock travels in the step's statistics exchange: not one collective more than a run without it.
+    assert found["never"][1] == found["off"][1], found
+
+
+def test_the_every_minutes_flag_reaches_the_run(tmp_path):
     out = tmp_path / "run"
-    _train(out, "--steps", "3", "--ckpt-every-minutes", "1e-6")  # due after every step
-    assert _steps(out) == ["step-000001", "step-000002", "step-000003"]
-    quiet = tmp_path / "quiet"
-    _train(quiet, "--steps", "3", "--ckpt-every-minutes", "60")  # never due: only the final save
-    assert _steps(quiet) == ["step-000003"]
+    _train(out, "--steps", "2", "--ckpt-every-minutes", "1e-6")
+    assert _steps(out) == ["step-000001", "step-000002"]
 
 
 def test_resume_auto_skips_a_corrupt_checkpoint_naming_the_file(tmp_path):

@@ -39,7 +39,7 @@ from .run_files import write_json, write_run_start
 from .step_timer import StepProfiler
 from ..runtime.topology import Topology
 from .tracking import Tracker
-from .step_stats import StepRequests
+from .step_stats import Agreed, StepRequests
 from .trainer import StepRecord, Trainer
 
 
@@ -86,7 +86,7 @@ class TrainingRun:
         if topo.is_main:  # what the run is, on what, with which tokenizer: before its first step
             write_run_start(self.out, cfg, topo, self.start_path)
             self.tracker = Tracker.open(cfg.log, self.out, cfg.to_dict(), resumed=self.start_path is not None)
-        self.cadence = SaveCadence(cfg, topo)
+        self.cadence = SaveCadence(cfg)
         self.saved: list[str] = []
         self.records: list[StepRecord] = []
         self.rollbacks: list[dict] = []
@@ -113,13 +113,13 @@ class TrainingRun:
             while t.step < total:
                 self.profiler.before_step(t.step + 1)
                 # This rank's news for the step's exchange, which makes every rank agree on it (t.agreed).
-                requests = StepRequests(self.stop_request, self.pending)
+                requests = StepRequests(self.stop_request, self.pending, self.cadence.clock)
                 record = t.launch_step(requests)  # with late statistics, the step before's (trainer.py)
                 self.profiler.after_step(t.step)
                 if record is not None and self._took(record):
                     continue
                 stop_at = t.step == self.cfg.train.stop_at
-                due = self.cadence.due(t.step)
+                due = self.cadence.due(t.step, t.agreed)
                 if due or stop_at or t.agreed.stop_signal or self._evaluates(t.step) or t.step == total:
                     # What acts on the state (a save, an evaluation, a stop) waits for this step's statistics.
                     record = t.settle()
@@ -348,28 +348,34 @@ class TrainingRun:
 
 class SaveCadence:
     """When to checkpoint: every K steps, every M minutes, and after the last step (unless ckpt.final_save
-    is off and neither cadence is set). The clock is rank 0's, broadcast each step, so every rank agrees
-    (a save is collective)."""
+    is off and neither cadence is set). The clock is rank 0's, read into each step's statistics exchange
+    (StepRequests.save_clock), so every rank agrees (a save is collective) and the step needs no collective or
+    device read of its own: with late statistics the save comes a step after the clock ran out, as a stop signal's
+    does."""
 
-    def __init__(self, cfg: RunConfig, topo: Topology):
+    def __init__(self, cfg: RunConfig):
         self.every, self.minutes, self.total = cfg.ckpt.every_steps, cfg.ckpt.every_minutes, cfg.train.steps
         self.final = cfg.ckpt.final_save or bool(self.every or self.minutes)
-        self.comm = topo.everyone  # one clock for every rank: a save is collective
         self.last = time.monotonic()
+        self.saves = 0  # made so far: the same on every rank, since every save is made by all of them
 
-    def due(self, step: int) -> bool:
+    def clock(self) -> int:
+        """This rank's reading for the exchange: the saves made so far if the minutes since the last one are up,
+        else -1."""
+        return self.saves if self.minutes and time.monotonic() - self.last >= 60 * self.minutes else -1
+
+    def due(self, step: int, agreed: Agreed) -> bool:
         if step == self.total:
             return self.final
         if self.every and step % self.every == 0:
             return True
-        if not self.minutes:
-            return False
-        flag = torch.tensor([float(time.monotonic() - self.last >= 60 * self.minutes)], device=self.comm.device)
-        self.comm.broadcast(flag, src=0)
-        return bool(flag.item())
+        # A reading taken before the last save (one the ranks agreed on before it, still the latest when no
+        # exchange was read since) counts no more.
+        return agreed.save_clock == self.saves
 
     def saved(self) -> None:
         self.last = time.monotonic()
+        self.saves += 1
 
 
 def pipeline_line(p: dict) -> str:

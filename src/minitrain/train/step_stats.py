@@ -3,11 +3,13 @@ float64 row and read back by name), what the run loop asks of a step (StepReques
 on once the rows are exchanged (Agreed).
 
 One exchange per step carries everything the ranks must agree on (the stop signal, the background save's
-progress) beside the figures logged, so a step costs one small all-gather and one read of the device.
+progress, rank 0's save clock) beside the figures logged, so a step costs one small all-gather and one read of the
+device.
 """
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +37,9 @@ class RankStats:
     peak: list[float]  # the most bytes held during the step, by PEAK_KINDS
     stop_signal: float  # a stop signal this rank received (its number), else 0
     save_written: float  # 1 when this rank's background work (a save's write, or its upload) is done, else 0
+    # --ckpt.every_minutes: the number of saves made so far when this rank's clock found the next one due, else -1
+    # (rank 0's decides; the count tells a reading taken before a save from one taken after it).
+    save_clock: float
     busy_s: float  # this rank's busy seconds in the step (trainer.py: a straggler's is the largest)
     # A mixture of experts: per MoE layer, the slots each expert received on this rank and the slots dropped
     # (E + 1 values a layer); empty for a dense model. Last: it takes the rest of the row.
@@ -89,12 +94,16 @@ class StepRequests:
 
     stop: StopRequest | None = None  # the run's stop-signal handler (which signal this rank received, if any)
     pending_save: AsyncSave | Upload | None = None  # this rank's background save (or its upload) in flight, if any
+    save_clock: Callable[[], int] | None = None  # the save cadence's clock reading (loop.SaveCadence.clock), if timed
 
     def stop_signal(self) -> int:
         return self.stop.signum if self.stop is not None else 0
 
     def save_written(self) -> bool:
         return self.pending_save is not None and self.pending_save.written
+
+    def clock_reading(self) -> int:
+        return self.save_clock() if self.save_clock is not None else -1
 
 
 @dataclass(frozen=True)
@@ -104,9 +113,10 @@ class Agreed:
     stop_signal: int = 0  # the largest signal number any rank received, else 0
     stop_ranks: tuple[int, ...] = ()  # the ranks that received one
     save_written: bool = False  # every rank's background write or upload has finished (or failed): commit it now
+    save_clock: int = -1  # rank 0's save clock: the saves made so far when it found the next one due, else -1
 
     @classmethod
     def of(cls, rows: list[RankStats]) -> Agreed:
         signals = [int(r.stop_signal) for r in rows]
         return cls(max(signals), tuple(rank for rank, signum in enumerate(signals) if signum),
-                   all(r.save_written == 1 for r in rows))
+                   all(r.save_written == 1 for r in rows), int(rows[0].save_clock))

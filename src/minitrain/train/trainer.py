@@ -397,7 +397,8 @@ class Trainer:
             param_norm=self.strategy.param_norm_tensor(), grad_norm=norm,
             bubble=measured.get("bubble", 0.0), in_flight=measured.get("peak_in_flight", 0),
             at_rest=[held[k] for k in MEMORY_KINDS], peak=[peak[k] for k in PEAK_KINDS],
-            stop_signal=requests.stop_signal(), save_written=requests.save_written(), busy_s=busy,
+            stop_signal=requests.stop_signal(), save_written=requests.save_written(),
+            save_clock=requests.clock_reading(), busy_s=busy,
             expert_load=[v for layer in self._moe_layers for load, dropped in [layer.take_load()]
                          for v in (*load, dropped)])
         rows = self.topo.step_peers.gather_rows_on_device(mine.pack(self.topo.device))

@@ -239,6 +239,26 @@ def test_zero_grad_leaves_none_as_torch_and_a_missed_gradient_is_a_zero_not_the_
 
 
 # --- the API, 2 ranks ---------------------------------------------------------------------------------------
+CLIP = 0.05  # below every batch's norm here: each step is clipped, so a norm from the wrong batch changes it
+
+
+def _drops_two_batches(prepared, topo=None) -> tuple[dict, list[float]]:
+    """A loss-spike guard's habit: batch 0 dropped after its norm was read (backward, clip_grad_norm_, zero_grad, no
+    step), batch 1 dropped at once (backward, zero_grad), batches 2 and 3 stepped with clipping. The parameters
+    and the norms the clip returned."""
+    model, opt = prepared
+    clip = torch.nn.utils.clip_grad_norm_ if topo is None else minitrain.clip_grad_norm_
+    norms = []
+    for i, x in enumerate(batches(4)):
+        loss_of(model, x if topo is None else x.chunk(topo.world_size)[topo.rank]).backward()
+        if i != 1:
+            norms.append(float(clip(model.parameters() if topo is None else model, CLIP)))
+        if i >= 2:
+            opt.step()
+        opt.zero_grad()
+    return (model.state_dict() if topo is None else minitrain.full_state_dict(model)), norms
+
+
 def _two_ranks(topo):
     minitrain.init_distributed(topology=topo)
     out = {}
@@ -248,6 +268,7 @@ def _two_ranks(topo):
             loss_of(model, x.chunk(topo.world_size)[topo.rank]).backward()
             opt.step()
         out[zero] = minitrain.full_state_dict(model)
+        out[("dropped", zero)] = _drops_two_batches(minitrain.prepare(net(), ADAMW, zero=zero), topo)
     for kind in ("tp", "pp"):  # the batch[rank::world] habit: each rank of one replica fed its own rows
         layout = {"tp": 2, "tp_plan": {"blocks.*.lin": "colwise_gather_output"}} if kind == "tp" else \
             {"pp": 2, "pp_split": ["emb", "blocks", "head"]}
@@ -274,9 +295,17 @@ def test_habits_over_ranks():
     for x in batches():
         loss_of(ref, x).backward()  # never zeroed: each step's gradient adds to the last
         opt.step()
+    model = net()
+    dropped, norms = _drops_two_batches((model, ADAMW(model.parameters())))
     for out in results:
         for zero in range(4):
             for key, value in ref.state_dict().items():
                 assert (out[zero][key] - value).abs().max().item() <= 1e-10, (zero, key)
+            # A dropped batch leaves nothing behind: not its norm (read again by the next clip), not its gradient
+            # (a reduction still in flight at ZeRO-2/3, written into a shard zero_grad gave back).
+            state, our_norms = out[("dropped", zero)]
+            assert our_norms == pytest.approx(norms, rel=1e-12, abs=0), (zero, our_norms, norms)
+            for key, value in dropped.items():
+                assert (state[key] - value).abs().max().item() <= 1e-10, (zero, key)
         for kind in ("tp", "pp"):
             assert "ranks [0] vs [1] hold one model replica (dp_rank 0) but were fed different" in out[kind], out[kind]

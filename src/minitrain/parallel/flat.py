@@ -338,7 +338,7 @@ class FlatStrategy:
     def zero_grad(self, release: bool = False) -> None:
         """Zero the gradients for the next step. release: also give back the memory of gradients kept only
         between steps where the strategy can (ZeRO-2/3's shard), as torch's zero_grad(set_to_none=True) does."""
-        self._settled = False
+        self._end_abandoned_step()
         if release and self._kept_in_place:
             # torch's set_to_none: p.grad is None until the next backward, whose fresh gradient the hook above copies
             # into the buffer. One copy per gradient, where a zero-filled buffer costs a fill and an add (ZeRO-0 went
@@ -348,6 +348,14 @@ class FlatStrategy:
             self._drop_kept_grads()
             return
         self.flat.grad.zero_()
+
+    def _end_abandoned_step(self) -> None:
+        """Gradients cleared without a step (a loop that drops a batch whose norm it did not like: backward,
+        clip_grad_norm_, zero_grad): the step's norm, settled gradient and sync state go with them, as after a
+        step, so the next step computes its own (a kept norm was the dropped batch's, clipping the next one)."""
+        self._settled = False
+        self._norm = None
+        self._end_step()
 
     def _drop_kept_grads(self) -> None:
         for p in self._kept_in_place:

@@ -203,7 +203,10 @@ class Zero2(ShardedStrategy):
         return PieceVector(held or [torch.empty(0, dtype=self.reduce_dtype, device=self.comm.device)])
 
     def zero_grad(self, release: bool = False) -> None:
-        self._settled = False  # fresh gradients: settled afresh under expert parallelism (flat.py)
+        # A backward's reductions still in flight (gradients cleared without a step) land before the pieces they
+        # write to are given back or zeroed; the next forward would otherwise retire them into a piece gone.
+        self._retire_all()
+        self._end_abandoned_step()
         for name in self._sharded_grads:
             self.flat.param_named(name).grad = None
         if release and not self.grad_offloaded:  # given back; each unit's next reduction allocates its piece again

@@ -259,6 +259,25 @@ def _drops_two_batches(prepared, topo=None) -> tuple[dict, list[float]]:
     return (model.state_dict() if topo is None else minitrain.full_state_dict(model)), norms
 
 
+EDITED = ((2, "none"), (0, "cpu"), (1, "cpu"))  # (zero, offload): the layouts whose optimizer steps a master of its own
+
+
+def _edits_in_place(prepared, topo=None) -> dict:
+    """Parameters edited in place between steps, as a weight constraint and a re-initialisation are: every weight
+    clamped after each step, the head's bias zeroed by torch.nn.init before the second. The parameters."""
+    model, opt = prepared
+    for i, x in enumerate(batches()):
+        if i == 1:
+            torch.nn.init.zeros_(model.head.bias)
+        loss_of(model, x if topo is None else x.chunk(topo.world_size)[topo.rank]).backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.clamp_(-0.3, 0.3)
+    return model.state_dict() if topo is None else minitrain.full_state_dict(model)
+
+
 def _two_ranks(topo):
     minitrain.init_distributed(topology=topo)
     out = {}
@@ -269,6 +288,9 @@ def _two_ranks(topo):
             opt.step()
         out[zero] = minitrain.full_state_dict(model)
         out[("dropped", zero)] = _drops_two_batches(minitrain.prepare(net(), ADAMW, zero=zero), topo)
+    for zero, offload in EDITED:
+        out[("edited", zero, offload)] = _edits_in_place(minitrain.prepare(net(), ADAMW, zero=zero, offload=offload),
+                                                         topo)
     for kind in ("tp", "pp"):  # the batch[rank::world] habit: each rank of one replica fed its own rows
         layout = {"tp": 2, "tp_plan": {"blocks.*.lin": "colwise_gather_output"}} if kind == "tp" else \
             {"pp": 2, "pp_split": ["emb", "blocks", "head"]}
@@ -297,6 +319,8 @@ def test_habits_over_ranks():
         opt.step()
     model = net()
     dropped, norms = _drops_two_batches((model, ADAMW(model.parameters())))
+    model = net()
+    edited = _edits_in_place((model, ADAMW(model.parameters())))
     for out in results:
         for zero in range(4):
             for key, value in ref.state_dict().items():
@@ -307,5 +331,10 @@ def test_habits_over_ranks():
             assert our_norms == pytest.approx(norms, rel=1e-12, abs=0), (zero, our_norms, norms)
             for key, value in dropped.items():
                 assert (state[key] - value).abs().max().item() <= 1e-10, (zero, key)
+        # Edited in place between steps, where the step publishes a master of its own: the edits are kept (the
+        # next step used to write the unedited master back over them).
+        for zero, offload in EDITED:
+            for key, value in edited.items():
+                assert (out[("edited", zero, offload)][key] - value).abs().max().item() <= 1e-10, (zero, offload, key)
         for kind in ("tp", "pp"):
             assert "ranks [0] vs [1] hold one model replica (dp_rank 0) but were fed different" in out[kind], out[kind]

@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from ..runtime.comm import Comm
 from .config import ParallelConfig
-from .layout import FlatParameters, Ranges, WholeModel, local_views, take
+from .layout import FlatParameters, Ranges, Segment, WholeModel, local_views, take
 from .memory_math import MEMORY_KINDS, MemoryLedger, memory_terms, term_bytes, term_formula
 from .norms import SquareSums, clip_coefficient, clip_coefficient_tensor
 from .piece_vector import held_bytes
@@ -145,8 +145,12 @@ class FlatStrategy:
         self.ending = False
         # Parameters whose fresh gradient _keep_grads_in_place copies into the flat buffer (a user's loop at ZeRO-0/1).
         self._kept_in_place: list[nn.Parameter] = []
+        # A user's in-place edits of parameters the optimizer does not step directly (_take_in_place_edits).
+        self._edit_watch: list[tuple[Segment, nn.Parameter]] = []
+        self._versions: list[int] = []
         if pcfg.user_loop:
             self._follow_user_state_dict(model)
+            self._watch_in_place_edits()
             if self.flat.grad is not None:
                 self._keep_grads_in_place()
                 self._drop_kept_grads()  # as a model fresh from torch: no p.grad before the first backward
@@ -316,6 +320,40 @@ class FlatStrategy:
         them (ZeRO-2, mixed precision) is taken from them again, or the next step would bring the old values back."""
         if not self.master_is_params:
             self.optimizer.master.copy_(take(self.flat.data, self.shard_ranges))
+            self._note_versions()
+
+    # --- the user's in-place edits of parameters (user_loop) ------------------------------------------------------
+    def _watch_in_place_edits(self) -> None:
+        """Where the optimizer steps a master kept apart from the parameters (ZeRO-2, mixed precision, offload), a
+        parameter edited in place between steps (`with torch.no_grad(): p.clamp_(...)`, torch.nn.init on a layer)
+        would be overwritten by the next step's publication of the master: each step first takes such edits into
+        the master (_take_in_place_edits). Every in-place op on a parameter counts up its version, which the
+        strategy's own writes (through the flat buffer) do not: a changed version is the user's edit, found at the
+        cost of reading one number per parameter. An edit through `p.data` counts up another tensor's version and
+        is not seen. ZeRO-3 needs none of this: there a parameter's storage is freed between steps and an edit is
+        refused (freed_params.py)."""
+        if not self.master_is_params and self.stage < 3:
+            self._edit_watch = [(seg, self.flat.param(seg)) for seg in self.flat.segments if seg.numel]
+            self._note_versions()
+
+    def _note_versions(self) -> None:
+        self._versions = [p._version for _, p in self._edit_watch]
+
+    @torch.no_grad()
+    def _take_in_place_edits(self) -> None:
+        """The parameters edited in place since the last step: their values into this rank's master (rounded
+        values in mixed precision: the edit is what the parameter now holds)."""
+        edited = [seg for (seg, p), seen in zip(self._edit_watch, self._versions) if p._version != seen]
+        if not edited:
+            return
+        at = 0  # where each shard range starts in the master
+        for a, b in self.shard_ranges:
+            for seg in edited:
+                lo, hi = max(a, seg.offset), min(b, seg.offset + seg.numel)
+                if lo < hi:
+                    self.optimizer.master[at + lo - a:at + hi - a].copy_(self.flat.data[lo:hi])
+            at += b - a
+        self._note_versions()
 
     def ranges_of(self, rank: int) -> Ranges:
         """Physical ranges whose optimizer state `rank` holds: everything, or its chunk of each unit."""
@@ -433,6 +471,7 @@ class FlatStrategy:
                 self.finish_grad_sync()
                 self._visible_guard.check(self.flat.grad)
             norm = self.grad_norm(loss_scale)
+            self._take_in_place_edits()
             if math.isfinite(norm):  # every rank sees the same norm, so every rank decides alike
                 clip = self.pcfg.grad_clip if max_norm is None else max_norm
                 target = self._publish_target()
@@ -460,6 +499,7 @@ class FlatStrategy:
         back from its step count). Only with steps_on_device (FlatAdamW's fused kernel)."""
         try:
             norm = self._grad_norm_tensor(loss_scale)
+            self._take_in_place_edits()
             found_inf = (~torch.isfinite(norm)).to(torch.float32)
             scale = clip_coefficient_tensor(norm, self.pcfg.grad_clip) / loss_scale
             target = self._publish_target()

@@ -55,7 +55,8 @@ def _table(header: list[str], align: str, rows: list[list[str]]) -> list[str]:
 
 
 def _machine(machine: dict) -> str:
-    words = {"cpus": "{} CPUs", "torch": "torch {}", "transformers": "transformers {}", "python": "Python {}"}
+    words = {"cpus": "{} CPUs", "torch": "torch {}", "transformers": "transformers {}", "deepspeed": "DeepSpeed {}",
+             "python": "Python {}"}
     return ", ".join(words.get(key, "{}").format(value) for key, value in machine.items())
 
 
@@ -390,6 +391,21 @@ def zero3_read_guard(docs: list[dict]) -> list[str]:
             *_table(["width", "with the check ms", "without ms", "ratio"], ">>>>", rows)]
 
 
+def host_adam_vs_deepspeed(docs: list[dict]) -> list[str]:
+    names = {"minitrain": "minitrain, decay a pass of its own (a CPU-only machine)",
+             "minitrain, decay folded": "minitrain, decay in the kernel (offloaded from a GPU)",
+             "deepspeed": "DeepSpeed's `DeepSpeedCPUAdam`"}
+    rows = [[r["preset"], str(r["threads"]), names[r["optimizer"]], f"{r['step_ms']:.1f}",
+             "1.00" if r["vs_deepspeed"] is None else fmt_range(r["vs_deepspeed"], "{:.2f}"), f"{r['ulps']:.0f}"]
+            for doc in sorted(docs, key=lambda doc: doc["rows"][0]["threads"]) for r in doc["rows"]]
+    doc = docs[0]
+    return [f"One AdamW step over a float32 master, m and v on the host ({doc['rows'][0]['params']:,} parameters); "
+            f"median of {doc['steps']} steps, ratio to DeepSpeed's median [min-max] of {doc['repeats']} repeats; "
+            "ulps: after 3 steps, the largest distance from torch.optim.AdamW in float64, in units in the last "
+            "place of the float32 result.", "",
+            *_table(["preset", "threads", "optimizer", "step ms", "vs DeepSpeed", "ulps"], "<><>>>", rows)]
+
+
 # Table name -> (result files, renderer). Benchmarks run at several sizes write one file per size.
 TABLES = {
     "prepare_vs_peers": ("prepare_vs_peers.json", prepare_vs_peers),
@@ -420,6 +436,7 @@ TABLES = {
     "multinode": ("multinode.json", multinode),
     "before_after": ("before_after.json", before_after),
     "zero3_read_guard": ("zero3_read_guard.json", zero3_read_guard),
+    "host_adam_vs_deepspeed": ("host_adam_vs_deepspeed_t*.json", host_adam_vs_deepspeed),
 }
 
 

@@ -8,7 +8,8 @@
 # package itself runs from src/. Writes under $OUT: all.log (everything printed), gpu.json (benchmarks/gpu.py:
 # memory against the plan, NCCL timings, offload, top kernels, against the plain loop, what the peak holds),
 # throughput_gpu.json, throughput_gpu_read_at_once.json (--late-stats off) and throughput_gpu_compiled.json
-# (benchmarks/throughput.py: tokens/s and MFU against a plain PyTorch loop). Copied
+# (benchmarks/throughput.py: tokens/s and MFU against a plain PyTorch loop), host_adam_vs_deepspeed_t16.json
+# (benchmarks/host_adam_vs_deepspeed.py, with DeepSpeed from .whl/). Copied
 # into benchmarks/results/, `python benchmarks/tables.py` renders them into the README's "On a GPU".
 set -u
 OUT=${OUT:-/tmp/gpu-session}
@@ -38,6 +39,9 @@ part 170 "benchmarks/gpu.py" python3 benchmarks/gpu.py --out "$OUT/gpu.json"
 part 120 "throughput, compiled" python3 benchmarks/throughput.py --configs gpt2-124m/bf16 --batch-size 16 \
     --rounds 7 --compile --out "$OUT/throughput_gpu_compiled.json"
 part 40 "offload's copies and the host's Adam, one by one" python3 benchmarks/offload_copies_gpu.py
+# DeepSpeed from .whl (its CPU Adam compiles here on first use): the host's Adam against ZeRO-Offload's, 16 threads.
+part 200 "the host's Adam against DeepSpeed's" env OMP_NUM_THREADS=16 python3 benchmarks/host_adam_vs_deepspeed.py \
+    --threads 16 --out "$OUT/host_adam_vs_deepspeed_t16.json"
 part 40 "minitrain train on the GPU, as a user runs it" python3 -m minitrain train --preset small --zero 2 \
     --precision bf16 --steps 30 --train.log_every 10 --memory-profile --out /tmp/cli-run
 echo "=== done $(date +%T)"

@@ -176,6 +176,25 @@ def test_messages_name_the_likely_cause():
         loss_of(model, x).backward()  # a second backward while the first's buckets are in flight
 
 
+@pytest.mark.parametrize("zero", [0, 2, 3])
+def test_a_misused_optimizer_or_a_freeze_after_prepare_is_named(zero):
+    """An optimizer already made passed for its maker, LBFGS (whose step re-evaluates the loss), and a parameter
+    frozen after prepare: each refused saying what to do, where they used to end in a raw TypeError from inside, a
+    refusal advising zero=0 (which refused too), or at ZeRO-3 a message about a module's outputs."""
+    model = net()
+    made = torch.optim.AdamW(model.parameters())
+    for fn, match in ((made, "optimizer already made \\(AdamW\\); pass what makes one"),
+                      (torch.optim.LBFGS, "LBFGS.step\\(closure\\) evaluates the loss itself")):
+        with pytest.raises(ValueError, match=match):
+            minitrain.prepare(model, fn, zero=zero)
+    model, opt = minitrain.prepare(model, ADAMW, zero=zero)
+    model.emb.weight.requires_grad_(False)
+    with pytest.raises(RuntimeError, match="frozen \\(requires_grad_\\(False\\)\\) after prepare, which had "
+                                           "taken them to train: emb.weight; freeze parameters before prepare"):
+        loss_of(model, batches(1)[0]).backward()
+        opt.step()
+
+
 class WithOptionalLayer(Net):
     """Net with a layer a step's forward may leave out."""
 

@@ -18,7 +18,7 @@ from ..parallel.pieces import PipelineSplit, Stage, check_pieces, check_split, c
 from ..parallel.pipeline import Pipeline
 from ..parallel.replica_state import refuse_batch_statistics
 from ..parallel.schedules import SCHEDULES
-from ..parallel.shard_optimizer import OptimizerFn, TorchShardOptimizer, check_elementwise
+from ..parallel.shard_optimizer import OptimizerFn, TorchShardOptimizer, check_elementwise, check_optimizer_fn
 from ..parallel.tp_plan import check_plan, hugging_face_plan
 from ..runtime.topology import Topology
 from .optimizer import PreparedOptimizer
@@ -96,6 +96,8 @@ def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param
     if offload == "disk" and not offload_dir:
         raise ValueError("offload='disk' needs offload_dir: the directory for this rank's state files")
     groups = _named_groups(model, param_groups)
+    for _, options in groups[:1]:
+        check_optimizer_fn(optimizer_fn, options)
     sharded = zero >= 1 or servers > 0  # the optimizer runs on shards: ZeRO's, or each server's
     if sharded:
         for _, options in groups:

@@ -120,7 +120,7 @@ class OverlappedAllReduce:
             for pending in self._pending:  # finish what was launched: every rank launched the same
                 pending.wait()
             self._reset()
-            raise RuntimeError(missing_gradients(missing, len(self.flat.segments), "an overlapped gradient sync"))
+            raise RuntimeError(missing_gradients(missing, self.flat, "an overlapped gradient sync"))
         intervals = [pending.wait() for pending in self._pending]
         self._reset()
         return intervals

@@ -146,10 +146,16 @@ def local_views(local: torch.Tensor, ranges: Ranges) -> list[torch.Tensor]:
     return views
 
 
-def missing_gradients(missing: list[str], total: int, what: str) -> str:
-    """The error for a step some parameters got no gradient in, naming the likely cause: none at all means the
-    step came without a backward (or every backward ran under no_sync); some, parameters the loss never used."""
-    if len(missing) == total:
+def missing_gradients(missing: list[str], flat: FlatParameters, what: str) -> str:
+    """The error for a step some parameters got no gradient in, naming the likely cause: frozen since prepare (it
+    decided what it trains), none at all means the step came without a backward (or every backward ran under
+    no_sync); some, parameters the loss never used."""
+    frozen = [name for name in missing if not flat.param_named(name).requires_grad]
+    if frozen:
+        shown = ", ".join(frozen[:8]) + (f" and {len(frozen) - 8} more" if len(frozen) > 8 else "")
+        return (f"frozen (requires_grad_(False)) after prepare, which had taken them to train: {shown}; freeze "
+                "parameters before prepare (prepare the model again), as it decides what it syncs and updates")
+    if len(missing) == len(flat.segments):
         return ("no parameter got a gradient this step: optimizer.step() came without a backward since the last "
                 "step, or every backward ran under no_sync (the last micro-batch of a step runs outside it)")
     shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")

@@ -17,6 +17,7 @@ probe, whole and cut into pieces, and refuses it under ZeRO when the two disagre
 """
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -30,6 +31,26 @@ OptimizerFn = Callable[..., torch.optim.Optimizer]
 
 class NotElementwiseError(ValueError):
     """The optimizer's update of an element depends on more than that element: it cannot be sharded."""
+
+
+def check_optimizer_fn(optimizer_fn: OptimizerFn, options: dict) -> None:
+    """Refuse, at every stage, what prepare cannot make an optimizer of: an optimizer already made (prepare builds
+    the optimizer itself, over the tensors it holds), or one whose step re-evaluates the loss (step(closure):
+    minitrain's step is one update from the gradients of the backward before it)."""
+    made = isinstance(optimizer_fn, torch.optim.Optimizer)
+    if made or not callable(optimizer_fn):
+        raise ValueError(f"optimizer_fn is {'an optimizer already made' if made else 'not callable'} "
+                         f"({type(optimizer_fn).__name__}); pass what makes one from param groups, e.g. "
+                         "functools.partial(torch.optim.AdamW, lr=1e-3): prepare makes it over the tensors it holds")
+    try:
+        probe = optimizer_fn([{"params": [torch.zeros(2, 2, requires_grad=True)], **options}])
+    except Exception:  # noqa: BLE001 - one that takes only some tensors says so itself when prepare makes it
+        return
+    closure = inspect.signature(probe.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise ValueError(f"{type(probe).__name__}.step(closure) evaluates the loss itself, as often as it needs; "
+                         "minitrain's step is one update from the gradients of the backward before it: use an "
+                         "optimizer that steps from gradients (SGD, Adam, AdamW, ...)")
 
 
 def check_elementwise(optimizer_fn: OptimizerFn, options: dict) -> None:

@@ -316,7 +316,7 @@ class Zero2(ShardedStrategy):
         if unreduced:
             missing = [s.name for u in unreduced for s in u.segments
                        if s.name not in self._arrived[self.flat.units.index(u)]]
-            raise RuntimeError(missing_gradients(missing, len(self.flat.segments), f"ZeRO-{self.stage}"))
+            raise RuntimeError(missing_gradients(missing, self.flat, f"ZeRO-{self.stage}"))
         if self._intervals:
             self.sync_at(len(self.flat.units), self._intervals, backward_end)
             self._intervals = []

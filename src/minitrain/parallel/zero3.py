@@ -34,7 +34,7 @@ from ..runtime.comm import Comm, PendingCollective
 from .config import ParallelConfig
 from .flat import OptimizerFactory
 from .freed_params import guard_freed
-from .layout import local_views, take
+from .layout import local_views, missing_gradients, take
 from .offload import copy_converting_on_device
 from .param_use import GatherOnUse, tensors_in
 from .zero import Zero2
@@ -196,6 +196,9 @@ class Zero3(Zero2):
                 t.register_hook(hook)
                 found = True
         if not found:
+            frozen = [seg.name for seg in self.flat.segments if not self.flat.param(seg).requires_grad]
+            if frozen:  # what prepare took to train, frozen since: nothing the unit computes needs a gradient
+                raise RuntimeError(missing_gradients(frozen, self.flat, "ZeRO-3"))
             raise ValueError(f"ZeRO-3 finds no tensor that requires grad in what '{who}' returned (a "
                              f"{type(output).__name__}), so it cannot see its backward start to gather its parameters "
                              "again: return the tensors (a tuple, dict or dataclass of them), or use zero=2")

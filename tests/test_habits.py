@@ -188,6 +188,8 @@ def test_a_misused_optimizer_or_a_freeze_after_prepare_is_named(zero):
         with pytest.raises(ValueError, match=match):
             minitrain.prepare(model, fn, zero=zero)
     model, opt = minitrain.prepare(model, ADAMW, zero=zero)
+    with pytest.raises(ValueError, match="clips by the 2-norm \\(norm_type=2.0\\), got norm_type=1"):
+        minitrain.clip_grad_norm_(model, 1.0, norm_type=1)  # torch's argument, which used to be a TypeError
     model.emb.weight.requires_grad_(False)
     with pytest.raises(RuntimeError, match="frozen \\(requires_grad_\\(False\\)\\) after prepare, which had "
                                            "taken them to train: emb.weight; freeze parameters before prepare"):

@@ -17,13 +17,17 @@ def no_sync(model: nn.Module):
     return state_of(model).strategy.no_sync()
 
 
-def clip_grad_norm_(model: nn.Module, max_norm: float) -> float:
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> float:
     """The global norm of this step's gradients (every rank, every shard; a tied weight counted once), the
-    same float on every rank, as torch.nn.utils.clip_grad_norm_ returns it on one process; the coming
-    optimizer.step() scales the gradients to at most max_norm. Collective: call it on every rank, after
-    backward and before optimizer.step()."""
+    same float on every rank, as torch.nn.utils.clip_grad_norm_ returns it on one process (a Python float, not
+    a tensor: float() and comparisons work alike, .item() does not); the coming optimizer.step() scales the
+    gradients to at most max_norm. The 2-norm only (norm_type=2). Collective: call it on every rank, after
+    backward and before optimizer.step(); called again before the step it returns the same norm (the scaling
+    is the step's), where torch's returns the norm of gradients it has already clipped."""
     if not max_norm > 0:
         raise ValueError(f"max_norm must be > 0, got {max_norm}")
+    if float(norm_type) != 2.0:
+        raise ValueError(f"minitrain.clip_grad_norm_ clips by the 2-norm (norm_type=2.0), got norm_type={norm_type}")
     state = state_of(model)
     if state.settings["servers"]:  # the global norm is the servers' to compute: the push goes now (servers.py)
         if state.pushed_norm is not None:

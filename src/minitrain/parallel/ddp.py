@@ -64,6 +64,9 @@ class ReplicatedStrategy(FlatStrategy):
             copy_converting_on_device(self.flat.data, self.optimizer.master)
 
     def _end_step(self) -> None:
+        self._forget_sync()
+
+    def _forget_sync(self) -> None:
         self._synced = False
         self.to_reduce.release()
 

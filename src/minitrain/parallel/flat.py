@@ -393,7 +393,10 @@ class FlatStrategy:
         step, so the next step computes its own (a kept norm was the dropped batch's, clipping the next one)."""
         self._settled = False
         self._norm = None
-        self._end_step()
+        self._forget_sync()
+
+    def _forget_sync(self) -> None:
+        """A step's gradient sync is over (the step was taken or abandoned): the next backward's is its own."""
 
     def _drop_kept_grads(self) -> None:
         for p in self._kept_in_place:

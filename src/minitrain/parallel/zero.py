@@ -105,7 +105,10 @@ class ShardedStrategy(FlatStrategy):
         return self._grad
 
     def _end_step(self) -> None:
-        self._grad = None
+        self._forget_sync()
+
+    def _forget_sync(self) -> None:
+        self._grad = None  # this step's averaged shard: the next step takes its own
 
     @torch.no_grad()
     def _load_params(self, local: torch.Tensor) -> None:
@@ -151,8 +154,8 @@ class Zero1(ShardedStrategy):
         (start, stop), = self.shard_ranges
         return self.to_reduce.tensor()[start:stop]
 
-    def _end_step(self) -> None:
-        super()._end_step()
+    def _forget_sync(self) -> None:
+        super()._forget_sync()
         self._synced = False
         self.to_reduce.release()
 

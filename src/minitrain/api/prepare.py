@@ -96,8 +96,7 @@ def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param
     if offload == "disk" and not offload_dir:
         raise ValueError("offload='disk' needs offload_dir: the directory for this rank's state files")
     groups = _named_groups(model, param_groups)
-    for _, options in groups[:1]:
-        check_optimizer_fn(optimizer_fn, options)
+    check_optimizer_fn(optimizer_fn, groups[0][1] if groups else {})
     sharded = zero >= 1 or servers > 0  # the optimizer runs on shards: ZeRO's, or each server's
     if sharded:
         for _, options in groups:

@@ -152,15 +152,17 @@ def missing_gradients(missing: list[str], flat: FlatParameters, what: str) -> st
     no_sync); some, parameters the loss never used."""
     frozen = [name for name in missing if not flat.param_named(name).requires_grad]
     if frozen:
-        shown = ", ".join(frozen[:8]) + (f" and {len(frozen) - 8} more" if len(frozen) > 8 else "")
-        return (f"frozen (requires_grad_(False)) after prepare, which had taken them to train: {shown}; freeze "
-                "parameters before prepare (prepare the model again), as it decides what it syncs and updates")
+        return (f"frozen (requires_grad_(False)) after prepare, which had taken them to train: {_first_few(frozen)}; "
+                "freeze parameters before prepare (prepare the model again), as it decides what it syncs and updates")
     if len(missing) == len(flat.segments):
         return ("no parameter got a gradient this step: optimizer.step() came without a backward since the last "
                 "step, or every backward ran under no_sync (the last micro-batch of a step runs outside it)")
-    shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-    return (f"no gradient reached {shown} this step; {what} needs every parameter to take part in the loss "
-            "(remove unused ones from the model, or freeze them with requires_grad_(False))")
+    return (f"no gradient reached {_first_few(missing)} this step; {what} needs every parameter to take part in the "
+            "loss (remove unused ones from the model, or freeze them with requires_grad_(False))")
+
+
+def _first_few(names: list[str]) -> str:
+    return ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
 
 
 def logical_layout(model: nn.Module) -> tuple[dict[str, int], int]:

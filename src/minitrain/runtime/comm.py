@@ -106,6 +106,7 @@ class PendingCollective:
     def _mark_completed(self, _future) -> None:
         self.completed = time.perf_counter()
 
+    @torch.compiler.disable  # collectives run eagerly, never traced (a model compiled after prepare: ZeRO-3's hooks)
     def wait(self) -> tuple:
         if self.work is not None:
             watch = self.comm.watch if self.fp is not None else None
@@ -164,6 +165,11 @@ class Comm:
         self.tag: str | None = None  # set around a region whose collectives' seconds are wanted apart (take_tagged)
         self._tagged: dict[str, float] = {}
 
+    @property
+    def group_track(self):
+        """This group's GroupTrack in the watch (None without one): its members and its counts."""
+        return self._track
+
     def unwatched(self) -> "Comm":
         """The same group without the collective watch: an op that fails raises at once, undiagnosed, and ends no
         other rank (a parameter server's transfers with workers that may die, --ps.elastic)."""
@@ -198,6 +204,7 @@ class Comm:
         on this Comm raises CollectiveError."""
         self.group, self._released = None, True
 
+    @torch.compiler.disable
     def _run(self, op: str, nbytes: int, fn, *tensors: torch.Tensor) -> None:
         fp = self._fingerprint(op, tensors)
         if fp is not None:
@@ -299,6 +306,7 @@ class Comm:
             self._run("all_reduce", _nbytes(tensor),
                       lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group), tensor)
 
+    @torch.compiler.disable
     def _launch(self, op: str, nbytes: int, start, *tensors: torch.Tensor,
                 payload: torch.Tensor | None = None) -> PendingCollective:
         """Start an async collective (start() returns its Work); returns at once. Its fingerprint is taken

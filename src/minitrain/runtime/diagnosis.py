@@ -8,7 +8,10 @@ import collections
 import json
 import os
 import re
+import sysconfig
 from typing import NamedTuple
+
+import torch
 
 
 class Diagnosis(NamedTuple):
@@ -42,6 +45,61 @@ def first_sentence(e: BaseException) -> str:
 
 def site_of(frame) -> str:
     return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
+# --- the user's line: where a rank's own script stands, for messages a user acts on ------------------------------
+_FRAMEWORK = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.dirname(__file__)) + os.sep)
+_STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
+_MODULE_CALLS = frozenset({"_wrapped_call_impl", "_call_impl"})  # nn.Module.__call__
+# What a user's line called, by the callee's (file ending, function name), in the words a user wrote it.
+_CALLS = {("_tensor.py", "backward"): "backward", ("autograd/__init__.py", "backward"): "backward",
+          ("modules/module.py", "_wrapped_call_impl"): "the model's forward",
+          ("modules/module.py", "state_dict"): "model.state_dict()",
+          ("modules/module.py", "load_state_dict"): "model.load_state_dict()"}
+
+
+def user_call(frame) -> tuple[str | None, str] | None:
+    """(what the user's code called, 'train.py:283'), from a thread's innermost frame: the line of the user's own
+    code (not torch's, minitrain's or the standard library's) nearest to the innermost frame, skipping the model's
+    code when it runs inside a module's forward (the line that called the model, not a block's). What it called is
+    None when that line is the innermost (in Python, or in a C function such as time.sleep); the whole is None when
+    no frame is the user's (minitrain's own trainer)."""
+    stack = []
+    while frame is not None:
+        stack.append(frame)
+        frame = frame.f_back
+    outermost_call = max((i for i, f in enumerate(stack) if _in_framework(f) and f.f_code.co_name in _MODULE_CALLS),
+                         default=-1)
+    for i, f in enumerate(stack):
+        if i > outermost_call and not _in_framework(f) and not f.f_code.co_filename.startswith(_STDLIB):
+            return _describe(stack[:i]), site_of(f)
+    return None
+
+
+def _in_framework(frame) -> bool:
+    return frame.f_code.co_filename.startswith(_FRAMEWORK)
+
+
+def _describe(inner: list) -> str | None:
+    """What a call into torch or minitrain was, as the user wrote it ('backward', 'optimizer.state_dict()'), from
+    the frames it runs (innermost first); a decorator's wrapper (torch.distributed's) is looked through."""
+    if not inner:
+        return None
+    callee = inner[-1]
+    if callee.f_code.co_name == "wrapper" and len(inner) > 1:
+        callee = inner[-2]
+    path, name = callee.f_code.co_filename.replace(os.sep, "/"), callee.f_code.co_name
+    for (ending, function), words in _CALLS.items():
+        if name == function and path.endswith(ending):
+            return words
+    qualname = getattr(callee.f_code, "co_qualname", name)
+    if qualname.startswith("PreparedOptimizer."):
+        return f"optimizer.{name}()"
+    if "/minitrain/api/" in path:
+        return f"minitrain.{name}()"
+    if "/torch/distributed/" in path:
+        return f"torch.distributed.{name}()"
+    return f"{qualname}()"
 
 
 def ranks_text(ranks: list[int]) -> str:
@@ -93,11 +151,12 @@ def compose(reason: str, states: dict[int, dict | None]) -> Diagnosis:
             parts.append(f"{who} {'have' if plural else 'has'} finished (closed the process group){after}")
         elif position[0] == "python":
             last = f"last finished {fp_text(state['last'])}" if state["last"] else "no collective finished yet"
-            parts.append(f"{who} {'are' if plural else 'is'} not in a collective: in Python at {state['where']}, "
-                         f"{last}")
+            parts.append(f"{who} {'are' if plural else 'is'} not in a collective: in Python at {state['where']}"
+                         f"{_from_user(state)}, {last}")
         else:  # at another collective: show what it moves when only that differs from the waiting one's
             same_call = waiting is not None and position[1:5] == waiting[1:5]
-            parts.append(f"{who} {'are' if plural else 'is'} at {fp_text(state['at'], shapes=same_call)}")
+            parts.append(f"{who} {'are' if plural else 'is'} at {fp_text(state['at'], shapes=same_call)}"
+                         f"{_from_user(state)}")
     culprits = sorted(r for p, ranks in where.items() if p != waiting for r in ranks)
     text = "; ".join(parts)
     step = None
@@ -105,9 +164,17 @@ def compose(reason: str, states: dict[int, dict | None]) -> Diagnosis:
         ranks, state = where[waiting], states[where[waiting][0]]
         shapes = any(p[0] == "at" and p != waiting and p[1:5] == waiting[1:5] for p in where)
         text += f"{' while ' if parts else ''}{ranks_text(ranks)} wait{'' if len(ranks) > 1 else 's'} in " \
-                f"{fp_text(state['at'], shapes=shapes)}"
+                f"{fp_text(state['at'], shapes=shapes)}{_from_user(state)}"
         step = state.get("step")
     return Diagnosis(f"{reason}: {text}", culprits, step)
+
+
+def _from_user(state: dict) -> str:
+    """' (from backward at train.py:305)': the user's line behind a rank's position, when it has one other than the
+    line the position names already."""
+    user = state.get("user")
+    named = state["at"][5] if "at" in state else state.get("where")
+    return f" (from {user[0]} at {user[1]})" if user and user[0] and user[1] != named else ""
 
 
 def first_difference(rings: dict[int, list], counts: dict[int, int], kept: int) -> str:

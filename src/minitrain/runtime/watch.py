@@ -46,6 +46,7 @@ from .diagnosis import (
     fp_json,
     ranks_text,
     site_of,
+    user_call,
 )
 
 POLL_S = 0.5  # how often the thread looks at the store: one round trip each time
@@ -54,7 +55,10 @@ DIAGNOSE_WAIT_S = ANSWER_WAIT_S + 2 * POLL_S + 1.0  # the main thread's bound on
 MARGIN_S = 10.0  # the process group's timeout exceeds the watch's by this much
 RING = 256  # recent fingerprints kept per process, to name the first one that differs
 P2P_OPS = frozenset({"send", "recv", "send/recv"})  # one-sided by nature: never compared between ranks
-CLOSING = 1 << 32  # added to the signal counter by rank 0 as it closes; hang declarations add 1
+# The signal counter, one number read in one round trip per poll: hang declarations add 1, requests that every rank
+# say where it is (arrival.py) add PROBE, and rank 0 adds CLOSING as it closes.
+PROBE = 1 << 20
+CLOSING = 1 << 44
 STORE_OP_S = 5.0  # the watch thread's bound on any one store call (its store is a clone of its own)
 
 
@@ -64,12 +68,13 @@ class GroupTrack:
     Ops are issued by the thread that runs the step (or, on CUDA, autograd's thread while the step's thread
     waits in backward), never two at once, so no lock."""
 
-    __slots__ = ("checked", "digest", "key", "name", "ring", "seq")
+    __slots__ = ("arrivals", "checked", "digest", "key", "members", "name", "ring", "seq")
 
     def __init__(self, name: str, members: list[int], ring: collections.deque):
         # The group's lowest global rank tells apart the groups of one kind (the dp group of each tp rank).
-        self.name, self.key, self.ring = name, f"{name}@{min(members)}", ring
+        self.name, self.key, self.members, self.ring = name, f"{name}@{min(members)}", list(members), ring
         self.seq = self.checked = self.digest = 0
+        self.arrivals = 0  # calls every member makes together, announced in the store (arrival.py)
 
     def issue(self, op: str, tensors: tuple, site: str) -> tuple:
         """The next fingerprint: about 1.5 us of the 2.5 (CollectiveWatch's docstring), most of it reading
@@ -108,6 +113,9 @@ class CollectiveWatch:
         session = (store.add("minitrain/watch/joined", 1) - 1) // world_size
         self._prefix = f"minitrain/watch/{session}/"
         self._tracks: dict[str, GroupTrack] = {}
+        self._groups: dict[str, GroupTrack] = {}  # this rank's group of each kind, by name
+        self._answered = 0  # the last request to say where this rank is (PROBE) that the thread answered
+        self.arriving: str | None = None  # the arrival (its key) the main thread waits at (arrival.py)
         self._ring: collections.deque = collections.deque(maxlen=RING)
         self._current: tuple | None = None  # (fingerprint, monotonic time entered) of the collective we are in
         # Collectives the host has left but the device may not have finished (GPU): (fingerprint, entered, done).
@@ -129,7 +137,9 @@ class CollectiveWatch:
     def track(self, name: str, members: list[int]) -> GroupTrack:
         """The sequence of the group `name` with these global ranks (one per group, however many Comms)."""
         key = f"{name}@{min(members)}"
-        return self._tracks.setdefault(key, GroupTrack(name, members, self._ring))
+        track = self._tracks.setdefault(key, GroupTrack(name, members, self._ring))
+        self._groups[name] = track  # a rank is in one group of each kind: its collectives in `name` are there
+        return track
 
     def enter(self, fp: tuple) -> None:
         self._current = (fp, time.monotonic())
@@ -160,6 +170,20 @@ class CollectiveWatch:
         if self._thread.is_alive():
             self._ready.wait(DIAGNOSE_WAIT_S)
         return self._diagnosis
+
+    @property
+    def store(self):
+        """The main thread's store (the thread has a clone of its own)."""
+        return self._store
+
+    @property
+    def prefix(self) -> str:
+        """This process group's session in the store: every key of the watch's starts with it."""
+        return self._prefix
+
+    @property
+    def step(self) -> int | None:
+        return self._step
 
     # --- what the trainer tells it -------------------------------------------------------------
     def at_step(self, step: int, every: int) -> None:
@@ -238,8 +262,12 @@ class CollectiveWatch:
                     if declared:
                         self._side.compare_set(hang_key, "", reason)  # the first declaration stays
                         self._side.add(signal, 1)
-                    flags = self._side.add(signal, 0)  # one round trip: hangs declared, and rank 0 closing
-                    declared = declared or flags % CLOSING > 0
+                    flags = self._side.add(signal, 0)  # one round trip: hangs declared, probes, rank 0 closing
+                    declared = declared or flags % PROBE > 0
+                    probes = flags % CLOSING // PROBE
+                    if probes > self._answered and not declared:  # a rank waiting at an arrival asks where we are
+                        self._side.set(f"{self._prefix}probe/{probes}/{self.rank}", json.dumps(self._state()))
+                        self._answered = probes
                     if declared:
                         self._deliver(self._settle(self._side.get(hang_key).decode()))
                         return
@@ -305,15 +333,49 @@ class CollectiveWatch:
             time.sleep(0.2)
 
     def _state(self) -> dict:
-        """Where this rank is: in a collective, or in Python (the main thread's innermost frame)."""
+        """Where this rank is: in a collective (with its group's members), or in Python (the main thread's innermost
+        frame); and the user's line it is at (diagnosis.user_call), and the arrival it waits at, if any."""
         current, state = self._in_collective(), {"rank": self.rank, "step": self._step}
+        frame = sys._current_frames().get(self._main_ident)
         if current is not None:
             state.update(at=fp_json(current[0]), for_s=round(time.monotonic() - current[1], 1))
+            group = self._groups.get(current[0][0])
+            if group is not None:
+                state["members"] = group.members
         else:
-            frame = sys._current_frames().get(self._main_ident)
             state.update(where=site_of(frame) if frame is not None else "(its thread has ended)",
                          last=fp_json(self._last) if self._last else None)
+        user = user_call(frame) if frame is not None else None
+        if user is not None:
+            state["user"] = list(user)
+        if self.arriving is not None:
+            state["arriving"] = self.arriving
         return state
+
+    # --- what arrival.py asks of it (the main thread, waiting at an arrival) -----------------------------------
+    def issued(self) -> dict[str, int]:
+        """How many collectives this rank has issued in each of its groups, by kind."""
+        return {name: track.seq for name, track in self._groups.items()}
+
+    def where_are(self, ranks: list[int], wait_s: float) -> dict[int, dict | None]:
+        """Every rank in `ranks` says where it is (its thread answers within a poll); None for a rank that did not
+        answer within `wait_s`. Four store round trips and a wait."""
+        probe = self._store.add(self._prefix + "signal", PROBE) % CLOSING // PROBE
+        keys = {r: f"{self._prefix}probe/{probe}/{r}" for r in ranks}
+        deadline = time.monotonic() + wait_s
+        while not self._store.check(list(keys.values())) and time.monotonic() < deadline:
+            time.sleep(0.05)  # (a TCPStore wait that times out warns on stderr)
+        present = [r for r, k in keys.items() if self._store.check([k])]
+        got = dict(zip(present, self._store.multi_get([keys[r] for r in present]))) if present else {}
+        for r in present:  # read once, by this rank only
+            self._store.delete_key(keys[r])
+        return {r: json.loads(got[r]) if r in got else None for r in ranks}
+
+    def stop_everyone(self, diagnosis: Diagnosis) -> Diagnosis:
+        """End every rank with `diagnosis` (unless another was declared first: that one), as a hang does: the other
+        ranks' threads report it and end their processes; the caller raises the one returned."""
+        self._store.compare_set(self._prefix + "diagnosis", "", json.dumps(diagnosis._asdict()))
+        return self.diagnose(diagnosis.text, None) or diagnosis
 
     def _deliver(self, diagnosis: Diagnosis) -> None:
         with self._lock:

@@ -120,3 +120,60 @@ def run_main(*argv: str, cwd=None) -> subprocess.CompletedProcess:
     finally:
         os.chdir(previous)
     return subprocess.CompletedProcess(["minitrain", *argv], code, out.getvalue(), err.getvalue())
+
+
+def _script_rank(path: str, argv: list[str], rank: int, nproc: int, port: int, log: str, environ: dict) -> None:
+    """One rank of run_script: torchrun's environment, its output to `log`, the script run as __main__."""
+    import runpy
+
+    os.environ.clear()
+    os.environ.update(environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                      LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      OMP_NUM_THREADS="1")
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.argv = [path, *argv]
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001 - as an uncaught exception ends a script: its traceback, exit 1
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    else:
+        code = 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run_script(path, nproc: int, *argv: str, logs, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[tuple[int, str]]:
+    """A user's script on `nproc` ranks as torchrun runs it (its environment; the script joins the process group
+    itself), each rank forked from the launcher's fork server (torch already imported: no interpreter start-up)
+    instead of a new interpreter. Returns each rank's (exit code, output). A hard timeout kills every rank and fails
+    the test with their output so far. `logs`: a directory for the ranks' output files."""
+    from minitrain.runtime.launch import _rank_context
+
+    ctx, port = _rank_context(), free_port()
+    files = [os.path.join(str(logs), f"rank{r}.log") for r in range(nproc)]
+    procs = [ctx.Process(target=_script_rank, daemon=True,
+                         args=(str(path), list(argv), r, nproc, port, files[r], dict(os.environ)))
+             for r in range(nproc)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    outputs = [open(f).read() if os.path.exists(f) else "" for f in files]
+    if hung:
+        pytest.fail(f"{os.path.basename(str(path))} {' '.join(argv)} hung past {timeout_s:g} s on rank(s) {hung}; "
+                    "killed.\n" + "\n".join(f"--- rank {r}:\n{out}" for r, out in enumerate(outputs)), pytrace=False)
+    return [(p.exitcode, out) for p, out in zip(procs, outputs)]

@@ -12,9 +12,10 @@ import torch
 from torch import nn
 
 from .. import checkpoint
-from ..checkpoint import remote
+from ..checkpoint import CheckpointError, remote
 from ..parallel.replica_state import check_buffers_agree
 from ..parallel.whole_state import full_model_state
+from ..runtime.comm import CollectiveError
 from .optimizer import PreparedOptimizer
 from .session import Prepared, current, state_of
 
@@ -25,6 +26,8 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     stage, so it is collective (call it on every rank) and holds the whole model on each."""
     state = state_of(model)
     topo = state.topo
+    current().arrive(topo.everyone, "minitrain.full_state_dict()", "it puts the model together from every rank: "
+                     "call it on every rank (and use or write the result on one)")
     check_buffers_agree(state.strategy.model, topo.dp, "full_state_dict")
     return full_model_state(state.strategy, topo.everyone, topo.dp, topo.slices, topo.pp)
 
@@ -46,7 +49,8 @@ def save_checkpoint(directory: str | Path, model: nn.Module, optimizer: Prepared
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"step must be a non-negative integer (it names the checkpoint, step-NNNNNN), got {step!r}")
     train_state = _train_state(state, step, extra)
-    current().all_ranks_arrive("save_checkpoint")
+    _arrive(state, "minitrain.save_checkpoint()", "every rank writes its own part of the checkpoint: call it on "
+            "every rank")
     check_buffers_agree(state.strategy.model, state.topo.dp, "save_checkpoint")
     return checkpoint.save(directory, int(step), state.topo, state.strategy, train_state, {"prepare": state.settings})
 
@@ -63,7 +67,8 @@ def load_checkpoint(directory: str | Path, model: nn.Module, optimizer: Prepared
             fetched = remote.fetch_collectively(url, step, Path(local), state_of(model).topo)
             return load_checkpoint(fetched, model, optimizer)
     state = _with_its_optimizer(model, optimizer, "load_checkpoint")
-    current().all_ranks_arrive("load_checkpoint")
+    _arrive(state, "minitrain.load_checkpoint()", "every rank reads its own part of the checkpoint: call it on "
+            "every rank")
     saved_optimizer = checkpoint.read_manifest(checkpoint.resolve(directory))["train_state"].get("optimizer")
     if saved_optimizer is not None and saved_optimizer != _optimizer_name(state):
         raise checkpoint.CheckpointError(f"checkpoint {directory} holds the state of a {saved_optimizer}, and this "
@@ -81,6 +86,15 @@ def load_checkpoint(directory: str | Path, model: nn.Module, optimizer: Prepared
         except ValueError as e:
             raise checkpoint.CheckpointError(f"checkpoint {directory}: {e}") from None
     return train_state["step"], train_state.get("extra")
+
+
+def _arrive(state: Prepared, what: str, why: str) -> None:
+    """Every rank of the prepared model at `what`, or a CheckpointError saying where each one is (nothing is written
+    or read)."""
+    try:
+        current().arrive(state.topo.everyone, what, why)
+    except CollectiveError as e:
+        raise CheckpointError(f"{what} is collective: {e}") from e
 
 
 @contextlib.contextmanager

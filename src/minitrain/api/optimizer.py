@@ -6,7 +6,7 @@ import torch
 
 from ..parallel import FlatStrategy
 from ..parallel.whole_state import full_optimizer_state, load_optimizer_state
-from .session import Prepared
+from .session import Prepared, current, held_apart
 from .steps import check_fed_alike
 
 
@@ -19,11 +19,13 @@ class PreparedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, strategy: FlatStrategy, prepared: Prepared,  # noqa: D107 - shares the inner optimizer's
                  inner: torch.optim.Optimizer | None = None):
-        """inner: the user's optimizer whose param_groups this one shows (default: the one the strategy steps; a
+        """inner: the user's optimizer whose param_groups this one shows (default: the one the strategy steps, whose
+        param groups the user sees as the shard optimizer's `shown` ones, over the model's parameters; a
         parameter-server worker's steps on the servers, so it gives one of its own)."""
         self._strategy, self._prepared = strategy, prepared
         self.inner: torch.optim.Optimizer = inner if inner is not None else strategy.optimizer.inner
-        self.defaults, self.param_groups, self.state = self.inner.defaults, self.inner.param_groups, self.inner.state
+        self.param_groups = self.inner.param_groups if inner is not None else strategy.optimizer.shown
+        self.defaults, self.state = self.inner.defaults, self.inner.state
         # A parameter-server worker's: each group's options as prepare made them. Only the learning rate goes with a
         # push, so any other option changed since (a scheduler cycling momentum) is refused at the next step.
         self._options = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in self.param_groups]
@@ -85,11 +87,17 @@ class PreparedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         """The whole optimizer's state_dict in torch's format, as the user's optimizer would give it in one process
-        over the whole model (its param groups, with the parameters numbered in their order): every rank's shard,
-        slice and stage put together on every rank. Collective: call it on every rank. (save_checkpoint writes
-        each rank's part instead, without gathering.)"""
+        over the whole model (its param groups, with the parameters numbered in their order). At ZeRO-0 with the
+        model whole on every rank (data parallel) each rank holds all of it: local, so one rank may call it alone,
+        as under DDP. Otherwise every rank's shard, slice and stage is put together on every rank: collective, and
+        a rank that calls it alone is stopped, with every other, naming each rank's line (runtime/arrival.py).
+        (save_checkpoint writes each rank's part instead, without gathering.)"""
         self._refuse_on_servers("state_dict")
-        topo = self._prepared.topo
+        topo, why = self._prepared.topo, held_apart(self._prepared)
+        if why is None:
+            return full_optimizer_state(self._strategy, self._prepared.groups, None, topo.dp.rank, 0)
+        current().arrive(topo.everyone, "optimizer.state_dict()", f"{why}, which optimizer.state_dict() puts together "
+                         "from every rank: call it on every rank (and write the file on one)")
         return full_optimizer_state(self._strategy, self._prepared.groups, topo.everyone, topo.dp.rank,
                                     topo.slices.rank)
 

@@ -1,4 +1,4 @@
-"""prepare(model, optimizer_fn, ...): the user's model made to train under minitrain's strategies, in place.
+"""prepare(model, optimizer, ...): the user's model made to train under minitrain's strategies, in place.
 Every argument is checked before any rank splits or moves anything, so a refusal leaves the model as it was."""
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import functools
 
 import torch
 from torch import nn
+from torch._dynamo.eval_frame import OptimizedModule
 
 from ..parallel import ModelPlan, cast_parameters, parallelize
 from ..parallel.config import ParallelConfig
@@ -20,14 +21,18 @@ from ..parallel.replica_state import refuse_batch_statistics
 from ..parallel.schedules import SCHEDULES
 from ..parallel.shard_optimizer import OptimizerFn, TorchShardOptimizer, check_elementwise, check_optimizer_fn
 from ..parallel.tp_plan import check_plan, hugging_face_plan
+from ..parallel.whole_state import load_optimizer_state
 from ..runtime.topology import Topology
+from . import user_optimizer
+from .ddp_idioms import adopt, follow_sync_requests
 from .optimizer import PreparedOptimizer
 from .servers import ServerRankOptimizer, check_server_settings, make_server, split_world
 from .session import Prepared, current
 from .steps import note_feed
 
 
-def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param_groups: list[dict] | None = None,
+def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFn, *, zero: int = 0,
+            param_groups: list[dict] | None = None,
             precision: str = "fp32", reduce_dtype: str = "fp32", dp: str = "bucketed", bucket_mb: float = 25.0,
             prefetch: bool = True, activation_checkpointing: str | type = "none", tp: int = 1,
             tp_plan: dict | str | None = None, pp: int = 1, pp_split: PipelineSplit | list | str | None = None,
@@ -38,11 +43,14 @@ def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param
     """Make `model` train data parallel over every rank (ZeRO stage `zero`), with the user's optimizer,
     and with tp > 1 its layers split over groups of tp adjacent ranks (tensor parallel, Megatron-style).
 
-    optimizer_fn: called like a torch optimizer class on param groups, e.g.
-        functools.partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.1). Under ZeRO (zero >= 1) it runs
-        on this rank's shard, which is exact for elementwise optimizers (checked; others are refused).
-    param_groups: [{"params": [parameters of model], **options}, ...] as you would give the optimizer
-        (e.g. no weight decay for biases and norms); every trainable parameter in exactly one group.
+    optimizer: the optimizer you made over the model's parameters, as a DDP script has it where it wraps the model
+        (any torch optimizer: its class, defaults, param groups and any state it holds, loaded from a checkpoint or
+        stepped, carry over exactly; api/user_optimizer.py), or what makes one, called like a torch optimizer
+        class on param groups, e.g. functools.partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.1). Under ZeRO
+        (zero >= 1) it runs on this rank's shard, which is exact for elementwise optimizers (checked; others
+        are refused).
+    param_groups (with a maker only): [{"params": [parameters of model], **options}, ...] as you would give the
+        optimizer (e.g. no weight decay for biases and norms); every trainable parameter in exactly one group.
         Default: one group of every trainable parameter. Frozen parameters (requires_grad=False) are
         never updated and hold no gradient or optimizer state.
     precision: fp32 (compute in the parameters' dtype, float32 or float64), bf16 (bfloat16 parameters
@@ -78,10 +86,16 @@ def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param
         optimizer.step() pushes the gradient and pulls the updated parameters. staleness: K, how many steps a
         worker may run ahead of the slowest (0: synchronous, data parallel's result bit for bit). gloo only; zero,
         tp, pp, ep and offload stay at their defaults; an elementwise optimizer (it runs on shards).
-    Returns (model, optimizer): the same model object, and the optimizer to call step()/zero_grad() on.
-    Every rank starts from rank 0's parameters."""
+    Returns (model, optimizer): the same model object (with DDP's and FSDP2's methods: api/ddp_idioms.py), and the
+    optimizer to call step()/zero_grad() on, whose param_groups are yours. Every rank starts from rank 0's
+    parameters and buffers, as DDP's does, however each rank made the model."""
     session = current()
     master = _check_arguments(model, session, zero, precision, reduce_dtype, dp)
+    taken = user_optimizer.take(optimizer, param_groups) if isinstance(optimizer, torch.optim.Optimizer) else None
+    optimizer_fn, param_groups = (taken.maker, taken.groups) if taken else (optimizer, param_groups)
+    if taken and taken.state and servers:
+        raise ValueError("with parameter servers the optimizer's state lives on the servers, which start it afresh: "
+                         "give prepare an optimizer that has not stepped or loaded state")
     check_server_settings(servers, staleness, session.topo.world_size, session.topo.backend, precision,
                           {"zero": zero, "tp": tp, "pp": pp, "ep": ep, "offload": offload, "dp": dp})
     _check_degrees(session.topo.world_size, tp, tp_plan, pp, pp_split)
@@ -115,8 +129,11 @@ def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param
                           offload=offload)
     store = None if offload == "none" else OffloadStore(offload, offload_dir or "", topo.rank)
 
-    def make_optimizer(master_vec, flat, shard_ranges):
-        return TorchShardOptimizer(master_vec, flat, shard_ranges, sharded, optimizer_fn, groups, store)
+    # The param groups the user sees (optimizer.param_groups): theirs, over the model's parameters once it is split.
+    shown = taken.groups if taken else [dict(options) for _, options in groups]
+
+    def make_optimizer(master_vec, flat, shard_ranges, shown=shown):
+        return TorchShardOptimizer(master_vec, flat, shard_ranges, sharded, optimizer_fn, groups, store, shown)
 
     # Expert parallelism: groups of ep ranks each hold and compute their share of the experts, the ranks holding
     # the same experts are the data-parallel group, and every rank reads its own data (dp_rank()).
@@ -124,7 +141,9 @@ def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param
     if servers:  # a server holds its shard and the user's optimizer; a worker trains with its topology
         group, layout = split_world(layout, servers, staleness)
         if layout is None:
-            session.server, session.serving = make_server(model, group, pcfg, make_optimizer), True
+            # (A server's groups are its own: each push sets their learning rates.)
+            session.server = make_server(model, group, pcfg, functools.partial(make_optimizer, shown=None))
+            session.serving = True
             session.layout = None
             return model, ServerRankOptimizer()
     builder = None if split is None else functools.partial(
@@ -138,15 +157,27 @@ def prepare(model: nn.Module, optimizer_fn: OptimizerFn, *, zero: int = 0, param
                 "offload": offload, "ep": ep, "servers": servers, "staleness": staleness,
                 "activation_checkpointing": getattr(activation_checkpointing, "__name__", activation_checkpointing)}
     stage = None if split is None else Stage(model, split, layout.pp.rank, pp)
-    state = Prepared(strategy, settings, layout, pipeline, stage, groups=[names for names, _ in groups],
-                     hooks=hooks + refuse_batch_statistics(model, layout.dp.world_size), offload=store)
+    names = [group_names for group_names, _ in groups]
+    state = Prepared(strategy, settings, layout, pipeline, stage, groups=names,
+                     hooks=hooks + refuse_batch_statistics(model, layout.dp.world_size), offload=store,
+                     user_class=type(model))
     if tp > 1 and split is None:  # a tensor-parallel group must be fed alike: checked at each step
         state.hooks.append(model.register_forward_pre_hook(
             lambda _m, args, kwargs: note_feed(state, (args, kwargs)), with_kwargs=True))
-    # A worker's optimizer steps on the servers: here the user's class over the model's param groups holds only
-    # what a scheduler sets (never stepped, so no state), and each push carries its learning rates.
-    shadow = optimizer_fn(_torch_groups(model, groups)) if servers else None
+    state.hooks.append(follow_sync_requests(model, state))
+    if servers:
+        # A worker's optimizer steps on the servers: here the user's class over the model's param groups holds only
+        # what a scheduler sets (never stepped, so no state), and each push carries its learning rates.
+        shadow = taken.source if taken else optimizer_fn(_torch_groups(model, groups))
+    else:
+        shadow = None
+        user_optimizer.show(shown, names, dict(model.named_parameters()))
+        if taken and taken.state:  # loaded (or stepped) before prepare: into this rank's shard, as a load would
+            load_optimizer_state(strategy, names, taken.state)
+    if taken:
+        user_optimizer.retire(taken.source)
     state.optimizer = PreparedOptimizer(strategy, state, shadow)
+    adopt(model)
     session.layout = layout
     session.prepared[model] = state
     return model, state.optimizer
@@ -161,6 +192,9 @@ def _check_arguments(model, session, zero, precision: str, reduce_dtype: str, dp
         raise ValueError(f"zero must be one of the ZeRO stages 0, 1, 2, 3; got {zero!r}")
     if model in session.prepared:
         raise ValueError(f"this {type(model).__name__} was already prepared; prepare a model once")
+    if isinstance(model, OptimizedModule):
+        raise ValueError("prepare takes the model before torch.compile: `model, optimizer = minitrain.prepare(model, "
+                         "optimizer)`, then `model = torch.compile(model)`")
     if precision not in ("fp32", "bf16", "fp16"):
         raise ValueError(f"precision must be fp32, bf16 or fp16, got {precision!r}")
     if reduce_dtype not in ("fp32", "compute"):
@@ -281,7 +315,9 @@ def _torch_groups(model: nn.Module, groups: list[tuple[list[str], dict]]) -> lis
 
 
 def _named_groups(model: nn.Module, param_groups: list[dict] | None) -> list[tuple[list[str], dict]]:
-    """[(canonical names of a group's parameters, its options)], checked: every trainable parameter once."""
+    """[(canonical names of a group's parameters, its options)], checked: every trainable parameter once. A frozen
+    one may be in a group too, as a torch optimizer takes it (model.parameters()): it keeps its place (its index in
+    optimizer.state_dict()), and is never updated and holds no state, as in torch, where it never has a gradient."""
     canonical = {id(p): name for name, p in model.named_parameters()}
     trainable = {id(p) for p in model.parameters() if p.requires_grad}
     if param_groups is None:
@@ -296,13 +332,11 @@ def _named_groups(model: nn.Module, param_groups: list[dict] | None) -> list[tup
             name = canonical.get(id(p))
             if name is None:
                 raise ValueError(f"param_groups[{g}] holds a tensor that is not a parameter of the model")
-            if id(p) not in trainable:
-                raise ValueError(f"param_groups[{g}] holds '{name}', which is frozen (requires_grad=False)")
             if id(p) in seen:
                 raise ValueError(f"'{name}' is in param_groups[{seen[id(p)]}] and param_groups[{g}]")
             seen[id(p)] = g
             names.append(name)
-        groups.append((names, {k: v for k, v in group.items() if k != "params"}))
+        groups.append((names, {k: v for k, v in group.items() if k not in user_optimizer.NOT_OPTIONS}))
     missing = [canonical[i] for i in trainable if i not in seen]
     if missing:
         raise ValueError(f"trainable parameter(s) {', '.join(missing[:5])} are in no param group; add them to one "

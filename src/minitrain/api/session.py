@@ -6,20 +6,20 @@ off it (the model is plain again, and nothing keeps the strategy alive) and the 
 from __future__ import annotations
 
 import atexit
-import re
+import contextlib
 import weakref
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checkpoint import CheckpointError
 from ..parallel import FlatStrategy
 from ..parallel.offload import OffloadStore
 from ..parallel.pieces import Stage
 from ..parallel.pipeline import Pipeline
+from ..runtime.arrival import arrive
+from ..runtime.comm import Comm
 from ..runtime.topology import Topology, under_torchrun
 
 
@@ -42,6 +42,9 @@ class Prepared:
     hooks: list = field(default_factory=list, repr=False)  # handles of the hooks prepare put on the model itself
     feed: torch.Tensor | None = None  # tp/pp: the checksum of this step's inputs (replica_state.feed_checksum)
     offload: OffloadStore | None = None  # where the optimizer's master and state live when offloaded
+    user_class: type | None = None  # the model's own class, given back by close() (ddp_idioms.py)
+    sync_requested: bool = True  # DDP's require_backward_grad_sync, as the user last set it (ddp_idioms.py)
+    unsynced: contextlib.ExitStack | None = None  # the strategy's no_sync, entered because of it
 
     def close(self) -> None:
         """Every hook prepare and the strategy put on the model, removed; offload files removed. A parameter-server
@@ -53,6 +56,11 @@ class Prepared:
         for handle in self.hooks:
             handle.remove()
         self.hooks.clear()
+        if self.unsynced is not None:
+            self.unsynced.close()
+            self.unsynced = None
+        if self.user_class is not None:
+            self.strategy.model.__class__ = self.user_class
         self.strategy.close()
         if self.offload is not None:
             self.offload.close()
@@ -61,10 +69,22 @@ class Prepared:
                                "first (with parameter servers every worker runs the same number of steps)")
 
 
+def held_apart(state: Prepared) -> str | None:
+    """Why this rank does not hold the whole model and optimizer state (a shard, slices, a stage, its experts), in
+    words for a message; None where it does (data parallel at ZeRO-0, where one rank may read them alone)."""
+    settings = state.settings
+    if state.strategy.stage >= 1:
+        return f"at ZeRO-{state.strategy.stage} each rank holds a shard of the optimizer's state"
+    for degree, what in (("tp", "slices of the model's layers"), ("pp", "one stage of the model"),
+                         ("ep", "its share of the experts")):
+        if settings.get(degree, 1) > 1:
+            return f"with {degree}={settings[degree]} each rank holds {what}"
+    return None
+
+
 class Session:
-    def __init__(self, topo: Topology, timeout_s: float, gloo=None):
+    def __init__(self, topo: Topology, timeout_s: float):
         self.topo, self.timeout_s = topo, timeout_s
-        self.gloo = gloo  # a gloo group for arrival checks when the backend is NCCL (monitored_barrier is gloo's)
         self.layout: Topology | None = None  # the dp x tp x pp layout of the last prepare (None: dp over everyone)
         # Weak keys: a model the user drops takes its entry with it (once its hooks are off: cleanup, or never
         # prepared twice in one session).
@@ -79,17 +99,11 @@ class Session:
                              "(prepare it after init_distributed; cleanup() ends a session)")
         return state
 
-    def all_ranks_arrive(self, what: str) -> None:
-        """Fail, naming the ranks that did not come, unless every rank calls `what` within the timeout."""
-        if self.topo.world_size == 1:
-            return
-        try:
-            dist.monitored_barrier(group=self.gloo, timeout=timedelta(seconds=self.timeout_s), wait_all_ranks=True)
-        except RuntimeError as e:
-            missing = re.search(r"[Rr]anks? ([\d, ]+) failed to pass", str(e))
-            who = f"rank(s) {missing.group(1).strip()}" if missing else "rank 0"
-            raise CheckpointError(f"{what} is collective: rank {self.topo.rank} called it, {who} did not within "
-                                  f"{self.timeout_s:g} s; call it on every rank") from e
+    def arrive(self, ranks: Comm, what: str, why: str) -> None:
+        """Every rank of `ranks` calls `what` here, or every rank is told where each one is (runtime/arrival.py): a
+        rank busy elsewhere is waited for up to the session's timeout; one that can never come stops every rank at
+        once."""
+        arrive(ranks, what, why, self.timeout_s)
 
     def end(self) -> None:
         """Every prepared model closed, even past one that raises (the first error is raised at the end)."""
@@ -124,13 +138,15 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0,
             topo = Topology.from_initialized()
         elif under_torchrun():
             topo = Topology.from_env(backend, timeout_s)
-            # A script that never calls cleanup() leaves the groups' threads running into the interpreter's exit,
-            # where a torchrun rank may abort ("terminate called without an active exception"): leave them first.
-            atexit.register(_leave_at_exit, topo)
         else:
             topo = Topology.single()
-        gloo = dist.new_group(backend="gloo") if topo.world_size > 1 and topo.backend != "gloo" else None
-        _current = Session(topo, timeout_s, gloo)
+        if topology is None and topo.world_size > 1:
+            # A script that never calls cleanup(), or ends the process group itself (destroy_process_group(), as a
+            # DDP script does), leaves minitrain's references to the groups, and so their threads, into the
+            # interpreter's exit, where a rank may abort ("terminate called without an active exception"): let
+            # go of them first.
+            atexit.register(_leave_at_exit, topo)
+        _current = Session(topo, timeout_s)
     elif topology is not None and topology is not _current.topo:
         raise ValueError("init_distributed was called already with another topology; cleanup() first")
     return _current.topo.rank, _current.topo.world_size
@@ -173,8 +189,11 @@ def dp_world_size() -> int:
 
 
 def barrier() -> None:
-    """Wait until every rank gets here."""
-    current().topo.everyone.barrier()
+    """Wait until every rank gets here (a rank that is elsewhere, in another collective, stops every rank at once,
+    naming each rank's line)."""
+    session = current()
+    session.arrive(session.topo.everyone, "minitrain.barrier()", "every rank must reach it: call it on every rank")
+    session.topo.everyone.barrier()
 
 
 def cleanup() -> None:

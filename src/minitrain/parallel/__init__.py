@@ -18,6 +18,7 @@ from .layout import WholeModel
 from .model_plan import ModelPlan
 from .param_server import ParameterServerWorker
 from .pipeline import Pipeline
+from .replica_state import start_alike
 from .tensor import tensor_parallel_slices
 from .tp_plan import apply_tensor_parallel
 from .zero import Zero1, Zero2
@@ -31,7 +32,8 @@ def parallelize(model: nn.Module, topo: Topology, pcfg: ParallelConfig, make_opt
                 compile: bool = False, ep_plan: dict | str | None = None) -> tuple[FlatStrategy, Pipeline | None]:
     """Apply every parallelism the layout asks for to a full model, identical on every rank (or at least
     on rank 0, whose parameters every replica receives), in the only order that works:
-    0. the whole model's coordinates are taken first, so checkpoints of any part share them;
+    0. every rank is given rank 0's parameters and buffers (the replicas and every part cut from the model start
+       as one model), and the whole model's coordinates are taken, so checkpoints of any part share them;
     1. tensor parallel (the plan's): it replaces layers by their slices and expects the whole model
        (the embedding and the head it splits over the vocabulary); everything after must see the slices;
     2. pipeline parallel (the plan's split): it deletes the (already sliced) modules other stages run,
@@ -47,6 +49,7 @@ def parallelize(model: nn.Module, topo: Topology, pcfg: ParallelConfig, make_opt
     `pipeline(strategy)` builds the executor when the model is pipelined or the batch cut into
     micro-batches (None: no pipeline). Returns the strategy (its `module` is what forward runs on)
     and the Pipeline, or None."""
+    start_alike(model, topo.everyone)  # 0. every rank holds rank 0's model, before anything is cut from it
     whole = WholeModel.of(model)
     for kind, degree in (("tensor", topo.tp.world_size), ("pipeline", topo.pp.world_size)):
         needed = plan is not None and (plan.tensor_parallel if kind == "tensor" else plan.pipeline_split)

@@ -108,11 +108,7 @@ class FlatStrategy:
         self.whole = whole or WholeModel.of(model)
         # Data parallel shards nothing, so it pads nothing; ZeRO pads every unit to a multiple of N.
         self.flat = FlatParameters(model, comm.world_size if self.stage else 1, units, keep_grad, self.whole)
-        # Rank 0's initial parameters win, so replicas start identical whatever each rank's seed did.
-        comm.broadcast(self.flat.data, src=0)
-        for p in model.parameters():
-            if not p.requires_grad:  # frozen: replicated as they are, never updated
-                comm.broadcast(p.data, src=0)
+        # (Replicas start identical: parallelize gave every rank rank 0's model before it was split.)
         self.shard_ranges = self.ranges_of(comm.rank)
         # The master is in the master dtype even when the parameters are 16-bit (mixed precision). At ZeRO-0/1
         # in full precision it may be the parameters themselves: the shard is one contiguous range of the buffer.

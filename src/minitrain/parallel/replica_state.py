@@ -20,6 +20,33 @@ from torch import nn
 from ..runtime.comm import Comm
 
 BATCH_STATISTICS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
+BROADCAST_BUCKET_BYTES = 64 << 20  # what start_alike copies at a time: the extra memory it holds at most
+
+
+@torch.no_grad()
+def start_alike(model: nn.Module, everyone: Comm) -> None:
+    """Every parameter (trainable or frozen) and buffer of the whole model set to rank 0's, as DDP's constructor
+    broadcasts them: the replicas, and the slices tensor, pipeline and expert parallelism then cut from the model,
+    start as one model however each rank made it (nanoGPT seeds every rank differently before building it).
+    Collective over `everyone`; tensors of one dtype travel together, a bucket at a time."""
+    if everyone.world_size == 1:
+        return
+    tensors = [t.data for t in [*model.parameters(), *model.buffers()] if t.numel()]
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t.view(torch.uint8) if t.dtype == torch.bool else t)
+    for group in by_dtype.values():
+        bucket, size = [], 0
+        for t in [*group, None]:  # None: the end, which sends what is left
+            if bucket and (t is None or size + t.numel() * t.element_size() > BROADCAST_BUCKET_BYTES):
+                flat = torch.cat([b.reshape(-1) for b in bucket])
+                everyone.broadcast(flat, src=0)
+                for b, part in zip(bucket, flat.split([b.numel() for b in bucket])):
+                    b.copy_(part.view_as(b))
+                bucket, size = [], 0
+            if t is not None:
+                bucket.append(t)
+                size += t.numel() * t.element_size()
 
 
 def refuse_batch_statistics(model: nn.Module, replicas: int) -> list:

@@ -34,14 +34,13 @@ class NotElementwiseError(ValueError):
 
 
 def check_optimizer_fn(optimizer_fn: OptimizerFn, options: dict) -> None:
-    """Refuse, at every stage, what prepare cannot make an optimizer of: an optimizer already made (prepare builds
-    the optimizer itself, over the tensors it holds), or one whose step re-evaluates the loss (step(closure):
-    minitrain's step is one update from the gradients of the backward before it)."""
-    made = isinstance(optimizer_fn, torch.optim.Optimizer)
-    if made or not callable(optimizer_fn):
-        raise ValueError(f"optimizer_fn is {'an optimizer already made' if made else 'not callable'} "
-                         f"({type(optimizer_fn).__name__}); pass what makes one from param groups, e.g. "
-                         "functools.partial(torch.optim.AdamW, lr=1e-3): prepare makes it over the tensors it holds")
+    """Refuse, at every stage, what prepare cannot make an optimizer of: something not callable, or an optimizer
+    whose step re-evaluates the loss (step(closure): minitrain's step is one update from the gradients of the
+    backward before it). (An optimizer already made comes here as its maker: api/user_optimizer.py.)"""
+    if not callable(optimizer_fn):
+        raise ValueError(f"the optimizer is a {type(optimizer_fn).__name__}: pass a torch optimizer made over the "
+                         "model's parameters, or what makes one from param groups, e.g. "
+                         "functools.partial(torch.optim.AdamW, lr=1e-3)")
     try:
         probe = optimizer_fn([{"params": [torch.zeros(2, 2, requires_grad=True)], **options}])
     except Exception:  # noqa: BLE001 - one that takes only some tensors says so itself when prepare makes it
@@ -112,6 +111,7 @@ def group_runs(flat: FlatParameters, shard_ranges: Ranges, groups: list[list[str
 
 
 _SKIP = object()
+_NOT_OPTIONS = ("params", "param_names")  # what a param group holds besides its options
 
 
 def _json_option(value):
@@ -133,10 +133,15 @@ class TorchShardOptimizer:
     local [start, stop) range."""
 
     def __init__(self, master: torch.Tensor, flat: FlatParameters, shard_ranges: Ranges, sharded: bool,
-                 optimizer_fn: OptimizerFn, groups: list[tuple[list[str], dict]], store: OffloadStore | None = None):
+                 optimizer_fn: OptimizerFn, groups: list[tuple[list[str], dict]], store: OffloadStore | None = None,
+                 shown: list[dict] | None = None):
         """store: where the master and the optimizer's elementwise state live when offloaded (offload.py). The
-        torch optimizer makes its state at its first step, where the master is; it then moves into the store."""
+        torch optimizer makes its state at its first step, where the master is; it then moves into the store.
+        shown: the param groups the user sees (PreparedOptimizer.param_groups, over the model's parameters; prepare
+        fills the list once the model is split), one per group: their options are the ones that count, taken into
+        the torch optimizer's own groups at each step, saved and loaded (a scheduler writes its lr there)."""
         self.store = store
+        self.shown = shown if shown is not None else []
         self._stored: dict[str, torch.Tensor] = {}  # offloaded: each elementwise state, one vector over the master
         self.master, self.steps_taken = (master if store is None else store.copy_of("master", master)), 0
         master = self.master
@@ -162,6 +167,10 @@ class TorchShardOptimizer:
                 param_groups.append({"params": views, **options})
         self.views.sort(key=lambda v: v[1])
         self.inner = optimizer_fn(param_groups)
+        for shown, own in zip(self.shown, self.inner.param_groups):  # every option, as a torch optimizer's groups have
+            for key, value in own.items():
+                if key not in _NOT_OPTIONS:
+                    shown.setdefault(key, value)
         self._group_of = {id(view): group for group in self.inner.param_groups for view in group["params"]}
         # Where each view's scalar state (Adam's step) is read back from a checkpoint's vector: its first element
         # that is a parameter's, not padding (which a checkpoint does not hold, and loads as zero).
@@ -182,6 +191,7 @@ class TorchShardOptimizer:
             if grad_scale != 1.0:
                 g.mul_(grad_scale)  # in place: the caller is done with its gradient buffer
             view.grad = g.view_as(view)
+        self._take_options()
         if lr is not None:
             for group in self.inner.param_groups:
                 group["lr"] = lr
@@ -218,20 +228,35 @@ class TorchShardOptimizer:
                     self.inner.state[view][name] = held
 
     # --- the param groups' options (lr, betas, momentum, weight decay, a scheduler's initial_lr) ----------------
+    def _groups(self) -> list[dict]:
+        """The groups whose options count: the user's (shown), or the torch optimizer's own."""
+        return self.shown or self.inner.param_groups
+
+    def _take_options(self) -> None:
+        """The options of the groups the user sees, into the torch optimizer's own groups."""
+        for shown, own in zip(self.shown, self.inner.param_groups):
+            for key, value in shown.items():
+                if key not in _NOT_OPTIONS:
+                    own[key] = value
+
+    def options(self) -> list[dict]:
+        """Every param group's options (all it holds but its parameters), as they are now."""
+        return [{k: v for k, v in group.items() if k != "params"} for group in self._groups()]
+
     def group_options(self) -> list[dict]:
         """Every param group's options as JSON (a tuple as a list, a 1-element tensor as its number); options JSON
-        cannot hold (a callable) are left out."""
-        return [{k: _json_option(v) for k, v in group.items() if k != "params" and _json_option(v) is not _SKIP}
-                for group in self.inner.param_groups]
+        cannot hold (a callable) are left out, and so are the parameters' names."""
+        return [{k: _json_option(v) for k, v in group.items() if k not in _NOT_OPTIONS and _json_option(v) is not _SKIP}
+                for group in self._groups()]
 
     def load_group_options(self, saved: list[dict]) -> None:
         """Restore what group_options() gave, each option in the type it has now (a tuple stays a tuple, a tensor
         a tensor, filled in place)."""
-        if len(saved) != len(self.inner.param_groups):
-            raise ValueError(f"{len(saved)} param groups were saved; this optimizer has "
-                             f"{len(self.inner.param_groups)}")
-        for group, options in zip(self.inner.param_groups, saved):
-            for key, value in options.items():
+        groups = self._groups()
+        if len(saved) != len(groups):
+            raise ValueError(f"{len(saved)} param groups were saved; this optimizer has {len(groups)}")
+        for group, options in zip(groups, saved):
+            for key, value in ((k, v) for k, v in options.items() if k not in _NOT_OPTIONS):
                 current = group.get(key)
                 if isinstance(current, torch.Tensor):
                     current.fill_(value)
@@ -239,6 +264,7 @@ class TorchShardOptimizer:
                     group[key] = tuple(value)
                 else:
                     group[key] = value
+        self._take_options()
 
     # --- state: every state as a vector in local layout, so that it reshards like the parameters -------------
     def _kinds(self) -> tuple[list[str], dict[str, str | None]]:

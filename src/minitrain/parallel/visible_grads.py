@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 
 class ShardedGradient(torch.Tensor):
@@ -35,7 +36,8 @@ class ShardedGradient(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        sentinel = next(a for a in args if isinstance(a, ShardedGradient))
+        # (In a list, for foreach ops: torch's GradScaler unscales every gradient in one.)
+        sentinel = next(a for a in tree_leaves((args, kwargs)) if isinstance(a, ShardedGradient))
         other = next((a for a in args if isinstance(a, torch.Tensor) and not isinstance(a, ShardedGradient)), None)
         # Autograd accumulating the next backward's gradient: the sentinel counts as zero and carries it to the
         # post-accumulate hook (ZeRO-2's _grad_ready), which reduces it.
@@ -49,7 +51,8 @@ class ShardedGradient(torch.Tensor):
         raise RuntimeError(
             f"the gradient of '{sentinel.param_name}' is sharded across ranks at ZeRO-{sentinel.stage} "
             f"(reduce-scattered as backward produced it), so p.grad holds no values ({func} cannot read it): clip with "
-            "minitrain.clip_grad_norm_(model, max_norm), which takes the global norm over every shard; read whole "
+            "minitrain.clip_grad_norm_(model, max_norm), which takes the global norm over every shard, and scale an "
+            "fp16 loss with prepare(precision='fp16') and minitrain.GradScaler (torch's reads p.grad); read whole "
             "gradients at zero=0 or 1")
 
     def __repr__(self, *, tensor_contents=None):

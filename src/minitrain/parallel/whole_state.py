@@ -23,17 +23,19 @@ from .tensor import gather_slices
 _BITS = {8: torch.int64, 4: torch.int32}
 
 
-def gather_logical(strategy: FlatStrategy, local: torch.Tensor, everyone: Comm, dp_rank: int,
+def gather_logical(strategy: FlatStrategy, local: torch.Tensor, everyone: Comm | None, dp_rank: int,
                    tp_rank: int) -> torch.Tensor:
     """The whole model's logical vector of `local` (a vector over strategy.shard_ranges), on every rank.
-    Collective over `everyone`."""
+    Collective over `everyone`; None: this rank holds all of it (data parallel, the model whole), nothing moves."""
     flat = strategy.flat
-    ranges = strategy.checkpoint_ranges(dp_rank)  # a replica's elements once: at ZeRO-0 the first replica's
+    # A replica's elements once: at ZeRO-0 the first replica's (or this rank's own, when it alone is asked).
+    ranges = strategy.checkpoint_ranges(dp_rank) if everyone is not None else strategy.shard_ranges
     wide = local.dtype if local.element_size() in _BITS else torch.float32  # 16-bit floats widen exactly
     whole = torch.zeros(flat.logical_numel, dtype=wide, device=local.device)
     for at, lo, hi in flat.pieces(ranges, replicated=tp_rank == 0) if ranges else []:
         whole[lo:hi] = local[at:at + hi - lo]
-    everyone.all_reduce_sum(whole.view(_BITS[whole.element_size()]))
+    if everyone is not None:
+        everyone.all_reduce_sum(whole.view(_BITS[whole.element_size()]))
     return whole.to(local.dtype)
 
 
@@ -60,13 +62,17 @@ def full_model_state(strategy: FlatStrategy, everyone: Comm, dp: Comm, tp: Comm,
             value = held[key] if pp.rank == owner else torch.empty(p.shape, dtype=p.dtype, device=params.device)
             pp.broadcast(value, src=owner)
             held[key] = value
-    out = {}
+    out, copies = {}, {}  # keys tied to one tensor share one copy, as in torch's own state_dict
     for key, p in whole.state.items():
+        if p.source in copies:
+            out[key] = copies[p.source].detach()
+            continue
         if p.kind == "param":
             offset, numel = whole.offsets[p.source], _numel(p.shape)
             out[key] = params[offset:offset + numel].view(p.shape).clone()
         else:
             out[key] = held[key].clone()
+        copies[p.source] = out[key]
     check_state(out, {k: (list(p.shape), dtype_name(p.dtype)) for k, p in whole.state.items()}, "full_state_dict")
     return out
 
@@ -79,24 +85,25 @@ def _numel(shape) -> int:
 
 
 # --- the optimizer, in torch's own state_dict format -----------------------------------------------------------
-def _state_kinds(strategy: FlatStrategy, everyone: Comm) -> tuple[list[str], dict[str, str | None]]:
+def _state_kinds(strategy: FlatStrategy, everyone: Comm | None) -> tuple[list[str], dict[str, str | None]]:
     """(elementwise state names, {scalar state name: its tensor dtype or None}) over every rank: a rank whose
-    shard holds no parameter, or a stage that has not stepped, may know fewer."""
+    shard holds no parameter, or a stage that has not stepped, may know fewer (None: this rank holds all)."""
     elementwise, scalars = strategy.optimizer._kinds()
     names: list[str] = []
     kinds: dict[str, str | None] = {}
-    for theirs, their_scalars in everyone.gather_json([elementwise, scalars]):
+    for theirs, their_scalars in everyone.gather_json([elementwise, scalars]) if everyone else [[elementwise, scalars]]:
         names += [n for n in theirs if n not in names]
         kinds.update(their_scalars)
     return [n for n in names if n not in kinds], kinds
 
 
-def full_optimizer_state(strategy: FlatStrategy, groups: list[list[str]], everyone: Comm, dp_rank: int,
+def full_optimizer_state(strategy: FlatStrategy, groups: list[list[str]], everyone: Comm | None, dp_rank: int,
                          tp_rank: int) -> dict:
     """The optimizer's state_dict as torch's optimizer would give it on one process for the whole model:
     {"state": {index: {name: tensor in the parameter's shape, or scalar}}, "param_groups": [{options...,
     "params": [indices]}]}, indices counting the parameters of `groups` (canonical names, in the user's order).
-    Collective over `everyone`; every rank gets the whole of it."""
+    Collective over `everyone`, every rank getting the whole of it; everyone=None where this rank holds the whole
+    state (data parallel, ZeRO-0, the model whole): from it alone."""
     optimizer, whole = strategy.optimizer, strategy.whole
     elementwise, scalars = _state_kinds(strategy, everyone)
     local = optimizer.state_tensors()
@@ -108,9 +115,13 @@ def full_optimizer_state(strategy: FlatStrategy, groups: list[list[str]], everyo
             vec = torch.zeros(optimizer.master.numel(), dtype=dtype, device=optimizer.master.device)
         full[name] = gather_logical(strategy, vec, everyone, dp_rank, tp_rank)
     state, param_groups, index = {}, [], 0
-    for names, group in zip(groups, optimizer.inner.param_groups):
+    for names, options in zip(groups, optimizer.options()):
         indices = []
         for pname in names:
+            if pname not in whole.offsets:  # frozen: in the group, never stepped, no state (as in torch)
+                indices.append(index)
+                index += 1
+                continue
             offset, shape = whole.offsets[pname], whole.state[pname].shape
             numel = _numel(shape)
             entry = {}
@@ -123,7 +134,7 @@ def full_optimizer_state(strategy: FlatStrategy, groups: list[list[str]], everyo
                 state[index] = entry
             indices.append(index)
             index += 1
-        param_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": indices})
+        param_groups.append({**options, "params": indices})
     return {"state": state, "param_groups": param_groups}
 
 
@@ -143,7 +154,9 @@ def load_optimizer_state(strategy: FlatStrategy, groups: list[list[str]], state_
             raise ValueError(f"param group {g} of the state_dict holds {len(saved['params'])} parameters, this "
                              f"optimizer's {len(names)}")
     by_index = dict(zip([i for saved in saved_groups for i in saved["params"]], params))
-    state = {by_index[int(i)]: entry for i, entry in state_dict["state"].items() if int(i) in by_index}
+    # (A frozen parameter's state, which torch keeps for one that was trained before, has nothing to update here.)
+    state = {by_index[int(i)]: entry for i, entry in state_dict["state"].items()
+             if int(i) in by_index and by_index[int(i)] in whole.offsets}
     elementwise, scalars = _load_kinds(state, whole)
     device, numel = optimizer.master.device, whole.numel
     full = {name: torch.zeros(numel, dtype=optimizer.master.dtype if name in elementwise else torch.float64,

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ..runtime.arrival import arrive
 from ..runtime.comm import Comm, PendingCollective
 from .config import ParallelConfig
 from .flat import OptimizerFactory
@@ -94,11 +95,13 @@ class Zero3(Zero2):
         watch = GatherOnUse(unit_of, lambda i: i in self._gathered, self._use_outside)
         depth = [0]
 
+        @torch.compiler.disable
         def enter(_module, _args):
             depth[0] += 1
             if depth[0] == 1:
                 watch.__enter__()
 
+        @torch.compiler.disable
         def leave(_module, _args, _output):
             depth[0] -= 1
             if depth[0] == 0:
@@ -117,6 +120,8 @@ class Zero3(Zero2):
         self.hooks.append(model.register_state_dict_pre_hook(self._refuse_values))
 
     def _before_user_load(self, *_args) -> None:
+        arrive(self.comm, "model.load_state_dict()", "at ZeRO-3 each rank holds a shard of the parameters, which "
+               "model.load_state_dict() gathers from every rank: call it on every rank")
         for i in range(len(self.flat.units)):
             self._ensure(i)
 
@@ -171,6 +176,13 @@ class Zero3(Zero2):
 
     # --- hooks ----------------------------------------------------------------------------
     def _before_model_forward(self, _model, _args) -> None:
+        if self.stage == 3 and self.pcfg.user_loop and not torch.is_grad_enabled():
+            # An evaluation, which a DDP script runs on rank 0 alone: its gathers would pair with the other ranks'
+            # training collectives (runtime/arrival.py). A training forward announces nothing (it costs nothing):
+            # a rank alone in one waits in its first gather, where a rank arriving here finds it.
+            arrive(self.comm, "the model's forward", "at ZeRO-3 each rank holds a shard of the parameters, which "
+                   "every forward gathers from every rank: run the model on every rank (an evaluation too), and use "
+                   "the result on one")
         for i in self._shared:  # used by several units: whole from forward until its gradient is reduced
             self._ensure(i)
 

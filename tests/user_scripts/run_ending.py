@@ -1,0 +1,44 @@
+"""A short run of a user's own script that ends as scripts end: `destroy_process_group()` without minitrain's
+cleanup() (a DDP script's last line), cleanup() twice, or sys.exit(3) between a backward and its step. Run under
+torchrun's environment; the mode is the first argument, the ZeRO stage the second (or, run by tests/zygote.py, the
+run's number modulo 4). tests/test_exits.py runs it many times over.
+
+Last, after minitrain's own exit handler, it says on stderr how many of gloo's work threads (a process group's) are
+still alive: one that lives into the interpreter's shutdown can abort the process there ("terminate called without
+an active exception": a finished collective's destructor, run on that thread, needs the interpreter that is going
+away)."""
+import atexit
+import functools
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import minitrain
+
+
+def gloo_threads_left() -> None:
+    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    print(f"gloo threads alive at exit: {sum(name.startswith('pt_gloo') for name in names)}", file=sys.stderr,
+          flush=True)
+
+
+atexit.register(gloo_threads_left)  # before minitrain's (init_distributed's), so it runs after it
+mode = sys.argv[1]
+zero = int(os.environ["ZYGOTE_RUN"]) % 4 if "ZYGOTE_RUN" in os.environ else int(sys.argv[2])
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+model, optimizer = minitrain.prepare(model, functools.partial(torch.optim.AdamW, lr=1e-2), zero=zero)
+for step in range(3):
+    model(torch.randn(4, 8)).square().mean().backward()
+    if mode == "exit-mid-step" and step == 2:
+        sys.exit(3)  # a backward's gradients synced (or on their way, at ZeRO-2/3), its step not taken
+    optimizer.step()
+    optimizer.zero_grad()
+if mode == "destroy":
+    dist.destroy_process_group()
+elif mode == "cleanup-twice":
+    minitrain.cleanup()
+    minitrain.cleanup()

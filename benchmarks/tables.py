@@ -406,6 +406,21 @@ def host_adam_vs_deepspeed(docs: list[dict]) -> list[str]:
             *_table(["preset", "threads", "optimizer", "step ms", "vs DeepSpeed", "ulps"], "<><>>>", rows)]
 
 
+def nanogpt_port(docs: list[dict]) -> list[str]:
+    """Rank 0's loss at every fifth iteration under DDP and ported, and the largest difference at any iteration."""
+    runs = docs[0]["runs"]
+    rows = []
+    for part in ("uninterrupted", "resumed"):
+        ddp, ours = runs["ddp"][part]["train"], runs["minitrain"][part]["train"]
+        steps = sorted(ddp, key=int)
+        differences = [abs(ddp[i] - ours[i]) for i in steps]
+        rows += [[part if i == steps[0] else "", i, f"{ddp[i]:.4f}", f"{ours[i]:.4f}", f"{abs(ddp[i] - ours[i]):.1e}"]
+                 for i in steps if int(i) % 5 == 0 or i == steps[0]]
+        rows.append(["", f"all {len(steps)} ({steps[0]}-{steps[-1]})", "", "", f"largest {max(differences):.1e}"])
+    return [f"nanoGPT `{docs[0]['nanogpt']}`; the loss is rank 0's last micro-batch's, as nanoGPT logs it.", "",
+            *_table(["run", "iteration", "DDP", "minitrain", "difference"], "<>>>>", rows)]
+
+
 # Table name -> (result files, renderer). Benchmarks run at several sizes write one file per size.
 TABLES = {
     "prepare_vs_peers": ("prepare_vs_peers.json", prepare_vs_peers),
@@ -437,6 +452,7 @@ TABLES = {
     "before_after": ("before_after.json", before_after),
     "zero3_read_guard": ("zero3_read_guard.json", zero3_read_guard),
     "host_adam_vs_deepspeed": ("host_adam_vs_deepspeed_t*.json", host_adam_vs_deepspeed),
+    "nanogpt_port": ("nanogpt_port.json", nanogpt_port),
 }
 
 

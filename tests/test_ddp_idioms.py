@@ -59,9 +59,9 @@ def net(seed: int = 0) -> Net:
 
 
 def groups(model: nn.Module) -> list[dict]:
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    return [{"params": [p for p in trainable if p.dim() >= 2], "weight_decay": 0.1},
-            {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0}]
+    """nanoGPT's split (no decay for vectors), the frozen vector among them, as model.parameters() puts it there."""
+    return [{"params": [p for p in model.parameters() if p.dim() >= 2 and p.requires_grad], "weight_decay": 0.1},
+            {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
 
 
 def loss_of(model, x):
@@ -112,7 +112,7 @@ def _made_before_prepare(topo):
         before, shown = copy.deepcopy(made.state_dict()), made.param_groups
         model, optimizer = minitrain.prepare(model, made, zero=zero)
         assert optimizer.param_groups is shown and isinstance(optimizer.inner, torch.optim.AdamW)
-        assert {id(p) for g in shown for p in g["params"]} == {id(p) for p in model.parameters() if p.requires_grad}
+        assert {id(p) for g in shown for p in g["params"]} == {id(p) for p in model.parameters()}
         assert not made.state  # its memory is the prepared optimizer's now
         with pytest.raises(RuntimeError, match="was given to minitrain.prepare, which returned the optimizer"):
             made.step()

@@ -92,8 +92,11 @@ def _ask_the_absent(watch: CollectiveWatch, key: str, keys: dict[int, str], why:
     absent = [r for r, k in keys.items() if not store.check([k])]
     if not absent:
         return
-    posts = _posts(store, keys, [r for r in keys if r not in absent])
     states = watch.where_are(absent, ANSWER_WAIT_S)
+    # One that came while it was asked (and may be past here, in the next collective) is not absent.
+    absent = [r for r in absent if not store.check([keys[r]])]
+    states = {r: states[r] for r in absent}
+    posts = _posts(store, keys, [r for r in keys if r not in absent])
     if not any(_cannot_come(states[r], key, posts) for r in absent):
         return
     odd = _odd_ones(posts, states)

@@ -488,11 +488,14 @@ def _nbytes(t: torch.Tensor) -> int:
 _SITE_NAMES: dict[str, str] = {}
 
 
+_DYNAMO = os.path.join(os.path.dirname(torch.__file__), "_dynamo", "")  # torch.compiler.disable's wrapper lives here
+
+
 def call_site(skip: str = __file__) -> str:
-    """'zero3.py:80': the first frame outside the file `skip` (by default this one: who called the collective).
-    About 0.4 us: a few frames up, one cached basename."""
+    """'zero3.py:80': the first frame outside the file `skip` (by default this one: who called the collective) and
+    torch.compiler.disable's wrapper. About 0.4 us: a few frames up, one cached basename."""
     frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename == skip:
+    while frame is not None and (frame.f_code.co_filename == skip or frame.f_code.co_filename.startswith(_DYNAMO)):
         frame = frame.f_back
     if frame is None:
         return "?"

@@ -358,17 +358,22 @@ class CollectiveWatch:
         return {name: track.seq for name, track in self._groups.items()}
 
     def where_are(self, ranks: list[int], wait_s: float) -> dict[int, dict | None]:
-        """Every rank in `ranks` says where it is (its thread answers within a poll); None for a rank that did not
-        answer within `wait_s`. Four store round trips and a wait."""
+        """Every rank in `ranks` says where it is (its thread answers within a poll, or it has left its note on
+        closing); None for a rank that did neither within `wait_s`. A few store round trips and a wait."""
         probe = self._store.add(self._prefix + "signal", PROBE) % CLOSING // PROBE
-        keys = {r: f"{self._prefix}probe/{probe}/{r}" for r in ranks}
+        answers = {r: f"{self._prefix}probe/{probe}/{r}" for r in ranks}
+        notes = {r: f"{self._prefix}state/{r}" for r in ranks}  # close()'s
         deadline = time.monotonic() + wait_s
-        while not self._store.check(list(keys.values())) and time.monotonic() < deadline:
+        while True:
+            keys = {r: answers[r] if self._store.check([answers[r]]) else notes[r] for r in ranks}
+            present = [r for r in ranks if self._store.check([keys[r]])]
+            if len(present) == len(ranks) or time.monotonic() >= deadline:
+                break
             time.sleep(0.05)  # (a TCPStore wait that times out warns on stderr)
-        present = [r for r, k in keys.items() if self._store.check([k])]
         got = dict(zip(present, self._store.multi_get([keys[r] for r in present]))) if present else {}
-        for r in present:  # read once, by this rank only
-            self._store.delete_key(keys[r])
+        for r in present:
+            if keys[r] == answers[r]:  # read once, by this rank only
+                self._store.delete_key(answers[r])
         return {r: json.loads(got[r]) if r in got else None for r in ranks}
 
     def stop_everyone(self, diagnosis: Diagnosis) -> Diagnosis:

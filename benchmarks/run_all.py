@@ -31,6 +31,9 @@ def why_left_out(name: str, command: str) -> str | None:
         return "a GPU session's (tools/gpu_session.sh)"
     if "--before" in command or "before" in name:
         return "historical: measured on an older checkout"
+    words = shlex.split(command)
+    if "--nanogpt" in words and not Path(words[words.index("--nanogpt") + 1]).is_dir():
+        return "needs a checkout of karpathy/nanoGPT where --nanogpt says (fetch it, then rerun with its path)"
     return None
 
 

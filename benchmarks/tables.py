@@ -417,7 +417,8 @@ def nanogpt_port(docs: list[dict]) -> list[str]:
         rows += [[part if i == steps[0] else "", i, f"{ddp[i]:.4f}", f"{ours[i]:.4f}", f"{abs(ddp[i] - ours[i]):.1e}"]
                  for i in steps if int(i) % 5 == 0 or i == steps[0]]
         rows.append(["", f"all {len(steps)} ({steps[0]}-{steps[-1]})", "", "", f"largest {max(differences):.1e}"])
-    return [f"nanoGPT `{docs[0]['nanogpt']}`; the loss is rank 0's last micro-batch's, as nanoGPT logs it.", "",
+    return [f"nanoGPT `{docs[0]['nanogpt']}`; the loss is rank 0's last micro-batch's as nanoGPT prints it, to 4 "
+            "decimals (so is the difference).", "",
             *_table(["run", "iteration", "DDP", "minitrain", "difference"], "<>>>>", rows)]
 
 

@@ -379,8 +379,12 @@ class CollectiveWatch:
     def stop_everyone(self, diagnosis: Diagnosis) -> Diagnosis:
         """End every rank with `diagnosis` (unless another was declared first: that one), as a hang does: the other
         ranks' threads report it and end their processes; the caller raises the one returned."""
-        self._store.compare_set(self._prefix + "diagnosis", "", json.dumps(diagnosis._asdict()))
-        return self.diagnose(diagnosis.text, None) or diagnosis
+        stored = self._store.compare_set(self._prefix + "diagnosis", "", json.dumps(diagnosis._asdict()))
+        agreed = Diagnosis(**json.loads(stored))  # the first one declared, every rank's
+        if self._report is _print_report:  # said at once: under torchrun the first rank to exit gets the others
+            _print_report(agreed.headline(), self.rank in agreed.culprits)  # killed, before their exceptions print
+        self.diagnose(agreed.text, None)  # the other ranks' threads report it and end their processes
+        return agreed
 
     def _deliver(self, diagnosis: Diagnosis) -> None:
         with self._lock:

@@ -35,15 +35,23 @@ def assert_bit_equal(a, b, where: str) -> None:
     """Two states (dicts, lists, tuples, tensors and plain values, nested) equal bit for bit: the same keys and
     lengths, each tensor of the same dtype and torch.equal, each other value ==; `where` names the first that
     is not."""
+    assert_states_match(a, b, where, atol=None)
+
+
+def assert_states_match(a, b, where: str, atol: float | None) -> None:
+    """assert_bit_equal, or with `atol` each tensor within it of the other (in float64) instead."""
     if isinstance(a, dict):
         assert isinstance(b, dict) and a.keys() == b.keys(), where
         for key in a:
-            assert_bit_equal(a[key], b[key], f"{where}.{key}")
+            assert_states_match(a[key], b[key], f"{where}.{key}", atol)
     elif isinstance(a, (list, tuple)):
         assert isinstance(b, (list, tuple)) and len(a) == len(b), where
         for i, (x, y) in enumerate(zip(a, b)):
-            assert_bit_equal(x, y, f"{where}[{i}]")
-    elif isinstance(a, torch.Tensor):
+            assert_states_match(x, y, f"{where}[{i}]", atol)
+    elif isinstance(a, torch.Tensor) and atol is None:
         assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, torch.Tensor):
+        diff = (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+        assert diff <= atol, f"{where}: off by {diff:.3g}"
     else:
         assert a == b, f"{where}: {a} != {b}"

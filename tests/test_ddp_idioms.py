@@ -18,20 +18,13 @@ import minitrain
 from minitrain.api.session import state_of
 
 from .dist import run_ranks
+from .numerics import assert_states_match
+from .test_habits import Block
 from .hf_models import make_model
 
 V, D, T = 16, 8, 6
 TOL = 1e-12
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2)
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(D, D)
-
-    def forward(self, h):
-        return h + torch.tanh(self.lin(h))
 
 
 class Net(nn.Module):
@@ -74,18 +67,7 @@ def batches(steps: int = 4) -> list[torch.Tensor]:
 
 
 def _same(a, b, where: str) -> None:
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            _same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _same(x, y, f"{where}[{i}]")
-    elif isinstance(a, torch.Tensor):
-        torch.testing.assert_close(a, b, rtol=0, atol=TOL, msg=where)
-    else:
-        assert a == b, (where, a, b)
+    assert_states_match(a, b, where, TOL)
 
 
 # --- an optimizer made before prepare --------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import math
 import torch
 
 from .dist import run_ranks
-from .numerics import assert_bit_equal
+from .numerics import assert_bit_equal, assert_states_match
 from .reference import plain_run
 
 STAGES = (0, 1, 2, 3)
@@ -128,18 +128,7 @@ def _plain_api() -> tuple[dict, dict]:
 
 def _close(a, b, where: str) -> None:
     """Two torch-format state dicts (or plain tensors) equal within TOL, key by key."""
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            _close(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, (list, tuple)):
-        for i, (x, y) in enumerate(zip(a, b)):
-            _close(x, y, f"{where}[{i}]")
-    elif isinstance(a, torch.Tensor):
-        diff = (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
-        assert diff <= TOL, f"{where}: off by {diff:.3g}"
-    else:
-        assert a == b, f"{where}: {a} != {b}"
+    assert_states_match(a, b, where, TOL)
 
 
 def test_a_skipped_step_changes_nothing_later_steps_read_and_training_goes_on_as_if_unseen():

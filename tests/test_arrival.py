@@ -10,18 +10,19 @@ import pytest
 import torch
 
 import minitrain
-from minitrain.runtime.arrival import _cannot_come, _odd_ones, _positions
+from minitrain.runtime.arrival import Arrival, _cannot_come, _odd_ones, _positions
 from minitrain.runtime.comm import CollectiveError
 from minitrain.runtime.diagnosis import user_call
 
 from .dist import run_ranks
 
-KEY = "world@0/3"
+HERE = Arrival("world@0", 3, [0, 1])
 
 
-def _at(group: str, seq: int, op: str = "all_reduce", members=(0, 1)) -> dict:
-    return {"rank": 1, "at": [group, seq, op, [[4]], "float64", "buckets.py:100"], "members": list(members),
-            "user": ["backward", "train.py:305"]}
+def _at(group: str, number: int | None, op: str = "all_reduce", members=(0, 1)) -> dict:
+    """A rank waiting in a collective, the `number`th symmetric one of its group (None: point to point)."""
+    return {"rank": 1, "at": [group, 40, op, [[4]], "float64", "buckets.py:100"], "symmetric": number,
+            "members": list(members), "user": ["backward", "train.py:305"]}
 
 
 def _posted(issued: int) -> dict[int, dict]:
@@ -29,23 +30,28 @@ def _posted(issued: int) -> dict[int, dict]:
 
 
 def test_a_rank_waiting_in_a_collective_the_others_have_not_issued_can_never_come():
-    assert _cannot_come(_at("world", 13), KEY, _posted(12))  # rank 0 issued 12: #13 needs it, and it waits here
+    assert _cannot_come(_at("world", 13), HERE, _posted(12))  # rank 0 issued 12: #13 needs it, and it waits here
 
 
 def test_a_rank_waiting_in_a_collective_the_others_have_issued_is_waited_for():
     """Rank 0 launched its reduction #13 before it came here (in flight, as ZeRO-2's are): rank 1's #13 finishes."""
-    assert not _cannot_come(_at("world", 13), KEY, _posted(13))
-    assert not _cannot_come(_at("world", 13, members=(1, 2)), KEY, _posted(12))  # a group without a rank here
-    assert not _cannot_come(_at("pp", 40, op="send"), KEY, _posted(0))  # point to point: one-sided, not decided
+    assert not _cannot_come(_at("world", 13), HERE, _posted(13))
+    assert not _cannot_come(_at("world", 13, members=(1, 2)), HERE, _posted(12))  # a group without a rank here
+    assert not _cannot_come(_at("pp", None, op="send"), HERE, _posted(0))  # point to point: one-sided, undecided
 
 
 def test_where_a_rank_is_decides_whether_it_can_come():
-    assert not _cannot_come(None, KEY, _posted(0))  # silent: the timeout tells
-    assert not _cannot_come({"rank": 1, "where": "train.py:90", "user": [None, "train.py:90"]}, KEY, _posted(0))
-    assert _cannot_come({"rank": 1, "closed": True, "last": None}, KEY, _posted(0))
-    assert _cannot_come({"rank": 1, "where": "c.py:1", "arriving": "world@0/4"}, KEY, _posted(0))
+    assert not _cannot_come(None, HERE, _posted(0))  # silent: the timeout tells
+    assert not _cannot_come({"rank": 1, "where": "train.py:90", "user": [None, "train.py:90"]}, HERE, _posted(0))
+    assert _cannot_come({"rank": 1, "closed": True, "last": None}, HERE, _posted(0))
+    previous = Arrival("world@0", 2, [0, 1]).as_json()  # still finishing the arrival before: it comes next
+    assert not _cannot_come({"rank": 1, "where": "arrival.py:1", "arriving": previous}, HERE, _posted(0))
+    elsewhere = Arrival("dp@0", 7, [0, 1]).as_json()  # at another group's, which waits for rank 0 (here)
+    assert _cannot_come({"rank": 1, "where": "arrival.py:1", "arriving": elsewhere}, HERE, _posted(0))
+    apart = Arrival("dp@2", 7, [1, 3]).as_json()  # at the arrival of a group without a rank that waits here
+    assert not _cannot_come({"rank": 1, "where": "arrival.py:1", "arriving": apart}, HERE, _posted(0))
     assert _cannot_come({"rank": 1, "where": "c10d.py:9", "user": ["torch.distributed.barrier()", "train.py:7"]},
-                        KEY, _posted(0))
+                        HERE, _posted(0))
 
 
 def test_the_message_names_each_ranks_call_and_line_and_the_odd_one_out():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import warnings
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from torch import nn
 
 import minitrain
 from minitrain.api.session import state_of
+from minitrain.parallel.shard_optimizer import NotElementwiseError
 
 from .dist import run_ranks
 from .numerics import assert_states_match
@@ -99,7 +101,10 @@ def _made_before_prepare(topo):
         with pytest.raises(RuntimeError, match="was given to minitrain.prepare, which returned the optimizer"):
             made.step()
         carried = optimizer.state_dict()
-        losses = _steps(model, optimizer, scheduler, batches()[2:], topo.rank, topo.world_size)
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            losses = _steps(model, optimizer, scheduler, batches()[2:], topo.rank, topo.world_size)
+        assert not [w for w in warned if "before `optimizer.step()`" in str(w.message)]  # the prepared one stepped
         out[zero] = {"before": before, "carried": carried, "losses": losses,
                      "state": minitrain.full_state_dict(model), "lr": [g["lr"] for g in optimizer.param_groups]}
     return out
@@ -122,7 +127,10 @@ def test_an_optimizer_made_before_prepare_carries_its_class_groups_state_and_sch
         assert len(got["losses"]) == len(losses)
 
 
-def test_an_optimizer_that_cannot_be_made_again_is_refused_before_the_model_changes():
+def test_an_optimizer_that_cannot_be_made_again_exactly_is_refused_before_the_model_changes():
+    """A wrapper of another optimizer, a subclass keeping a setting outside its defaults, hooks prepare cannot
+    carry, and under ZeRO a loaded state whose parameters of one group have taken different numbers of steps:
+    each refused saying what to do, with the model as it was."""
     class Lookahead(torch.optim.Optimizer):  # wraps another optimizer: its class alone cannot make it again
         def __init__(self, base: torch.optim.Optimizer, k: int = 5):
             self.base, self.k = base, k
@@ -131,15 +139,58 @@ def test_an_optimizer_that_cannot_be_made_again_is_refused_before_the_model_chan
         def step(self, closure=None):
             return self.base.step(closure)
 
+    class ClippedSGD(torch.optim.SGD):  # a setting of its own, not in its defaults
+        def __init__(self, params, lr=0.1, clip=1.0):
+            super().__init__(params, lr=lr)
+            self.clip = clip
+
     model = net()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match="could not make Lookahead again .* pass what makes it instead"):
         minitrain.prepare(model, Lookahead(torch.optim.SGD(model.parameters(), lr=0.1)))
+    with pytest.raises(ValueError, match="ClippedSGD keeps clip of its own, which made again from its defaults "
+                                         "differs from yours; pass what makes it instead"):
+        minitrain.prepare(model, ClippedSGD(model.parameters(), clip=0.5))
+    hooked = torch.optim.SGD(model.parameters(), lr=0.1)
+    hooked.register_state_dict_pre_hook(lambda optimizer: None)
+    with pytest.raises(ValueError, match="has state_dict or load_state_dict hooks, which prepare cannot carry"):
+        minitrain.prepare(model, hooked)
+    other = net()
+    partly = torch.optim.AdamW([{"params": [other.emb.weight, other.blocks[0].lin.weight]}], lr=0.1)
+    loss_of(other, batches(1)[0]).backward()
+    other.emb.weight.grad = None  # one parameter of the group is not stepped
+    partly.step()
+    partly.add_param_group({"params": [p for p in other.parameters() if p.requires_grad and p.dim() < 2 or
+                                       p is other.blocks[1].lin.weight]})
+    with pytest.raises(ValueError, match="param group 0's parameters differ in their 'step'.* or use zero=0"):
+        minitrain.prepare(other, partly, zero=1)
     assert type(model) is Net and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     with pytest.raises(ValueError, match="param_groups goes with an optimizer's maker"):
         minitrain.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), param_groups=groups(model))
     with pytest.raises(ValueError, match="prepare takes the model before torch.compile"):
         minitrain.prepare(torch.compile(model), ADAMW)
+
+
+def test_a_made_optimizers_step_hooks_go_with_it_and_the_prepared_model_is_not_pickled_whole(tmp_path):
+    """An EMA kept by a step post-hook on the optimizer made before prepare still runs after each step; torch.save
+    of the prepared model is refused saying what to save; an optimizer whose class makes state when it is made
+    (Adagrad) is not taken for one that has stepped."""
+    from minitrain.api import user_optimizer
+
+    model = net()
+    made = torch.optim.SGD(model.parameters(), lr=0.1)
+    ema = {}
+    made.register_step_post_hook(lambda optimizer, args, kwargs: ema.update(
+        {name: p.detach().clone() for name, p in model.named_parameters()}))
+    model, optimizer = minitrain.prepare(model, made)
+    loss_of(model, batches(1)[0]).backward()
+    optimizer.step()
+    assert ema and torch.equal(ema["emb.weight"], model.emb.weight)
+    with pytest.raises(TypeError, match="not pickled or copied whole .* save model.state_dict()"):
+        torch.save(model, tmp_path / "model.pt")
+    adagrad = torch.optim.Adagrad(net().parameters(), lr=0.1)
+    assert adagrad.state and not user_optimizer.stepped(user_optimizer.take(adagrad, None))
+    minitrain.cleanup()
 
 
 # --- DDP's and FSDP2's switches for accumulation ---------------------------------------------------------------
@@ -221,6 +272,8 @@ def test_model_module_is_refused_naming_the_model_and_hugging_face_still_saves(t
 def _seeded_per_rank(topo):
     """Each rank builds its model from its own seed (nanoGPT seeds 1337 + rank): after prepare, rank 0's model."""
     minitrain.init_distributed(topology=topo)
+    with pytest.raises(NotElementwiseError, match="slices tensor or expert parallelism gives each rank; use tp=1"):
+        minitrain.prepare(llama(0), functools.partial(torch.optim.Adafactor, lr=1e-2), tp=2, tp_plan="auto")
     out = {}
     for zero in (0, 3):
         model, _ = minitrain.prepare(net(1337 + topo.rank), ADAMW, zero=zero)
@@ -325,3 +378,30 @@ def test_torch_compile_after_prepare_trains_as_eager(zero):
     compiled = run_ranks(_compiled_after_prepare, 2, zero, True, timeout_s=300)[0]
     torch.testing.assert_close(compiled["losses"], eager["losses"], rtol=0, atol=TOL)
     _same(compiled["state"], eager["state"], f"ZeRO-{zero}")
+
+
+def _evaluation_alone_at_tp_2(topo):
+    minitrain.init_distributed(topology=topo)
+    model, _ = minitrain.prepare(llama(0), ADAMW, tp=2, tp_plan="auto")
+    x = torch.randint(0, 32, (2, T))
+    if topo.rank == 0:
+        with torch.no_grad():
+            model(input_ids=x)  # site: rank 0 evaluates alone
+    else:
+        model(input_ids=x).logits.sum().backward()  # site: rank 1 trains on
+    return "went on"
+
+
+def test_an_evaluation_on_one_rank_of_a_tensor_parallel_model_stops_every_rank_naming_each_line():
+    """With tp=2 every forward all-reduces across the pair: rank 0 evaluating alone (as a DDP script does) is
+    announced and found, rather than its collectives pairing with rank 1's training ones."""
+    from minitrain.runtime.launch import RankFailedError, launch
+
+    lines = open(__file__).read().splitlines()
+    site = {m: f"test_ddp_idioms.py:{next(i + 1 for i, t in enumerate(lines) if t.endswith(f'# site: {m}'))}"
+            for m in ("rank 0 evaluates alone", "rank 1 trains on")}
+    with pytest.raises(RankFailedError) as failed:
+        launch(_evaluation_alone_at_tp_2, 2, backend="gloo", pg_timeout_s=60, timeout_s=90)
+    assert (f"rank 0 is in the model's forward at {site['rank 0 evaluates alone']}; rank 1 is in the model's forward "
+            f"at {site['rank 1 trains on']}: with tp=2 each rank holds slices of the model's layers") in \
+        str(failed.value), failed.value

@@ -40,17 +40,21 @@ def save_checkpoint(directory: str | Path, model: nn.Module, optimizer: Prepared
     directory may be a URL of object storage (s3://bucket/prefix; checkpoint/remote.py): the checkpoint is written
     in `staging` (default: a temporary directory; on several nodes, give one they share), uploaded, committed, and
     the local copy removed; returns URL/step-NNNNNN."""
-    if remote.is_url(str(directory)):
-        with _staging(staging) as local:
-            step_dir = save_checkpoint(local, model, optimizer, step, extra)
-            remote.upload_collectively(step_dir, str(directory), state_of(model).topo)
-        return f"{str(directory).rstrip('/')}/{step_dir.name}"
     state = _with_its_optimizer(model, optimizer, "save_checkpoint")
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"step must be a non-negative integer (it names the checkpoint, step-NNNNNN), got {step!r}")
     train_state = _train_state(state, step, extra)
     _arrive(state, "minitrain.save_checkpoint()", "every rank writes its own part of the checkpoint: call it on "
             "every rank")
+    if remote.is_url(str(directory)):
+        with _staging(staging) as local:
+            step_dir = _save(local, state, step, train_state)
+            remote.upload_collectively(step_dir, str(directory), state.topo)
+        return f"{str(directory).rstrip('/')}/{step_dir.name}"
+    return _save(directory, state, step, train_state)
+
+
+def _save(directory: str | Path, state: Prepared, step: int, train_state: dict) -> Path:
     check_buffers_agree(state.strategy.model, state.topo.dp, "save_checkpoint")
     return checkpoint.save(directory, int(step), state.topo, state.strategy, train_state, {"prepare": state.settings})
 
@@ -61,14 +65,17 @@ def load_checkpoint(directory: str | Path, model: nn.Module, optimizer: Prepared
     size or ZeRO stage; each rank reads only the parts it holds. Returns (step, extra). Collective.
     directory may be a URL (its newest committed checkpoint, or URL/step-NNNNNN): fetched and verified into
     `staging` (as for save_checkpoint) first."""
-    if remote.is_url(str(directory)):
-        url, step = remote.split_step(str(directory))
-        with _staging(staging) as local:
-            fetched = remote.fetch_collectively(url, step, Path(local), state_of(model).topo)
-            return load_checkpoint(fetched, model, optimizer)
     state = _with_its_optimizer(model, optimizer, "load_checkpoint")
     _arrive(state, "minitrain.load_checkpoint()", "every rank reads its own part of the checkpoint: call it on "
             "every rank")
+    if remote.is_url(str(directory)):
+        url, step = remote.split_step(str(directory))
+        with _staging(staging) as local:
+            return _load(remote.fetch_collectively(url, step, Path(local), state.topo), state)
+    return _load(directory, state)
+
+
+def _load(directory: str | Path, state: Prepared) -> tuple[int, dict | None]:
     saved_optimizer = checkpoint.read_manifest(checkpoint.resolve(directory))["train_state"].get("optimizer")
     if saved_optimizer is not None and saved_optimizer != _optimizer_name(state):
         raise checkpoint.CheckpointError(f"checkpoint {directory} holds the state of a {saved_optimizer}, and this "

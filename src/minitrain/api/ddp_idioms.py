@@ -13,6 +13,8 @@ the class the same way); cleanup() gives it its own class back.
 - `model.module`: refused, saying to use the model itself (DDP scripts write `raw_model = model.module`). Not the
   model itself: transformers' save_pretrained unwraps `model.module` for as long as a model has one, and a model
   that is its own `module` would never end.
+- `torch.save(model)` and `copy.deepcopy(model)`: refused, saying to save its state_dict (the model holds
+  minitrain's hooks; its class is not importable under its name).
 """
 from __future__ import annotations
 
@@ -44,6 +46,11 @@ class DataParallelIdioms:
         """FSDP2's: whether the backwards of the forwards that follow sync the gradients (recurse: every
         submodule's, which is all one here)."""
         state_of(self).sync_requested = bool(requires_gradient_sync)
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(f"a prepared {type(self).__name__} is not pickled or copied whole (torch.save(model), "
+                        "copy.deepcopy): minitrain's hooks and shards are in it; save model.state_dict(), or "
+                        "minitrain.full_state_dict(model) (collective) at ZeRO-3")
 
     def __getattr__(self, name: str):
         try:

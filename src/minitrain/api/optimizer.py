@@ -32,6 +32,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
         self._optimizer_state_dict_pre_hooks, self._optimizer_state_dict_post_hooks = {}, {}
         self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = {}, {}
+        self._patch_step_function()  # torch's: step() runs the step hooks registered on this optimizer
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -19,15 +19,16 @@ from ..parallel.pieces import PipelineSplit, Stage, check_pieces, check_split, c
 from ..parallel.pipeline import Pipeline
 from ..parallel.replica_state import refuse_batch_statistics
 from ..parallel.schedules import SCHEDULES
-from ..parallel.shard_optimizer import OptimizerFn, TorchShardOptimizer, check_elementwise, check_optimizer_fn
+from ..parallel.shard_optimizer import (ZERO_SHARDS, OptimizerFn, TorchShardOptimizer, check_elementwise,
+                                        check_optimizer_fn)
 from ..parallel.tp_plan import check_plan, hugging_face_plan
-from ..parallel.whole_state import load_optimizer_state
+from ..parallel.whole_state import check_one_count_per_group, load_optimizer_state
 from ..runtime.topology import Topology
 from . import user_optimizer
 from .ddp_idioms import adopt, follow_sync_requests
 from .optimizer import PreparedOptimizer
 from .servers import ServerRankOptimizer, check_server_settings, make_server, split_world
-from .session import Prepared, current
+from .session import Prepared, current, held_apart
 from .steps import note_feed
 
 
@@ -93,7 +94,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFn, *,
     master = _check_arguments(model, session, zero, precision, reduce_dtype, dp)
     taken = user_optimizer.take(optimizer, param_groups) if isinstance(optimizer, torch.optim.Optimizer) else None
     optimizer_fn, param_groups = (taken.maker, taken.groups) if taken else (optimizer, param_groups)
-    if taken and taken.state and servers:
+    if taken and servers and user_optimizer.stepped(taken):
         raise ValueError("with parameter servers the optimizer's state lives on the servers, which start it afresh: "
                          "give prepare an optimizer that has not stepped or loaded state")
     check_server_settings(servers, staleness, session.topo.world_size, session.topo.backend, precision,
@@ -112,9 +113,15 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFn, *,
     groups = _named_groups(model, param_groups)
     check_optimizer_fn(optimizer_fn, groups[0][1] if groups else {})
     sharded = zero >= 1 or servers > 0  # the optimizer runs on shards: ZeRO's, or each server's
-    if sharded:
+    # Tensor and expert parallelism give it slices of the parameters even at ZeRO-0.
+    cut = ZERO_SHARDS if sharded else ("it cannot run on the slices tensor or expert parallelism gives each rank",
+                                        "use tp=1 and ep=1 for it")
+    if sharded or tp > 1 or ep > 1:
         for _, options in groups:
-            check_elementwise(optimizer_fn, options)
+            check_elementwise(optimizer_fn, options, cut)
+    if sharded and taken and taken.state:  # a state it could not hold exactly, said before anything changes
+        trained = {n for n, p in model.named_parameters() if p.requires_grad}
+        check_one_count_per_group(taken.state, trained, dict(enumerate(n for names, _ in groups for n in names)))
     # Checked: from here on the model is changed.
     topo = _on_models_device(session.topo, model)
     compute = COMPUTE_DTYPES[precision] if precision != "fp32" else master
@@ -165,6 +172,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFn, *,
         state.hooks.append(model.register_forward_pre_hook(
             lambda _m, args, kwargs: note_feed(state, (args, kwargs)), with_kwargs=True))
     state.hooks.append(follow_sync_requests(model, state))
+    if (tp > 1 and split is None) or ep > 1:  # every forward is collective: an evaluation announces itself
+        state.hooks.append(model.register_forward_pre_hook(functools.partial(_announce_evaluation, state)))
     if servers:
         # A worker's optimizer steps on the servers: here the user's class over the model's param groups holds only
         # what a scheduler sets (never stepped, so no state), and each push carries its learning rates.
@@ -174,13 +183,27 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFn, *,
         user_optimizer.show(shown, names, dict(model.named_parameters()))
         if taken and taken.state:  # loaded (or stepped) before prepare: into this rank's shard, as a load would
             load_optimizer_state(strategy, names, taken.state)
-    if taken:
-        user_optimizer.retire(taken.source)
     state.optimizer = PreparedOptimizer(strategy, state, shadow)
+    if taken:  # its step hooks go with it (an EMA after each step, say)
+        for mine, theirs in zip((state.optimizer._optimizer_step_pre_hooks, state.optimizer._optimizer_step_post_hooks),
+                                taken.step_hooks()):
+            mine.update(theirs)
+        user_optimizer.retire(taken.source)
     adopt(model)
     session.layout = layout
     session.prepared[model] = state
     return model, state.optimizer
+
+
+@torch.compiler.disable
+def _announce_evaluation(state: Prepared, _model, _args) -> None:
+    """A forward without gradients (an evaluation, which a DDP script runs on rank 0 alone) of a model split over
+    ranks waits for every rank to come (runtime/arrival.py), so a rank alone in it is stopped naming its line
+    rather than its collectives pairing with the other ranks'. A training forward announces nothing."""
+    if not torch.is_grad_enabled():
+        current().arrive(state.topo.everyone, "the model's forward",
+                         f"{held_apart(state)}, which every forward combines with the other ranks': run the model on "
+                         "every rank (an evaluation too), and use the result on one")
 
 
 def _check_arguments(model, session, zero, precision: str, reduce_dtype: str, dp: str) -> torch.dtype:

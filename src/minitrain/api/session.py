@@ -122,14 +122,18 @@ class Session:
 _current: Session | None = None
 
 
-def init_distributed(backend: str = "auto", timeout_s: float = 300.0,
+DEFAULT_TIMEOUT_S = 300.0  # a process group minitrain makes: how long a collective may wait
+
+
+def init_distributed(backend: str = "auto", timeout_s: float | None = None,
                      topology: Topology | None = None) -> tuple[int, int]:
     """Join the process group torchrun describes, or run as a single process (rank 0 of 1) when there is none.
     `backend`: auto (NCCL with a GPU per local rank, else gloo), gloo or nccl. `timeout_s`: how long any
-    collective may wait before it fails loudly. `topology`: the Topology minitrain's own launcher made for this
-    rank (launch(fn, n) calls fn(topology, ...)), whose collective watch reports to the launcher. A process group
-    joined some other way (the user's own init_process_group) is used as it is. Returns (rank, world size);
-    calling it again returns the same."""
+    collective may wait for a rank before it fails loudly (a rank that can never come is found in seconds:
+    runtime/arrival.py); default 300 s for a group minitrain makes, and for a group joined some other way (the
+    user's own init_process_group, used as it is) that group's own timeout, as its collectives would wait.
+    `topology`: the Topology minitrain's own launcher made for this rank (launch(fn, n) calls fn(topology, ...)),
+    whose collective watch reports to the launcher. Returns (rank, world size); calling it again returns the same."""
     global _current
     if _current is None:
         if topology is not None:
@@ -137,7 +141,7 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0,
         elif dist.is_initialized():
             topo = Topology.from_initialized()
         elif under_torchrun():
-            topo = Topology.from_env(backend, timeout_s)
+            topo = Topology.from_env(backend, timeout_s or DEFAULT_TIMEOUT_S)
         else:
             topo = Topology.single()
         if topology is None and topo.world_size > 1:
@@ -146,6 +150,8 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0,
             # interpreter's exit, where a rank may abort ("terminate called without an active exception"): let
             # go of them first.
             atexit.register(_leave_at_exit, topo)
+        if timeout_s is None:
+            timeout_s = topo.watch.timeout_s if topo.watch is not None else DEFAULT_TIMEOUT_S
         _current = Session(topo, timeout_s)
     elif topology is not None and topology is not _current.topo:
         raise ValueError("init_distributed was called already with another topology; cleanup() first")
@@ -202,6 +208,7 @@ def cleanup() -> None:
     global _current
     if _current is not None:
         session, _current = _current, None
+        atexit.unregister(_leave_at_exit)  # (it holds the topology: nothing is left to leave)
         session.end()
 
 

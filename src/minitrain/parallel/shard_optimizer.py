@@ -52,9 +52,13 @@ def check_optimizer_fn(optimizer_fn: OptimizerFn, options: dict) -> None:
                          "optimizer that steps from gradients (SGD, Adam, AdamW, ...)")
 
 
-def check_elementwise(optimizer_fn: OptimizerFn, options: dict) -> None:
+ZERO_SHARDS = ("ZeRO cannot shard it", "use zero=0, which gives it whole parameters")
+
+
+def check_elementwise(optimizer_fn: OptimizerFn, options: dict, cut: tuple[str, str] = ZERO_SHARDS) -> None:
     """Raise NotElementwiseError unless optimizer_fn gives the same update to a (6, 5) tensor whole and cut
-    into three flat pieces, over three steps with the same gradients (float64, random values)."""
+    into three flat pieces, over three steps with the same gradients (float64, random values). cut: (what cannot
+    cut it, what to do instead), for the message."""
     gen = torch.Generator().manual_seed(0)
     start = torch.randn(6, 5, generator=gen, dtype=torch.float64)
     grads = [torch.randn(6, 5, generator=gen, dtype=torch.float64) for _ in range(3)]
@@ -75,13 +79,12 @@ def check_elementwise(optimizer_fn: OptimizerFn, options: dict) -> None:
             opt_whole.step()
             opt_pieces.step()
     except Exception as e:  # noqa: BLE001 - any failure on plain tensors means it cannot run on a shard
-        raise NotElementwiseError(f"{_name(optimizer_fn)} could not be run on a shard of the parameters "
-                                  f"({type(e).__name__}: {e}); use zero=0, which gives it whole parameters") from e
+        raise NotElementwiseError(f"{_name(optimizer_fn)} could not be run on a piece of the parameters "
+                                  f"({type(e).__name__}: {e}), so {cut[0]}; {cut[1]}") from e
     diff = float((whole.reshape(-1) - torch.cat(pieces)).abs().max())
     if not diff <= 1e-12 * max(1.0, float(whole.abs().max())):
         raise NotElementwiseError(f"{_name(optimizer_fn)} is not elementwise (a tensor cut into pieces is updated "
-                                  f"differently from the whole, by up to {diff:.2e}), so ZeRO cannot shard it; use "
-                                  "zero=0, which gives it whole parameters")
+                                  f"differently from the whole, by up to {diff:.2e}), so {cut[0]}; {cut[1]}")
 
 
 def _name(optimizer_fn) -> str:
@@ -140,7 +143,7 @@ class TorchShardOptimizer:
         shown: the param groups the user sees (PreparedOptimizer.param_groups, over the model's parameters; prepare
         fills the list once the model is split), one per group: their options are the ones that count, taken into
         the torch optimizer's own groups at each step, saved and loaded (a scheduler writes its lr there)."""
-        self.store = store
+        self.store, self.sharded = store, sharded
         self.shown = shown if shown is not None else []
         self._stored: dict[str, torch.Tensor] = {}  # offloaded: each elementwise state, one vector over the master
         self.master, self.steps_taken = (master if store is None else store.copy_of("master", master)), 0

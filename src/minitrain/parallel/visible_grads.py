@@ -36,8 +36,9 @@ class ShardedGradient(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        # (In a list, for foreach ops: torch's GradScaler unscales every gradient in one.)
-        sentinel = next(a for a in tree_leaves((args, kwargs)) if isinstance(a, ShardedGradient))
+        sentinel = next((a for a in args if isinstance(a, ShardedGradient)), None)
+        if sentinel is None:  # in a list, for a foreach op: torch's GradScaler unscales every gradient in one
+            sentinel = next(a for a in tree_leaves((args, kwargs)) if isinstance(a, ShardedGradient))
         other = next((a for a in args if isinstance(a, torch.Tensor) and not isinstance(a, ShardedGradient)), None)
         # Autograd accumulating the next backward's gradient: the sentinel counts as zero and carries it to the
         # post-accumulate hook (ZeRO-2's _grad_ready), which reduces it.

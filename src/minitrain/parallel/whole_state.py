@@ -154,6 +154,8 @@ def load_optimizer_state(strategy: FlatStrategy, groups: list[list[str]], state_
             raise ValueError(f"param group {g} of the state_dict holds {len(saved['params'])} parameters, this "
                              f"optimizer's {len(names)}")
     by_index = dict(zip([i for saved in saved_groups for i in saved["params"]], params))
+    if optimizer.sharded:  # a run of the shard spans parameters
+        check_one_count_per_group(state_dict, whole.offsets.keys(), by_index)
     # (A frozen parameter's state, which torch keeps for one that was trained before, has nothing to update here.)
     state = {by_index[int(i)]: entry for i, entry in state_dict["state"].items()
              if int(i) in by_index and by_index[int(i)] in whole.offsets}
@@ -181,6 +183,27 @@ def load_optimizer_state(strategy: FlatStrategy, groups: list[list[str]], state_
         local[name] = mine
     optimizer.load_state(local, {"steps_taken": optimizer.steps_taken, "scalars": scalars})
     optimizer.load_group_options([{k: v for k, v in group.items() if k != "params"} for group in saved_groups])
+
+
+def check_one_count_per_group(state_dict: dict, trained, by_index: dict) -> None:
+    """Under ZeRO the optimizer steps a param group's parameters as runs of one vector, which share their scalar
+    state (Adam's step count): a torch-format state_dict whose parameters of one group differ there (a parameter
+    added or unfrozen later, one never stepped) cannot be held exactly. ValueError naming the group and the state.
+    `trained`: the names of trainable parameters; `by_index`: index in the state_dict -> parameter name."""
+    for g, group in enumerate(state_dict["param_groups"]):
+        counts: dict[str, set] = {}
+        indices = [i for i in group["params"] if by_index.get(i) in trained]
+        for i in indices:
+            entry = state_dict["state"].get(i, state_dict["state"].get(str(i), {}))
+            for name, value in entry.items():
+                if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                    counts.setdefault(name, set()).add(float(value))
+        stepped = {i for i in indices if state_dict["state"].get(i, state_dict["state"].get(str(i)))}
+        for name, values in counts.items():
+            if len(values) > 1 or stepped and len(stepped) < len(indices):
+                raise ValueError(f"param group {g}'s parameters differ in their '{name}' ({sorted(values)}, or some "
+                                 "have no state): under ZeRO a group's parameters are stepped together and share it; "
+                                 "give each count its own param group, or use zero=0")
 
 
 def _load_kinds(state: dict[str, dict], whole) -> tuple[list[str], dict[str, str | None]]:

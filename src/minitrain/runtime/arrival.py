@@ -23,10 +23,11 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import dataclass
 
 from .comm import CollectiveError, Comm, call_site
 from .diagnosis import Diagnosis, fp_text, ranks_text, user_call
-from .watch import ANSWER_WAIT_S, P2P_OPS, CollectiveWatch, GroupTrack
+from .watch import ANSWER_WAIT_S, CollectiveWatch, GroupTrack
 
 GRACE_S = 1.0  # how long a rank waits for the others before asking where they are
 REASK_S = 2.0  # how often it asks again while a rank it waits for is busy in Python
@@ -46,39 +47,51 @@ def arrive(comm: Comm, what: str, why: str, timeout_s: float | None = None) -> N
 
 def _arrive(watch: CollectiveWatch, group: GroupTrack, what: str, why: str, timeout_s: float) -> None:
     group.arrivals += 1
-    key = f"{group.key}/{group.arrivals}"
-    keys = {r: f"{watch.prefix}arrive/{key}/{r}" for r in group.members}
+    here = Arrival(group.key, group.arrivals, group.members)
+    base, store = f"{watch.prefix}arrive/{here.group}/{here.number}/", watch.store
+    keys = {r: f"{base}{r}" for r in here.members}
     user = user_call(sys._getframe())
     mine = {"what": what, "site": user[1] if user else call_site(__file__), "issued": watch.issued()}
-    store = watch.store
     store.set(keys[watch.rank], json.dumps(mine))
-    fp = ("store", 0, f"arrival at {what}", (), "", mine["site"])
-    watch.arriving = key
-    watch.enter(fp)
+    if store.add(base + "count", 1) == len(here.members):  # the last to come says so: the others look at one key
+        store.set(base + "all", "1")
+    watch.arriving = here.as_json()
     start = time.monotonic()
     ask_at, pause = start + GRACE_S, 0.001
     try:
-        while not store.check(list(keys.values())):
+        while not store.check([base + "all"]):
             now = time.monotonic()
             if now - start > timeout_s:
-                absent = [r for r in group.members if not store.check([keys[r]])]
-                posts = _posts(store, keys, [r for r in group.members if r not in absent])
-                states = watch.where_are(absent, ANSWER_WAIT_S)
+                posts, states = _where_everyone_is(watch, keys)
                 raise CollectiveError(f"{_positions(posts, states)} (waited {timeout_s:g} s): {why}",
                                       culprit=watch.rank in _odd_ones(posts, states))
             if now >= ask_at:
-                _ask_the_absent(watch, key, keys, why)
+                _ask_the_absent(watch, here, keys, why)
                 ask_at = time.monotonic() + REASK_S
             time.sleep(pause)
             pause = min(2 * pause, POLL_S)
-        posts = _posts(store, keys, group.members)
+        posts = _posts(store, keys, here.members)
     finally:
-        watch.leave(fp)
         watch.arriving = None
     if any(post["what"] != what for post in posts.values()):
         raise CollectiveError(f"{_positions(posts, {})}: {why}", culprit=watch.rank in _odd_ones(posts, {}))
-    if group.arrivals > 1:  # every member is past the previous arrival, so has read it: its key goes
-        store.delete_key(f"{watch.prefix}arrive/{group.key}/{group.arrivals - 1}/{watch.rank}")
+    if here.number > 1:  # every member has come here, so is past the previous arrival: its keys go
+        before = f"{watch.prefix}arrive/{here.group}/{here.number - 1}/"
+        store.delete_key(f"{before}{watch.rank}")
+        if watch.rank == min(here.members):
+            store.delete_key(before + "count")
+            store.delete_key(before + "all")
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """One arrival: the group's key in the watch ("world@0"), its number there, the group's global ranks."""
+    group: str
+    number: int
+    members: list[int]
+
+    def as_json(self) -> dict:
+        return {"group": self.group, "number": self.number, "members": self.members}
 
 
 def _posts(store, keys: dict[int, str], ranks: list[int]) -> dict[int, dict]:
@@ -86,37 +99,43 @@ def _posts(store, keys: dict[int, str], ranks: list[int]) -> dict[int, dict]:
     return {r: json.loads(v) for r, v in zip(ranks, values)}
 
 
-def _ask_the_absent(watch: CollectiveWatch, key: str, keys: dict[int, str], why: str) -> None:
-    """Ask the ranks that have not come where they are; if one never can, stop every rank (raises)."""
+def _where_everyone_is(watch: CollectiveWatch, keys: dict[int, str]) -> tuple[dict[int, dict], dict[int, dict | None]]:
+    """(what the ranks that came posted, where the others say they are)."""
     store = watch.store
     absent = [r for r, k in keys.items() if not store.check([k])]
-    if not absent:
-        return
     states = watch.where_are(absent, ANSWER_WAIT_S)
     # One that came while it was asked (and may be past here, in the next collective) is not absent.
-    absent = [r for r in absent if not store.check([keys[r]])]
-    states = {r: states[r] for r in absent}
-    posts = _posts(store, keys, [r for r in keys if r not in absent])
-    if not any(_cannot_come(states[r], key, posts) for r in absent):
+    states = {r: state for r, state in states.items() if not store.check([keys[r]])}
+    return _posts(store, keys, [r for r in keys if r not in states]), states
+
+
+def _ask_the_absent(watch: CollectiveWatch, here: Arrival, keys: dict[int, str], why: str) -> None:
+    """Ask the ranks that have not come where they are; if one never can, stop every rank (raises)."""
+    posts, states = _where_everyone_is(watch, keys)
+    if not any(_cannot_come(state, here, posts) for state in states.values()):
         return
-    odd = _odd_ones(posts, states)
-    text = f"{_positions(posts, states)}: {why}"
-    diagnosis = watch.stop_everyone(Diagnosis(text, odd, watch.step))
+    diagnosis = watch.stop_everyone(Diagnosis(f"{_positions(posts, states)}: {why}", _odd_ones(posts, states),
+                                              watch.step))
     raise CollectiveError(diagnosis.text, culprit=watch.rank in diagnosis.culprits)
 
 
-def _cannot_come(state: dict | None, key: str, posts: dict[int, dict]) -> bool:
-    """Whether a rank that has not come to arrival `key`, where `state` says it is, never can."""
+def _cannot_come(state: dict | None, here: Arrival, posts: dict[int, dict]) -> bool:
+    """Whether a rank that has not come to arrival `here`, where `state` says it is, never can."""
     if state is None:  # it did not answer: slow, or stuck outside Python; the timeout tells
         return False
-    if state.get("closed") or state.get("arriving") not in (None, key):
+    if state.get("closed"):
         return True
+    other = state.get("arriving")
+    if other is not None:
+        if other["group"] == here.group:  # still at the one before (it comes next), or at one after: never
+            return other["number"] > here.number
+        return any(r in other["members"] for r in posts)  # it waits there for ranks that wait here
     if "at" in state:
-        group, seq, op = state["at"][:3]
-        if op in P2P_OPS or group == "store":
-            return False
-        # It waits for ranks that have not issued that collective yet, and are here: they never will.
-        return any(r in state.get("members", ()) and post["issued"].get(group, 0) < seq for r, post in posts.items())
+        # It waits in a collective, numbered among its group's symmetric ones, for ranks here that have not issued
+        # it yet: they never will. (Point to point ops have no such number: one-sided, the timeout tells.)
+        group, number = state["at"][0], state.get("symmetric")
+        return number is not None and any(r in state.get("members", ()) and post["issued"].get(group, 0) < number
+                                          for r, post in posts.items())
     call = (state.get("user") or [None])[0]
     return bool(call) and call.startswith("torch.distributed.")  # in a collective of the user's own
 

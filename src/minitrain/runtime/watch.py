@@ -115,7 +115,7 @@ class CollectiveWatch:
         self._tracks: dict[str, GroupTrack] = {}
         self._groups: dict[str, GroupTrack] = {}  # this rank's group of each kind, by name
         self._answered = 0  # the last request to say where this rank is (PROBE) that the thread answered
-        self.arriving: str | None = None  # the arrival (its key) the main thread waits at (arrival.py)
+        self.arriving: dict | None = None  # the arrival the main thread waits at (arrival.py): its group and number
         self._ring: collections.deque = collections.deque(maxlen=RING)
         self._current: tuple | None = None  # (fingerprint, monotonic time entered) of the collective we are in
         # Collectives the host has left but the device may not have finished (GPU): (fingerprint, entered, done).
@@ -265,8 +265,9 @@ class CollectiveWatch:
                     flags = self._side.add(signal, 0)  # one round trip: hangs declared, probes, rank 0 closing
                     declared = declared or flags % PROBE > 0
                     probes = flags % CLOSING // PROBE
-                    if probes > self._answered and not declared:  # a rank waiting at an arrival asks where we are
-                        self._side.set(f"{self._prefix}probe/{probes}/{self.rank}", json.dumps(self._state()))
+                    if probes > self._answered and not declared:  # ranks waiting at an arrival ask where we are
+                        # One key per rank, overwritten: the answer says which request it answers (every one so far).
+                        self._side.set(f"{self._prefix}where/{self.rank}", json.dumps({**self._state(), "probe": probes}))
                         self._answered = probes
                     if declared:
                         self._deliver(self._settle(self._side.get(hang_key).decode()))
@@ -342,6 +343,9 @@ class CollectiveWatch:
             group = self._groups.get(current[0][0])
             if group is not None:
                 state["members"] = group.members
+            # Its number among its group's symmetric collectives (point to point ones have none): what every member
+            # counts alike. (The ring is appended to by the main thread; a copy of a deque is taken at once.)
+            state["symmetric"] = next((n for _, n, fp in reversed(tuple(self._ring)) if fp is current[0]), None)
         else:
             state.update(where=site_of(frame) if frame is not None else "(its thread has ended)",
                          last=fp_json(self._last) if self._last else None)
@@ -354,27 +358,26 @@ class CollectiveWatch:
 
     # --- what arrival.py asks of it (the main thread, waiting at an arrival) -----------------------------------
     def issued(self) -> dict[str, int]:
-        """How many collectives this rank has issued in each of its groups, by kind."""
-        return {name: track.seq for name, track in self._groups.items()}
+        """How many symmetric collectives (every member issues them) this rank has issued in each of its groups."""
+        return {name: track.checked for name, track in self._groups.items()}
 
     def where_are(self, ranks: list[int], wait_s: float) -> dict[int, dict | None]:
         """Every rank in `ranks` says where it is (its thread answers within a poll, or it has left its note on
-        closing); None for a rank that did neither within `wait_s`. A few store round trips and a wait."""
+        closing); None for a rank that did neither within `wait_s`."""
         probe = self._store.add(self._prefix + "signal", PROBE) % CLOSING // PROBE
-        answers = {r: f"{self._prefix}probe/{probe}/{r}" for r in ranks}
-        notes = {r: f"{self._prefix}state/{r}" for r in ranks}  # close()'s
-        deadline = time.monotonic() + wait_s
+        deadline, answered = time.monotonic() + wait_s, {}
         while True:
-            keys = {r: answers[r] if self._store.check([answers[r]]) else notes[r] for r in ranks}
-            present = [r for r in ranks if self._store.check([keys[r]])]
-            if len(present) == len(ranks) or time.monotonic() >= deadline:
-                break
+            for r in ranks:
+                if r in answered:
+                    continue
+                answer, note = f"{self._prefix}where/{r}", f"{self._prefix}state/{r}"  # the thread's, close()'s
+                if self._store.check([answer]) and (value := json.loads(self._store.get(answer)))["probe"] >= probe:
+                    answered[r] = value
+                elif self._store.check([note]) and (value := json.loads(self._store.get(note))).get("closed"):
+                    answered[r] = value
+            if len(answered) == len(ranks) or time.monotonic() >= deadline:
+                return {r: answered.get(r) for r in ranks}
             time.sleep(0.05)  # (a TCPStore wait that times out warns on stderr)
-        got = dict(zip(present, self._store.multi_get([keys[r] for r in present]))) if present else {}
-        for r in present:
-            if keys[r] == answers[r]:  # read once, by this rank only
-                self._store.delete_key(answers[r])
-        return {r: json.loads(got[r]) if r in got else None for r in ranks}
 
     def stop_everyone(self, diagnosis: Diagnosis) -> Diagnosis:
         """End every rank with `diagnosis` (unless another was declared first: that one), as a hang does: the other

@@ -370,7 +370,7 @@ def _compiled_after_prepare(topo, zero, compiled):
     return {"losses": losses, "state": minitrain.full_state_dict(model)}
 
 
-@pytest.mark.parametrize("zero", [0, 2, 3])
+@pytest.mark.parametrize("zero", [0, 3])
 def test_torch_compile_after_prepare_trains_as_eager(zero):
     """torch.compile(model) after prepare (dynamo tracing the forward with minitrain's hooks; its collectives run
     eagerly, never traced), with DDP's switch set through the compiled wrapper: the same training as eager."""

@@ -1,7 +1,7 @@
 """A short run of a user's own script that ends as scripts end: `destroy_process_group()` without minitrain's
 cleanup() (a DDP script's last line), cleanup() twice, or sys.exit(3) between a backward and its step. Run under
-torchrun's environment; the mode is the first argument, the ZeRO stage the second (or, run by tests/zygote.py, the
-run's number modulo 4). tests/test_exits.py runs it many times over.
+torchrun's environment; the mode is the first argument and the ZeRO stage the second, or with `each` both are
+drawn in turn from the run's number (tests/zygote.py sets ZYGOTE_RUN). tests/test_exits.py runs it many times over.
 
 Last, after minitrain's own exit handler, it says on stderr how many of gloo's work threads (a process group's) are
 still alive: one that lives into the interpreter's shutdown can abort the process there ("terminate called without
@@ -25,8 +25,10 @@ def gloo_threads_left() -> None:
 
 
 atexit.register(gloo_threads_left)  # before minitrain's (init_distributed's), so it runs after it
-mode = sys.argv[1]
-zero = int(os.environ["ZYGOTE_RUN"]) % 4 if "ZYGOTE_RUN" in os.environ else int(sys.argv[2])
+MODES = ("destroy", "cleanup-twice", "exit-mid-step")
+run = int(os.environ.get("ZYGOTE_RUN", "0"))
+mode = MODES[run % len(MODES)] if sys.argv[1] == "each" else sys.argv[1]
+zero = run % 4 if sys.argv[1] == "each" else int(sys.argv[2])
 dist.init_process_group("gloo")
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))

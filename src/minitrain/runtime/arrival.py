@@ -9,7 +9,7 @@ line (diagnosis.user_call), and waits until every member of its group has announ
 
 - every member announces the same call: it goes on (a store write, a few checks, a read);
 - one announces another call: every rank raises, naming each rank's call and line;
-- one does not come: after GRACE_S the waiting ranks ask where it is (CollectiveWatch.where_are, answered by its
+- one does not come: after GRACE_S the waiting ranks ask where it is (where_are, answered by its
   watch thread within a poll). If it can never come (it waits in a collective that needs a rank waiting here, at
   another arrival, in a torch.distributed call of its own, or has finished), every rank is stopped at once with
   one message naming each rank's call and line (CollectiveWatch.stop_everyone). If it is in Python (slower, not
@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 from .comm import CollectiveError, Comm, call_site
 from .diagnosis import Diagnosis, fp_text, ranks_text, user_call
-from .watch import ANSWER_WAIT_S, CollectiveWatch, GroupTrack
+from .watch import ANSWER_WAIT_S, CLOSING, PROBE, CollectiveWatch, GroupTrack
 
-GRACE_S = 1.0  # how long a rank waits for the others before asking where they are
+GRACE_S = 0.5  # how long a rank waits for the others before asking where they are
 REASK_S = 2.0  # how often it asks again while a rank it waits for is busy in Python
 POLL_S = 0.05  # the longest pause between two looks at the store (TCPStore's wait warns on each time-out)
 
@@ -99,11 +99,32 @@ def _posts(store, keys: dict[int, str], ranks: list[int]) -> dict[int, dict]:
     return {r: json.loads(v) for r, v in zip(ranks, values)}
 
 
+def where_are(watch: CollectiveWatch, ranks: list[int], wait_s: float) -> dict[int, dict | None]:
+    """Every rank in `ranks` says where it is (its watch thread answers within a poll, under one key per rank that
+    names the request it answers; or it has left its note on closing); None for a rank that did neither within
+    `wait_s`."""
+    store, prefix = watch.store, watch.prefix
+    probe = store.add(prefix + "signal", PROBE) % CLOSING // PROBE
+    deadline, answered = time.monotonic() + wait_s, {}
+    while True:
+        for r in ranks:
+            if r in answered:
+                continue
+            answer, note = f"{prefix}where/{r}", f"{prefix}state/{r}"  # the watch thread's, close()'s
+            if store.check([answer]) and (value := json.loads(store.get(answer)))["probe"] >= probe:
+                answered[r] = value
+            elif store.check([note]) and (value := json.loads(store.get(note))).get("closed"):
+                answered[r] = value
+        if len(answered) == len(ranks) or time.monotonic() >= deadline:
+            return {r: answered.get(r) for r in ranks}
+        time.sleep(POLL_S)  # (a TCPStore wait that times out warns on stderr)
+
+
 def _where_everyone_is(watch: CollectiveWatch, keys: dict[int, str]) -> tuple[dict[int, dict], dict[int, dict | None]]:
     """(what the ranks that came posted, where the others say they are)."""
     store = watch.store
     absent = [r for r, k in keys.items() if not store.check([k])]
-    states = watch.where_are(absent, ANSWER_WAIT_S)
+    states = where_are(watch, absent, ANSWER_WAIT_S)
     # One that came while it was asked (and may be past here, in the next collective) is not absent.
     states = {r: state for r, state in states.items() if not store.check([keys[r]])}
     return _posts(store, keys, [r for r in keys if r not in states]), states

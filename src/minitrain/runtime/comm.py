@@ -17,7 +17,8 @@ With a CollectiveWatch (runtime/watch.py; a Comm of a process group always has o
 every collective also gets a fingerprint (group, sequence number, op, shapes, dtype, call site), and the watch
 hears when this rank enters and leaves it: a hang is then diagnosed by naming the rank that is elsewhere, and
 a failing collective's error carries that diagnosis. Cost: 2.5-2.7 us per collective (measured:
-runtime/watch.py).
+runtime/watch.py), and about 0.25 us more for torch.compiler.disable's wrapper, which keeps a collective out of
+what torch.compile traces (a model compiled after prepare).
 
 Longer than our ~400 lines on purpose: every collective the project issues is here, one short method each, so
 that one file shows what crosses the network and the watch sees every op.

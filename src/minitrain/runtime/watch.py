@@ -361,24 +361,6 @@ class CollectiveWatch:
         """How many symmetric collectives (every member issues them) this rank has issued in each of its groups."""
         return {name: track.checked for name, track in self._groups.items()}
 
-    def where_are(self, ranks: list[int], wait_s: float) -> dict[int, dict | None]:
-        """Every rank in `ranks` says where it is (its thread answers within a poll, or it has left its note on
-        closing); None for a rank that did neither within `wait_s`."""
-        probe = self._store.add(self._prefix + "signal", PROBE) % CLOSING // PROBE
-        deadline, answered = time.monotonic() + wait_s, {}
-        while True:
-            for r in ranks:
-                if r in answered:
-                    continue
-                answer, note = f"{self._prefix}where/{r}", f"{self._prefix}state/{r}"  # the thread's, close()'s
-                if self._store.check([answer]) and (value := json.loads(self._store.get(answer)))["probe"] >= probe:
-                    answered[r] = value
-                elif self._store.check([note]) and (value := json.loads(self._store.get(note))).get("closed"):
-                    answered[r] = value
-            if len(answered) == len(ranks) or time.monotonic() >= deadline:
-                return {r: answered.get(r) for r in ranks}
-            time.sleep(0.05)  # (a TCPStore wait that times out warns on stderr)
-
     def stop_everyone(self, diagnosis: Diagnosis) -> Diagnosis:
         """End every rank with `diagnosis` (unless another was declared first: that one), as a hang does: the other
         ranks' threads report it and end their processes; the caller raises the one returned."""

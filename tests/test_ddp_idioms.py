@@ -174,7 +174,7 @@ def test_an_optimizer_that_cannot_be_made_again_exactly_is_refused_before_the_mo
 def test_a_made_optimizers_step_hooks_go_with_it_and_the_prepared_model_is_not_pickled_whole(tmp_path):
     """An EMA kept by a step post-hook on the optimizer made before prepare still runs after each step; torch.save
     of the prepared model is refused saying what to save; an optimizer whose class makes state when it is made
-    (Adagrad) is not taken for one that has stepped."""
+    (Adagrad) is not taken for one that has stepped; a scheduler made just before prepare does not warn."""
     from minitrain.api import user_optimizer
 
     model = net()
@@ -190,6 +190,15 @@ def test_a_made_optimizers_step_hooks_go_with_it_and_the_prepared_model_is_not_p
         torch.save(model, tmp_path / "model.pt")
     adagrad = torch.optim.Adagrad(net().parameters(), lr=0.1)
     assert adagrad.state and not user_optimizer.stepped(user_optimizer.take(adagrad, None))
+    # A scheduler made on the optimizer just before prepare: the prepared one steps first, and no warning says the
+    # scheduler stepped before its optimizer.
+    fresh = torch.optim.SGD((model := net()).parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(fresh, lambda step: 0.5 ** step)
+    model, optimizer = minitrain.prepare(model, fresh)
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        _steps(model, optimizer, scheduler, batches(1))
+    assert not [w for w in warned if "before `optimizer.step()`" in str(w.message)], [str(w.message) for w in warned]
     minitrain.cleanup()
 
 

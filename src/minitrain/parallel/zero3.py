@@ -95,18 +95,19 @@ class Zero3(Zero2):
         watch = GatherOnUse(unit_of, lambda i: i in self._gathered, self._use_outside)
         depth = [0]
 
-        @torch.compiler.disable
         def enter(_module, _args):
             depth[0] += 1
             if depth[0] == 1:
                 watch.__enter__()
 
-        @torch.compiler.disable
         def leave(_module, _args, _output):
             depth[0] -= 1
             if depth[0] == 0:
                 watch.__exit__(None, None, None)
 
+        # Run eagerly under torch.compile (a model compiled after prepare): dynamo fails inside a traced hook that
+        # enters or leaves a TorchFunctionMode.
+        enter, leave = torch.compiler.disable(enter), torch.compiler.disable(leave)
         for module in model.modules():
             self.hooks.append(module.register_forward_pre_hook(enter, prepend=True))
             self.hooks.append(module.register_forward_hook(leave, always_call=True))

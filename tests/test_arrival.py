@@ -130,3 +130,17 @@ def test_a_rank_that_finished_stops_the_one_waiting_for_it_within_seconds():
     message, took = run_ranks(_finished_early, 2)[0]
     assert "rank 1 is finished (it has closed the process group)" in message, message
     assert took < 30, took  # the session's timeout is 60 s: it was not waited for
+
+
+def test_under_the_users_own_process_group_a_rank_is_waited_for_as_long_as_its_collectives_would_wait(tmp_path):
+    """A script's own init_process_group(timeout=...) sets how long minitrain's calls wait for a slow rank (less the
+    margin its watch keeps to speak first), as that group's collectives would, where 300 s applied before."""
+    from .dist import run_script
+
+    script = tmp_path / "own_group.py"
+    script.write_text("import datetime\nimport torch.distributed as dist\nimport minitrain\n"
+                      "from minitrain.api.session import current\n"
+                      "dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=77))\n"
+                      "minitrain.init_distributed()\nprint('waits', current().timeout_s)\n")
+    for code, output in run_script(script, 2, logs=tmp_path):
+        assert code == 0 and "waits 67.0" in output, output

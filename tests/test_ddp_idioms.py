@@ -366,7 +366,7 @@ def _compiled_after_prepare(topo, zero, compiled):
     minitrain.init_distributed(topology=topo)
     model, optimizer = minitrain.prepare(net(), ADAMW, zero=zero)
     run = torch.compile(model, backend="aot_eager") if compiled else model
-    losses = []
+    losses, graphs = [], []
     for x in batches(3):
         micro = x.chunk(topo.world_size)[topo.rank].chunk(2)
         for i, part in enumerate(micro):
@@ -376,17 +376,22 @@ def _compiled_after_prepare(topo, zero, compiled):
         optimizer.zero_grad()
         with torch.no_grad():  # an evaluation, on every rank
             losses.append(loss_of(run, x).item())
-    return {"losses": losses, "state": minitrain.full_state_dict(model)}
+        if compiled:
+            from torch._dynamo.utils import counters
+            graphs.append(counters["stats"]["unique_graphs"])
+    return {"losses": losses, "state": minitrain.full_state_dict(model), "graphs": graphs}
 
 
 @pytest.mark.parametrize("zero", [0, 3])
 def test_torch_compile_after_prepare_trains_as_eager(zero):
-    """torch.compile(model) after prepare (dynamo tracing the forward with minitrain's hooks; its collectives run
-    eagerly, never traced), with DDP's switch set through the compiled wrapper: the same training as eager."""
+    """torch.compile(model) after prepare (dynamo tracing the forward with minitrain's hooks; the hooks that gather or
+    wait run eagerly), with DDP's switch set through the compiled wrapper: the same training as eager, compiled
+    once (no graph made again at a later step)."""
     eager = run_ranks(_compiled_after_prepare, 2, zero, False)[0]
     compiled = run_ranks(_compiled_after_prepare, 2, zero, True, timeout_s=300)[0]
     torch.testing.assert_close(compiled["losses"], eager["losses"], rtol=0, atol=TOL)
     _same(compiled["state"], eager["state"], f"ZeRO-{zero}")
+    assert compiled["graphs"][0] > 0 and len(set(compiled["graphs"])) == 1, compiled["graphs"]  # none made again
 
 
 def _evaluation_alone_at_tp_2(topo):

@@ -5,10 +5,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import sys
 
 import torch
 from torch import nn
-from torch._dynamo.eval_frame import OptimizedModule
 
 from ..parallel import ModelPlan, cast_parameters, parallelize
 from ..parallel.config import ParallelConfig
@@ -173,7 +173,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFn, *,
             lambda _m, args, kwargs: note_feed(state, (args, kwargs)), with_kwargs=True))
     state.hooks.append(follow_sync_requests(model, state))
     if (tp > 1 and split is None) or ep > 1:  # every forward is collective: an evaluation announces itself
-        state.hooks.append(model.register_forward_pre_hook(functools.partial(_announce_evaluation, state)))
+        state.hooks.append(model.register_forward_pre_hook(
+            torch.compiler.disable(functools.partial(_announce_evaluation, state))))  # eager under torch.compile
     if servers:
         # A worker's optimizer steps on the servers: here the user's class over the model's param groups holds only
         # what a scheduler sets (never stepped, so no state), and each push carries its learning rates.
@@ -195,7 +196,6 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFn, *,
     return model, state.optimizer
 
 
-@torch.compiler.disable
 def _announce_evaluation(state: Prepared, _model, _args) -> None:
     """A forward without gradients (an evaluation, which a DDP script runs on rank 0 alone) of a model split over
     ranks waits for every rank to come (runtime/arrival.py), so a rank alone in it is stopped naming its line
@@ -204,6 +204,13 @@ def _announce_evaluation(state: Prepared, _model, _args) -> None:
         current().arrive(state.topo.everyone, "the model's forward",
                          f"{held_apart(state)}, which every forward combines with the other ranks': run the model on "
                          "every rank (an evaluation too), and use the result on one")
+
+
+def _compiled(model: nn.Module) -> bool:
+    """Whether `model` is what torch.compile returns (without importing torch.compile's machinery, which a compiled
+    model has imported already)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(model, eval_frame.OptimizedModule)
 
 
 def _check_arguments(model, session, zero, precision: str, reduce_dtype: str, dp: str) -> torch.dtype:
@@ -215,7 +222,7 @@ def _check_arguments(model, session, zero, precision: str, reduce_dtype: str, dp
         raise ValueError(f"zero must be one of the ZeRO stages 0, 1, 2, 3; got {zero!r}")
     if model in session.prepared:
         raise ValueError(f"this {type(model).__name__} was already prepared; prepare a model once")
-    if isinstance(model, OptimizedModule):
+    if _compiled(model):
         raise ValueError("prepare takes the model before torch.compile: `model, optimizer = minitrain.prepare(model, "
                          "optimizer)`, then `model = torch.compile(model)`")
     if precision not in ("fp32", "bf16", "fp16"):

@@ -65,7 +65,8 @@ class GatherOnUse(TorchFunctionMode):
         kwargs = kwargs or {}
         for arg in (*args, *kwargs.values()):
             for t in arg if isinstance(arg, (list, tuple)) else (arg,):
-                unit = self.unit_of.get(id(t)) if isinstance(t, torch.Tensor) else None
+                # Parameters only: an activation's identity, which torch.compile would guard on, is never asked.
+                unit = self.unit_of.get(id(t)) if isinstance(t, torch.nn.Parameter) else None
                 if unit is not None and not self.is_whole(unit):
                     self.use(unit)
         return func(*args, **kwargs)

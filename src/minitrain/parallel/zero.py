@@ -197,7 +197,9 @@ class Zero2(ShardedStrategy):
         self._averaged_in_sync = pcfg.user_loop
         # A new forward means the last backward is over: finish its reductions now, so with
         # gradient accumulation the last unit's full gradient does not sit through a forward.
-        self.hooks.append(model.register_forward_pre_hook(lambda _m, _args: self._retire_all()))
+        retire = lambda _m, _args: self._retire_all()  # noqa: E731
+        # (Eagerly in a user's loop, whose model may be compiled after prepare: it waits on collectives.)
+        self.hooks.append(model.register_forward_pre_hook(torch.compiler.disable(retire) if pcfg.user_loop else retire))
 
     def held_grads(self) -> torch.Tensor | PieceVector:
         if self._host_shard is not None:

@@ -17,8 +17,7 @@ With a CollectiveWatch (runtime/watch.py; a Comm of a process group always has o
 every collective also gets a fingerprint (group, sequence number, op, shapes, dtype, call site), and the watch
 hears when this rank enters and leaves it: a hang is then diagnosed by naming the rank that is elsewhere, and
 a failing collective's error carries that diagnosis. Cost: 2.5-2.7 us per collective (measured:
-runtime/watch.py), and about 0.25 us more for torch.compiler.disable's wrapper, which keeps a collective out of
-what torch.compile traces (a model compiled after prepare).
+runtime/watch.py).
 
 Longer than our ~400 lines on purpose: every collective the project issues is here, one short method each, so
 that one file shows what crosses the network and the watch sees every op.
@@ -107,7 +106,6 @@ class PendingCollective:
     def _mark_completed(self, _future) -> None:
         self.completed = time.perf_counter()
 
-    @torch.compiler.disable  # collectives run eagerly, never traced (a model compiled after prepare: ZeRO-3's hooks)
     def wait(self) -> tuple:
         if self.work is not None:
             watch = self.comm.watch if self.fp is not None else None
@@ -205,7 +203,6 @@ class Comm:
         on this Comm raises CollectiveError."""
         self.group, self._released = None, True
 
-    @torch.compiler.disable
     def _run(self, op: str, nbytes: int, fn, *tensors: torch.Tensor) -> None:
         fp = self._fingerprint(op, tensors)
         if fp is not None:
@@ -307,7 +304,6 @@ class Comm:
             self._run("all_reduce", _nbytes(tensor),
                       lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group), tensor)
 
-    @torch.compiler.disable
     def _launch(self, op: str, nbytes: int, start, *tensors: torch.Tensor,
                 payload: torch.Tensor | None = None) -> PendingCollective:
         """Start an async collective (start() returns its Work); returns at once. Its fingerprint is taken
@@ -489,14 +485,11 @@ def _nbytes(t: torch.Tensor) -> int:
 _SITE_NAMES: dict[str, str] = {}
 
 
-_DYNAMO = os.path.join(os.path.dirname(torch.__file__), "_dynamo", "")  # torch.compiler.disable's wrapper lives here
-
-
 def call_site(skip: str = __file__) -> str:
-    """'zero3.py:80': the first frame outside the file `skip` (by default this one: who called the collective) and
-    torch.compiler.disable's wrapper. About 0.4 us: a few frames up, one cached basename."""
+    """'zero3.py:80': the first frame outside the file `skip` (by default this one: who called the collective).
+    About 0.4 us: a few frames up, one cached basename."""
     frame = sys._getframe(1)
-    while frame is not None and (frame.f_code.co_filename == skip or frame.f_code.co_filename.startswith(_DYNAMO)):
+    while frame is not None and frame.f_code.co_filename == skip:
         frame = frame.f_back
     if frame is None:
         return "?"

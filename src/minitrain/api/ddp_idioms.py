@@ -69,12 +69,6 @@ def adopt(model: nn.Module) -> None:
                            {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
 
 
-def release(model: nn.Module) -> None:
-    """The model's own class back (cleanup)."""
-    if isinstance(model, DataParallelIdioms):
-        model.__class__ = next(c for c in type(model).__mro__[1:] if c is not DataParallelIdioms)
-
-
 def follow_sync_requests(model: nn.Module, state: Prepared):
     """A forward pre-hook (its handle) that enters the strategy's no_sync when a forward with gradients starts while
     the user's switch says not to sync, and leaves it when one starts with the switch on again: DDP reads

@@ -120,7 +120,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFn, *,
         for _, options in groups:
             check_elementwise(optimizer_fn, options, cut)
     if sharded and taken and taken.state:  # a state it could not hold exactly, said before anything changes
-        trained = {n for n, p in model.named_parameters() if p.requires_grad}
+        trained = {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
         check_one_count_per_group(taken.state, trained, dict(enumerate(n for names, _ in groups for n in names)))
     # Checked: from here on the model is changed.
     topo = _on_models_device(session.topo, model)

@@ -155,7 +155,7 @@ def load_optimizer_state(strategy: FlatStrategy, groups: list[list[str]], state_
                              f"optimizer's {len(names)}")
     by_index = dict(zip([i for saved in saved_groups for i in saved["params"]], params))
     if optimizer.sharded:  # a run of the shard spans parameters
-        check_one_count_per_group(state_dict, whole.offsets.keys(), by_index)
+        check_one_count_per_group(state_dict, {n: tuple(whole.state[n].shape) for n in whole.offsets}, by_index)
     # (A frozen parameter's state, which torch keeps for one that was trained before, has nothing to update here.)
     state = {by_index[int(i)]: entry for i, entry in state_dict["state"].items()
              if int(i) in by_index and by_index[int(i)] in whole.offsets}
@@ -185,14 +185,15 @@ def load_optimizer_state(strategy: FlatStrategy, groups: list[list[str]], state_
     optimizer.load_group_options([{k: v for k, v in group.items() if k != "params"} for group in saved_groups])
 
 
-def check_one_count_per_group(state_dict: dict, trained, by_index: dict) -> None:
+def check_one_count_per_group(state_dict: dict, trained: dict[str, tuple], by_index: dict) -> None:
     """Under ZeRO the optimizer steps a param group's parameters as runs of one vector, which share their scalar
     state (Adam's step count): a torch-format state_dict whose parameters of one group differ there (a parameter
     added or unfrozen later, one never stepped) cannot be held exactly. ValueError naming the group and the state.
-    `trained`: the names of trainable parameters; `by_index`: index in the state_dict -> parameter name."""
+    `trained`: the trainable parameters' shapes, by name (a 0-dim one's states are all 0-dim: it is left out, its
+    kinds cannot be told apart here); `by_index`: index in the state_dict -> parameter name."""
     for g, group in enumerate(state_dict["param_groups"]):
         counts: dict[str, set] = {}
-        indices = [i for i in group["params"] if by_index.get(i) in trained]
+        indices = [i for i in group["params"] if trained.get(by_index.get(i), ())]
         for i in indices:
             entry = state_dict["state"].get(i, state_dict["state"].get(str(i), {}))
             for name, value in entry.items():

@@ -197,9 +197,13 @@ class Zero2(ShardedStrategy):
         self._averaged_in_sync = pcfg.user_loop
         # A new forward means the last backward is over: finish its reductions now, so with
         # gradient accumulation the last unit's full gradient does not sit through a forward.
-        retire = lambda _m, _args: self._retire_all()  # noqa: E731
-        # (Eagerly in a user's loop, whose model may be compiled after prepare: it waits on collectives.)
-        self.hooks.append(model.register_forward_pre_hook(torch.compiler.disable(retire) if pcfg.user_loop else retire))
+        self.hooks.append(model.register_forward_pre_hook(self._eager(lambda _m, _args: self._retire_all())))
+
+    def _eager(self, hook):
+        """A hook of the model's that gathers, frees or waits on collectives, run as it is where a user compiles the
+        model after prepare (torch.compile would trace it). Only in a user's loop: torch.compiler.disable imports
+        torch.compile's machinery, which the CLI's processes need not pay for."""
+        return torch.compiler.disable(hook) if self.pcfg.user_loop else hook
 
     def held_grads(self) -> torch.Tensor | PieceVector:
         if self._host_shard is not None:

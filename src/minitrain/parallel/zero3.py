@@ -72,16 +72,14 @@ class Zero3(Zero2):
         self._order = [i for i, plan in enumerate(self.plans) if plan.module is not None]  # forward order
         self._shared = [i for i, plan in enumerate(self.plans) if plan.module is None]
         self._pinned: set[int] = set()  # gathered for a use outside their module: whole until their gradient is reduced
-        # In a user's loop the model may be compiled after prepare: its hooks gather and free, and run eagerly.
-        eager = torch.compiler.disable if pcfg.user_loop else (lambda hook: hook)
         for pos, i in enumerate(self._order):
             module = self.plans[i].module
             self.hooks.append(module.register_forward_pre_hook(
-                eager(lambda _m, _args, pos=pos: self._before_forward(pos))))
+                self._eager(lambda _m, _args, pos=pos: self._before_forward(pos))))
             self.hooks.append(module.register_forward_hook(
-                eager(lambda _m, _args, out, pos=pos: self._after_forward(pos, out))))
-        self.hooks.append(model.register_forward_pre_hook(eager(self._before_model_forward)))
-        self.hooks.append(model.register_forward_hook(eager(self._after_model_forward)))
+                self._eager(lambda _m, _args, out, pos=pos: self._after_forward(pos, out))))
+        self.hooks.append(model.register_forward_pre_hook(self._eager(self._before_model_forward)))
+        self.hooks.append(model.register_forward_hook(self._eager(self._after_model_forward)))
         if pcfg.user_loop:
             self._watch_uses(model)
             # The user's code between steps reads a freed parameter by mistake: refused, not read (freed_params.py).

@@ -20,6 +20,7 @@ announce, and a rank that waits in a hot-path collective is found by being asked
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -91,7 +92,7 @@ class Arrival:
     members: list[int]
 
     def as_json(self) -> dict:
-        return {"group": self.group, "number": self.number, "members": self.members}
+        return dataclasses.asdict(self)
 
 
 def _posts(store, keys: dict[int, str], ranks: list[int]) -> dict[int, dict]:

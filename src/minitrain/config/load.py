@@ -8,7 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import ConfigError
-from .schema import PRESETS, SECTIONS, ModelConfig, RunConfig, field_specs
+from .model import PRESETS, ModelConfig
+from .schema import SECTIONS, RunConfig, field_specs
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -1,0 +1,137 @@
+"""The sections of how ranks work together: ddp (how data parallel syncs gradients) and dist (the world, its
+backend and the dp x tp x pp x ep layout), with the checks that the layout divides the model and the world."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..errors import ConfigError
+from .fields import opt, require_choice, require_non_negative, require_positive
+
+if TYPE_CHECKING:  # the type only: schema.py puts the sections together and imports this module
+    from .schema import RunConfig
+
+
+@dataclass
+class DDPConfig:
+    mode: str = opt("bucketed", "how data parallel syncs gradients (with --zero 0): bucketed = ours, all-reduce "
+                    "per bucket overlapped with backward; naive = one all-reduce per tensor after backward; "
+                    "torch = PyTorch DistributedDataParallel, the reference")
+    bucket_mb: float = opt(25.0, "gradient bucket size cap in MiB (bucketed and torch modes)")
+    measure_sync: bool = opt(False, "bracket backward + gradient sync with barriers each step and record "
+                             "the sync wall time (costs two barriers per step)")
+
+
+@dataclass
+class DistConfig:
+    nproc: int = opt(1, "ranks to spawn on this machine (ignored under torchrun, which sets the world size)")
+    backend: str = opt("auto", "auto | gloo | nccl; auto picks nccl when CUDA is available (a GPU per local rank, "
+                               "or refused), else gloo")
+    timeout_s: float = opt(300.0, "process-group timeout: a collective stuck this long fails instead of hanging")
+    threads_per_rank: int = opt(1, "torch CPU threads per rank (1 avoids oversubscribing cores)")
+    fingerprint_every: int = opt(100, "every this many steps the ranks compare, through the rendezvous store (a "
+                                 "few round trips, no collective), a digest of every collective each issued so far "
+                                 "(op, shapes, dtype, call site); a mismatch stops the run naming the ranks and the "
+                                 "first collective that differ, before it can hang or silently compute garbage; "
+                                 "0 = off")
+    tp: int = opt(1, "tensor-parallel degree: each layer split across this many adjacent ranks (Megatron-style); "
+                  "must divide the heads, the MLP width and the vocabulary; data parallel = world / (tp x pp)")
+    pp: int = opt(1, "pipeline-parallel degree: the blocks split into this many contiguous stages, one per rank "
+                  "of a pipeline group (embedding on the first, head and loss on the last)")
+    ep: int = opt(1, "expert-parallel degree (a mixture of experts): groups of this many adjacent data-parallel "
+                  "ranks each compute 1/ep of every layer's experts, tokens sent to them and back by all-to-all; "
+                  "must divide the ranks and --model.moe_experts")
+    microbatches: int = opt(1, "micro-batches each batch is cut into (they must divide --batch-size): the pipeline "
+                            "keeps stages busy with different ones; the bubble is (pp-1)/(microbatches+pp-1)")
+    schedule: str = opt("1f1b", "pipeline schedule: 1f1b (warm-up, one forward / one backward, cool-down: at most "
+                        "pp micro-batches of activations held) | gpipe (all forwards, then all backwards: holds all)")
+
+
+def check_sync(cfg: RunConfig) -> None:
+    t, ddp = cfg.train, cfg.ddp
+    require_choice("train.zero", t.zero, (0, 1, 2, 3))
+    require_choice("ddp.mode", ddp.mode, ("bucketed", "naive", "torch"))
+    if t.zero and ddp.mode != "bucketed":
+        raise ConfigError(f"--dp {ddp.mode} applies to --zero 0; ZeRO-{t.zero} syncs gradients with its "
+                          "own reduce-scatter")
+    if not ddp.bucket_mb > 0:
+        raise ConfigError(f"ddp.bucket_mb must be > 0, got {ddp.bucket_mb}")
+    require_choice("train.late_stats", t.late_stats, ("auto", "on", "off"))
+    if t.late_stats == "on" and (t.precision == "fp16" or cfg.dist.pp > 1 or cfg.dist.microbatches > 1):
+        raise ConfigError("--train.late_stats on: fp16 (its loss scale) and pipelines need each step's statistics "
+                          "before the next step; use auto or off")
+
+
+def check_distributed(cfg: RunConfig) -> None:
+    d = cfg.dist
+    require_choice("dist.backend", d.backend, ("auto", "gloo", "nccl"))
+    _check_gpus(d)
+    if not d.timeout_s > 0:
+        raise ConfigError(f"dist.timeout_s must be > 0, got {d.timeout_s}")
+    require_positive("dist.threads_per_rank", d.threads_per_rank)
+    require_non_negative("dist.fingerprint_every", d.fingerprint_every)
+    _check_layout(cfg)
+
+
+def _check_gpus(d: DistConfig) -> None:
+    """NCCL (asked for, or picked by auto on a machine with a GPU) needs one CUDA device per local rank: a node
+    with fewer is refused, not run on gloo behind the user's back."""
+    if d.backend == "gloo":
+        return
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if d.backend == "auto" and gpus == 0:
+        return
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", d.nproc))
+    if gpus < local_ranks:
+        how = "--backend nccl" if d.backend == "nccl" else "--backend auto picks NCCL on a machine with a GPU, and"
+        raise ConfigError(f"{how} needs a CUDA device per rank: {local_ranks} local ranks, "
+                          f"{gpus} GPU(s) visible; use --backend gloo or fewer ranks")
+
+
+def _check_layout(cfg: RunConfig) -> None:
+    """Every degree of the dp x tp x pp layout, with a message naming the ones that clash."""
+    d, m = cfg.dist, cfg.model
+    require_positive("dist.tp", d.tp)
+    require_positive("dist.pp", d.pp)
+    if d.nproc % (d.tp * d.pp):
+        raise ConfigError(f"world size {d.nproc} is not divisible by --tp {d.tp} x --pp {d.pp}; the data-parallel "
+                          "degree is world / (tp x pp), so pick degrees whose product divides the number of ranks")
+    require_positive("dist.ep", d.ep)
+    if d.ep > 1:
+        if not m.moe_experts:
+            raise ConfigError(f"--dist.ep {d.ep} splits a mixture of experts' experts over ranks; this model is dense "
+                              "(give --model.moe_experts)")
+        if m.moe_experts % d.ep or d.nproc % d.ep:
+            raise ConfigError(f"--dist.ep {d.ep} must divide --model.moe_experts ({m.moe_experts}) and the number of "
+                              f"ranks ({d.nproc}): each rank of a group computes the same number of experts")
+    if m.moe_experts and (d.tp > 1 or d.pp > 1):
+        raise ConfigError(f"--model.moe_experts {m.moe_experts} with --tp {d.tp} --pp {d.pp}: a mixture of experts "
+                          "trains with data parallelism and ZeRO for now (its experts are not split by tensor "
+                          "parallelism, and a pipeline stage does not yet carry the load-balancing loss)")
+    if d.tp > 1:
+        for name, value in (("model.n_head", m.n_head), ("the MLP width (model.d_ff, 0 = 4 x d_model)", m.ffn_dim),
+                            ("model.vocab_size", m.vocab_size)):
+            if value % d.tp:
+                padded = -(-value // d.tp) * d.tp
+                hint = f" (e.g. --model.vocab_size {padded}: unused rows cost nothing)" if "vocab" in name else ""
+                raise ConfigError(f"--tp {d.tp} does not divide {name} = {value}; tensor parallelism splits it "
+                                  f"evenly across ranks{hint}")
+    require_positive("dist.microbatches", d.microbatches)
+    require_choice("dist.schedule", d.schedule, ("1f1b", "gpipe"))
+    if cfg.train.batch_size % d.microbatches:
+        raise ConfigError(f"--microbatches {d.microbatches} does not divide --batch-size {cfg.train.batch_size}; "
+                          "each micro-batch is an equal slice of the batch")
+    if cfg.ddp.mode == "torch" and (d.pp > 1 or d.microbatches > 1):
+        raise ConfigError(f"--dp torch with --pp {d.pp} --microbatches {d.microbatches}: PyTorch's DDP decides in "
+                          "forward whether backward syncs, so it cannot run a pipeline schedule's micro-batches; "
+                          "use --dp bucketed (or --grad-accum for micro-batches without a pipeline)")
+    if d.pp > 1:
+        if m.n_layer < d.pp:
+            raise ConfigError(f"--pp {d.pp} needs at least one block per stage; the model has {m.n_layer} "
+                              f"(model.n_layer)")
+        if m.tie_weights:
+            raise ConfigError(f"--pp {d.pp} with model.tie_weights: the embedding (first stage) and the head (last "
+                              "stage) cannot share a weight across stages yet; use --model.tie_weights false")

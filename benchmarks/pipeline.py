@@ -30,7 +30,7 @@ from minitrain.data import ShardedLoader, load_corpus
 from minitrain.runtime.launch import launch
 from minitrain.models.minigpt.model import MiniGPT
 from minitrain.models.minigpt.plan import pipeline_split
-from minitrain.parallel.pipeline import Pipeline
+from minitrain.parallel.pipeline_parallel.executor import Pipeline
 
 MODEL = {"model.preset": "small", "train.batch_size": 8, "data.synthetic_tokens": 1 << 18, "train.log_every": 0}
 WARMUP = 2

@@ -35,7 +35,7 @@ from minitrain.data import ShardedLoader, load_corpus
 from minitrain.runtime.launch import launch
 from minitrain.models.minigpt.plan import TENSOR_PARALLEL
 from minitrain.models.minigpt.model import MiniGPT
-from minitrain.parallel.tp_plan import apply_tensor_parallel, hugging_face_plan
+from minitrain.parallel.tensor_parallel.plans import apply_tensor_parallel, hugging_face_plan
 
 MODEL = {"model.preset": "small", "train.batch_size": 8, "data.synthetic_tokens": 1 << 18, "train.log_every": 0}
 LLAMA = {"vocab_size": 256, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,

@@ -1,4 +1,4 @@
-"""What ZeRO-3's check on reads of freed parameters costs a user's loop (parallel/freed_params.py).
+"""What ZeRO-3's check on reads of freed parameters costs a user's loop (parallel/user_loop/freed_params.py).
 
 In a user's loop at ZeRO-3 every plain nn.Parameter becomes a Zero3Parameter, whose __torch_function__ refuses an
 op that would read a freed parameter: Python work per op that receives a parameter. This measures the step time

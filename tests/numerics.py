@@ -3,7 +3,7 @@ import torch
 
 from minitrain.config import build_config
 from minitrain.models.minigpt.model import MiniGPT
-from minitrain.parallel.layout import FlatParameters
+from minitrain.parallel.core.flat_parameters import FlatParameters
 
 # One process against ranks in float32, key biases left out: how far Adam may carry the rounding of a different
 # summation order in 5 steps at lr 1e-2. It moves an element whose gradient is near zero by lr * m / sqrt(v), which

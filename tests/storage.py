@@ -23,7 +23,7 @@ import gc
 import torch
 from torch.utils._pytree import tree_leaves
 
-from minitrain.parallel.units import module_units
+from minitrain.parallel.core.units import module_units
 
 
 def _storage_bytes(tensors) -> dict[int, int]:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import minitrain
-from minitrain.parallel.pieces import PipelineSplit, check_pieces, check_split
+from minitrain.parallel.pipeline_parallel.split import PipelineSplit, check_pieces, check_split
 
 from .dist import run_ranks
 from .numerics import assert_bit_equal
@@ -493,7 +493,7 @@ class ScaledEmbedding(nn.Embedding):
 
 
 def test_a_plan_that_would_replace_a_module_with_a_forward_of_its_own_is_refused():
-    from minitrain.parallel.tp_plan import check_plan, hugging_face_plan
+    from minitrain.parallel.tensor_parallel.plans import check_plan, hugging_face_plan
 
     model = tiny(transformers.LlamaConfig, transformers.LlamaForCausalLM, tie_word_embeddings=True)
     old = model.model.embed_tokens

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import minitrain
 from minitrain.checkpoint import CheckpointError
-from minitrain.parallel.shard_optimizer import NotElementwiseError
+from minitrain.parallel.core.shard_optimizer import NotElementwiseError
 
 from .dist import run_ranks
 from .hf_models import (KINDS, OPTIMIZERS, batches, frozen_parameter, lm_loss, make_model, param_groups, reference_run,
@@ -232,7 +232,7 @@ def test_consolidated_checkpoint_loads_with_from_pretrained_and_gives_the_same_l
 
 
 def test_refused_inputs_say_what_to_fix():
-    from minitrain.parallel.shard_optimizer import check_elementwise
+    from minitrain.parallel.core.shard_optimizer import check_elementwise
 
     with pytest.raises(NotElementwiseError, match="not elementwise|could not be run"):
         check_elementwise(functools.partial(torch.optim.Adafactor, lr=1e-2), {})

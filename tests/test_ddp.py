@@ -7,10 +7,10 @@ from minitrain.config import TrainConfig
 
 from minitrain.train.run_config import run_config
 from minitrain.train.optim import flat_adamw_factory
-from minitrain.parallel.buckets import plan_buckets
-from minitrain.parallel.config import ParallelConfig
-from minitrain.parallel.ddp import BucketedDataParallel
-from minitrain.parallel.layout import Segment
+from minitrain.parallel.core.buckets import plan_buckets
+from minitrain.parallel.core.config import ParallelConfig
+from minitrain.parallel.data_parallel.data_parallel import BucketedDataParallel
+from minitrain.parallel.core.flat_parameters import Segment
 from minitrain.runtime.topology import Topology
 from minitrain.train.trainer import Trainer
 

@@ -17,7 +17,7 @@ from torch import nn
 
 import minitrain
 from minitrain.api.session import state_of
-from minitrain.parallel.shard_optimizer import NotElementwiseError
+from minitrain.parallel.core.shard_optimizer import NotElementwiseError
 
 from .dist import run_ranks
 from .numerics import assert_states_match

@@ -288,7 +288,7 @@ def test_the_watch_sees_a_collective_the_device_has_not_finished():
 def test_the_pipeline_times_its_actions_with_the_device_clock():
     """Its bubble was host time after a synchronisation per action; now it is read from the clock's marks
     without any synchronisation (here every mark is one device second after the last)."""
-    from minitrain.parallel.pipeline import Pipeline
+    from minitrain.parallel.pipeline_parallel.executor import Pipeline
 
     comm = Comm(device="cpu", name="pp")
     comm.clock = TickingClock()

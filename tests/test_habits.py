@@ -162,7 +162,7 @@ def test_messages_name_the_likely_cause():
     # backward when it ends, as DDP does, so there it is a second sync, not this error).
     from minitrain.runtime.comm import Comm
     from minitrain.parallel import ParallelConfig, make_strategy
-    from minitrain.parallel.shard_optimizer import TorchShardOptimizer
+    from minitrain.parallel.core.shard_optimizer import TorchShardOptimizer
 
     model = net()
     names = [n for n, _ in model.named_parameters()]

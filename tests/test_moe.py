@@ -222,7 +222,7 @@ def test_the_plan_counts_every_expert_in_memory_and_top_k_of_them_in_flops():
 
 def _whole(trainer, local=None):
     """The whole model's logical vector of a local one (default: the parameters) from every rank's part."""
-    from minitrain.parallel.whole_state import gather_logical
+    from minitrain.parallel.state.whole_state import gather_logical
 
     s, t = trainer.strategy, trainer.topo
     return gather_logical(s, s.local_params() if local is None else local, t.everyone, t.dp.rank, t.ep.rank)
@@ -267,7 +267,7 @@ def _layer_on_ranks(topo):
     """One MoE layer, the same weights on every rank; rank 1's tokens all choose experts 0 and 1, so it sends
     nothing to rank 1's experts (2 and 3), and expert 3 gets no token from anyone. Returns this rank's output and
     the gradients, with expert parallelism over both ranks and without."""
-    from minitrain.parallel.experts import ExpertParallel
+    from minitrain.parallel.expert_parallel.experts import ExpertParallel
 
     got = {}
     for ep in (1, 2):

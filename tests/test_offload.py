@@ -319,7 +319,7 @@ def test_a_disk_that_fills_while_the_files_are_made_is_one_clear_error(tmp_path,
     # through the mapping, mid-step. What was made is removed.
     import errno
 
-    from minitrain.parallel.offload import OffloadError, OffloadStore
+    from minitrain.parallel.core.offload import OffloadError, OffloadStore
 
     store = OffloadStore("disk", tmp_path, rank=0)
     store.zeros("exp_avg", 1000, torch.float32)
@@ -336,7 +336,7 @@ def test_a_disk_that_fills_while_the_files_are_made_is_one_clear_error(tmp_path,
 def test_files_a_crashed_run_left_are_made_afresh(tmp_path):
     # A run killed outright (the whole machine) leaves its files, maybe cut short or holding old state: the next run
     # on the directory (a resume, which takes the state from its checkpoint) makes each one anew, zeroed, full size.
-    from minitrain.parallel.offload import OffloadStore
+    from minitrain.parallel.core.offload import OffloadStore
 
     (tmp_path / "rank-00000-master.bin").write_bytes(b"\x7f" * 10)
     (tmp_path / "rank-00000-exp_avg.bin").write_bytes(b"\x7f" * 100_000)
@@ -383,7 +383,7 @@ def test_two_runs_given_one_offload_directory_write_apart(tmp_path):
 def test_a_gpus_master_crosses_into_a_kept_buffer_and_rounds_as_one_copy_would():
     """What a GPU's publishing of an offloaded master does, on this CPU: the master crosses into a staging buffer
     and is rounded after (copy_through, any length against any buffer), the same bits as one converting copy."""
-    from minitrain.parallel.offload import copy_through
+    from minitrain.parallel.core.offload import copy_through
 
     torch.manual_seed(0)
     master = torch.randn(1000) * 10

@@ -4,9 +4,9 @@ import torch
 
 from minitrain.config import PRESETS, ModelConfig, TrainConfig
 from minitrain.models.minigpt.model import MiniGPT
-from minitrain.parallel.norms import clip_coefficient
+from minitrain.parallel.core.norms import clip_coefficient
 from minitrain.train.optim import FlatAdamW, lr_at
-from minitrain.parallel.layout import FlatParameters
+from minitrain.parallel.core.flat_parameters import FlatParameters
 
 
 def test_flat_adamw_matches_torch_adamw_in_float64():
@@ -52,7 +52,7 @@ def test_clip_coefficient():
 def test_the_device_side_skip_and_clip_equal_the_host_decisions_bit_for_bit():
     """found_inf and a tensor clip coefficient (no host read of the norm) give exactly what the host's float
     decisions give: the same update when finite, nothing at all when not."""
-    from minitrain.parallel.norms import clip_coefficient_tensor
+    from minitrain.parallel.core.norms import clip_coefficient_tensor
 
     for dtype in (torch.float64, torch.float32):
         torch.manual_seed(0)

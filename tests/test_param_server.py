@@ -260,8 +260,8 @@ def _rollback_race(topo) -> dict | None:
 
     from minitrain.config import TrainConfig
     from minitrain.parallel import param_server as ps
-    from minitrain.parallel.config import ParallelConfig
-    from minitrain.parallel.layout import FlatParameters, WholeModel
+    from minitrain.parallel.core.config import ParallelConfig
+    from minitrain.parallel.core.flat_parameters import FlatParameters, WholeModel
     from minitrain.runtime.servers import ServerGroup
     from minitrain.train.optim import flat_adamw_factory
 
@@ -352,9 +352,9 @@ def _elastic_cut(topo) -> dict | None:
 
     from minitrain.config import TrainConfig
     from minitrain.parallel import param_server as ps
-    from minitrain.parallel.config import ParallelConfig
-    from minitrain.parallel.layout import FlatParameters, WholeModel
-    from minitrain.parallel.norms import SquareSums
+    from minitrain.parallel.core.config import ParallelConfig
+    from minitrain.parallel.core.flat_parameters import FlatParameters, WholeModel
+    from minitrain.parallel.core.norms import SquareSums
     from minitrain.runtime.servers import ServerGroup, shard_bounds
     from minitrain.train.optim import flat_adamw_factory
 
@@ -417,8 +417,8 @@ def _server_square_sums(topo) -> list[float]:
 
     import torch.distributed as dist
 
-    from minitrain.parallel.norms import SquareSums
-    from minitrain.parallel.param_server import ParameterServer
+    from minitrain.parallel.core.norms import SquareSums
+    from minitrain.parallel.param_server.param_server import ParameterServer
     from minitrain.runtime.comm import Comm
 
     block = SquareSums.block(torch.device("cpu"))

@@ -1,10 +1,10 @@
-"""PieceVector (parallel/piece_vector.py): ZeRO-2/3's gradient shard, one tensor per unit, read and written as the one
+"""PieceVector (parallel/core/piece_vector.py): ZeRO-2/3's gradient shard, one tensor per unit, read and written as the one
 vector the step expects, whatever range it asks for."""
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minitrain.parallel.piece_vector import PieceVector, held_bytes
+from minitrain.parallel.core.piece_vector import PieceVector, held_bytes
 
 
 @settings(max_examples=60, deadline=None)

@@ -8,8 +8,8 @@ import torch
 
 
 from minitrain.train.run_config import run_config
-from minitrain.parallel.pipeline import stage_blocks
-from minitrain.parallel.schedules import (
+from minitrain.parallel.pipeline_parallel.executor import stage_blocks
+from minitrain.parallel.pipeline_parallel.schedules import (
     SCHEDULES,
     Action,
     DeadlockError,

@@ -8,7 +8,7 @@ from torch import nn
 
 
 from minitrain.train.run_config import run_config
-from minitrain.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+from minitrain.parallel.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                        vocab_parallel_cross_entropy)
 from minitrain.runtime.topology import Topology, layout_groups
 from minitrain.train.trainer import Trainer

@@ -12,8 +12,8 @@ import minitrain
 from minitrain.checkpoint import consolidated_state_dict
 from minitrain.runtime.comm import Comm
 from minitrain.parallel.recompute import apply_activation_checkpointing, targets
-from minitrain.parallel.tensor import tensor_parallel_slices
-from minitrain.parallel.tp_plan import (
+from minitrain.parallel.tensor_parallel.layers import tensor_parallel_slices
+from minitrain.parallel.tensor_parallel.plans import (
     Colwise,
     apply_tensor_parallel,
     check_heads,
@@ -188,7 +188,7 @@ def test_llama_pipelined_and_tensor_parallel_trains_like_one_plain_process(four_
 
 
 def test_pipeline_splits_are_checked_before_any_rank_splits():
-    from minitrain.parallel.pieces import PipelineSplit, check_split, cross_stage_ties
+    from minitrain.parallel.pipeline_parallel.split import PipelineSplit, check_split, cross_stage_ties
 
     model = llama(layers=4)
     auto = PipelineSplit.auto(model)

@@ -1,5 +1,5 @@
 """The whole state of a prepared model and its optimizer, under every layout: the placement rule
-(parallel/placement.py) for frozen, tied and sliced tensors, `full_state_dict` across tensor-parallel slices and
+(parallel/state/placement.py) for frozen, tied and sliced tensors, `full_state_dict` across tensor-parallel slices and
 pipeline stages, and the optimizer's whole state (param-group options in checkpoints, torch-format
 state_dict/load_state_dict, 0-dim parameters), each against plain single-process PyTorch in float64.
 

@@ -28,7 +28,7 @@ from .api import (
                   serve,
                   wrap_for_ddp,
 )
-from .parallel.model_plan import ModelPlan
+from .parallel.core.model_plan import ModelPlan
 from .utils.prefetch import Prefetcher
 
 from .version import __version__

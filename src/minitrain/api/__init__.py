@@ -15,7 +15,7 @@ of the same name, with DDP's and FSDP2's methods: ddp_idioms.py) and an optimize
 (its param_groups are the user's groups, so an LR scheduler works on it). `optimizer` is the user's torch optimizer,
 made over the model's parameters as a DDP script makes it before the wrap (user_optimizer.py), or what makes one.
 Underneath, the trainable parameters live in flat buffers, sharded by the ZeRO stage asked for, and the user's
-optimizer runs on this rank's shard (parallel/shard_optimizer.py).
+optimizer runs on this rank's shard (parallel/core/shard_optimizer.py).
 The CLI trainer goes through the same `parallelize` path with MiniGPT and its own optimizer.
 
 Every call that moves data between ranks is collective: all ranks make it, in the same order. The ones a loop makes
@@ -30,7 +30,7 @@ user_optimizer.py (an optimizer made before prepare), ddp_idioms.py (DDP's and F
 """
 from __future__ import annotations
 
-from ..parallel.pieces import PipelineSplit
+from ..parallel.pipeline_parallel.split import PipelineSplit
 from .checkpoints import full_state_dict, load_checkpoint, save_checkpoint
 from .optimizer import PreparedOptimizer
 from .prepare import prepare

@@ -13,8 +13,8 @@ from torch import nn
 
 from .. import checkpoint
 from ..checkpoint import CheckpointError, remote
-from ..parallel.replica_state import check_buffers_agree
-from ..parallel.whole_state import full_model_state
+from ..parallel.user_loop.replica_state import check_buffers_agree
+from ..parallel.state.whole_state import full_model_state
 from ..runtime.comm import CollectiveError
 from .optimizer import PreparedOptimizer
 from .session import Prepared, current, state_of

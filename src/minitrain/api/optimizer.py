@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..parallel import FlatStrategy
-from ..parallel.whole_state import full_optimizer_state, load_optimizer_state
+from ..parallel.state.whole_state import full_optimizer_state, load_optimizer_state
 from .session import Prepared, current, held_apart
 from .steps import check_fed_alike
 

@@ -11,18 +11,18 @@ import torch
 from torch import nn
 
 from ..parallel import ModelPlan, cast_parameters, parallelize
-from ..parallel.config import ParallelConfig
-from ..parallel.experts import HuggingFaceExperts, hugging_face_experts, routes_its_own_tokens
-from ..parallel.loss_scale import COMPUTE_DTYPES
-from ..parallel.offload import OffloadStore
-from ..parallel.pieces import PipelineSplit, Stage, check_pieces, check_split, cross_stage_ties, split_model
-from ..parallel.pipeline import Pipeline
-from ..parallel.replica_state import refuse_batch_statistics
-from ..parallel.schedules import SCHEDULES
-from ..parallel.shard_optimizer import (ZERO_SHARDS, OptimizerFn, TorchShardOptimizer, check_elementwise,
+from ..parallel.core.config import ParallelConfig
+from ..parallel.expert_parallel.experts import HuggingFaceExperts, hugging_face_experts, routes_its_own_tokens
+from ..parallel.core.loss_scale import COMPUTE_DTYPES
+from ..parallel.core.offload import OffloadStore
+from ..parallel.pipeline_parallel.split import PipelineSplit, Stage, check_pieces, check_split, cross_stage_ties, split_model
+from ..parallel.pipeline_parallel.executor import Pipeline
+from ..parallel.user_loop.replica_state import refuse_batch_statistics
+from ..parallel.pipeline_parallel.schedules import SCHEDULES
+from ..parallel.core.shard_optimizer import (ZERO_SHARDS, OptimizerFn, TorchShardOptimizer, check_elementwise,
                                         check_optimizer_fn)
-from ..parallel.tp_plan import check_plan, hugging_face_plan
-from ..parallel.whole_state import check_one_count_per_group, load_optimizer_state
+from ..parallel.tensor_parallel.plans import check_plan, hugging_face_plan
+from ..parallel.state.whole_state import check_one_count_per_group, load_optimizer_state
 from ..runtime.topology import Topology
 from . import user_optimizer
 from .ddp_idioms import adopt, follow_sync_requests
@@ -64,7 +64,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFn, *,
         "model.layers.*" | a module class such as LlamaDecoderLayer: those modules are recomputed.
     tp: tensor-parallel degree (must divide the world size; data parallel runs over world / tp replicas:
         feed each the slice of the batch dp_rank() / dp_world_size() say, the same on every rank of a
-        tensor-parallel group). tp_plan: {module-name pattern: style} (parallel/tp_plan.py lists the
+        tensor-parallel group). tp_plan: {module-name pattern: style} (parallel/tensor_parallel/plans.py lists the
         styles), or "auto" for a Hugging Face model's own plan (its config's base_model_tp_plan and the
         head's entry, so `model(...).logits` stays whole).
     pp: pipeline stages (pipeline parallel outermost: dp = world / (tp x pp)); the model is then cut into

@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from ..parallel.loss_scale import LossScaler
+from ..parallel.core.loss_scale import LossScaler
 
 
 class GradScaler:

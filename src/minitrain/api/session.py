@@ -15,9 +15,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..parallel import FlatStrategy
-from ..parallel.offload import OffloadStore
-from ..parallel.pieces import Stage
-from ..parallel.pipeline import Pipeline
+from ..parallel.core.offload import OffloadStore
+from ..parallel.pipeline_parallel.split import Stage
+from ..parallel.pipeline_parallel.executor import Pipeline
 from ..runtime.arrival import arrive
 from ..runtime.comm import Comm
 from ..runtime.topology import Topology, under_torchrun

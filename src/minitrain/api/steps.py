@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..parallel.replica_state import check_feeds, feed_checksum
+from ..parallel.user_loop.replica_state import check_feeds, feed_checksum
 from .session import Prepared, state_of
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..parallel.shard_optimizer import OptimizerFn
+from ..parallel.core.shard_optimizer import OptimizerFn
 
 NOT_OPTIONS = ("params", "param_names")  # what a param group holds besides its options
 

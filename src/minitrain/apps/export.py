@@ -30,7 +30,7 @@ from ..checkpoint import remote
 from ..config import ModelConfig
 from ..errors import ConfigError
 from ..models.minigpt.model import MiniGPT
-from ..parallel.placement import check_state, dtype_name
+from ..parallel.state.placement import check_state, dtype_name
 from ..train.metrics import human_bytes
 from ..train.resume import saved_run_config
 from ..train.run_files import TOKENIZER, copy_tokenizer

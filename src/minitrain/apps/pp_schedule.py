@@ -1,11 +1,11 @@
 """`minitrain pp-schedule`: a pipeline schedule's timeline on an ideal clock, its bubble and the micro-batches
-each stage holds at once (the lists parallel/schedules.py gives the executor)."""
+each stage holds at once (the lists parallel/pipeline_parallel/schedules.py gives the executor)."""
 from __future__ import annotations
 
 import argparse
 
 from ..errors import ConfigError
-from ..parallel.schedules import SCHEDULES, render_timeline
+from ..parallel.pipeline_parallel.schedules import SCHEDULES, render_timeline
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

@@ -34,7 +34,7 @@ trainable parameter (tied weights: two keys, one parameter) or to such a stored
 tensor (a tied frozen tensor: two keys, one stored name), with the whole
 model's shape and dtype for each, which is how `ckpt consolidate` writes a file
 the model's load_state_dict accepts and checks it key by key. The placement
-rule behind all of it: parallel/placement.py.
+rule behind all of it: parallel/state/placement.py.
 """
 from .consolidate import consolidated_state_dict
 from .files import (RNG_KEYS, complete_steps, find_latest, prune, read_manifest, read_tensor, resolve, rng_state,

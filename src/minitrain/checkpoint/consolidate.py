@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..parallel.placement import check_state
+from ..parallel.state.placement import check_state
 from .files import read_tensor, verify
 from .format import CheckpointError
 from .reading import assemble_flat

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..parallel.flat import FlatStrategy
-from ..parallel.placement import Placement, dtype_name
+from ..parallel.core.strategy import FlatStrategy
+from ..parallel.state.placement import Placement, dtype_name
 from ..runtime.topology import Topology
 from .files import CUDA_RNG, RNG_KEYS, read_manifest, read_tensor, resolve, set_rng_state, verify_files
 from .format import CheckpointError, shard_file_name

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..parallel.flat import FlatStrategy
-from ..parallel.placement import dtype_name
-from ..parallel.tensor import gather_slices
+from ..parallel.core.strategy import FlatStrategy
+from ..parallel.state.placement import dtype_name
+from ..parallel.tensor_parallel.layers import gather_slices
 from ..runtime.topology import Topology
 from .files import _fsync_dir, _fsync_file, _write_durably, rng_state, sha256_of
 from .format import (FORMAT, LATEST, MANIFEST, MANIFEST_SHA, WRITTEN_BY, CheckpointError, shard_file_name,
@@ -38,7 +38,7 @@ class PeerSaveError(CheckpointError):
 def model_entries(strategy: FlatStrategy, topo: Topology) -> tuple[list[dict], dict[str, torch.Tensor]]:
     """(the manifest's entry for every key of this rank's model state_dict: {"key", "param": trainable parameter}
     or {"key", "tensor": stored name}, with the whole model's "shape" and "dtype"; the tensors this rank stores).
-    By the placement rule (parallel/placement.py): frozen parameters and persistent buffers are stored whole as
+    By the placement rule (parallel/state/placement.py): frozen parameters and persistent buffers are stored whole as
     `model.<key>`, once per tied group, by the first data- and tensor-parallel rank of each stage; a
     tensor-parallel slice is gathered over its group first (collective over tp, on the first replica)."""
     values = strategy.model.state_dict(keep_vars=True)

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..config import ModelConfig
-from ..parallel.model_plan import ModelPlan
+from ..parallel.core.model_plan import ModelPlan
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
     build: Callable[[ModelConfig], nn.Module]  # a model on the current default device, its weights initialised
-    plan: ModelPlan  # its tensor-parallel layers, pipeline split and recomputation targets (parallel/model_plan.py)
+    plan: ModelPlan  # its tensor-parallel layers, pipeline split and recomputation targets (parallel/core/model_plan.py)

@@ -10,20 +10,20 @@ from ..runtime.comm import Comm
 from .recompute import apply_activation_checkpointing
 from .compiled import compile_blocks
 from ..runtime.topology import Topology
-from .config import ParallelConfig
-from .experts import shard_experts
-from .ddp import BucketedDataParallel, NaiveDataParallel, TorchDataParallel
-from .flat import FlatStrategy, OptimizerFactory
-from .layout import WholeModel
-from .model_plan import ModelPlan
-from .param_server import ParameterServerWorker
-from .pipeline import Pipeline
-from .replica_state import start_alike
-from .tensor import tensor_parallel_slices
-from .tp_plan import apply_tensor_parallel
-from .zero import Zero1, Zero2
-from .zero2_units import Zero2Units
-from .zero3 import Zero3
+from .core.config import ParallelConfig
+from .expert_parallel.experts import shard_experts
+from .data_parallel.data_parallel import BucketedDataParallel, NaiveDataParallel, TorchDataParallel
+from .core.strategy import FlatStrategy, OptimizerFactory
+from .core.flat_parameters import WholeModel
+from .core.model_plan import ModelPlan
+from .param_server.param_server import ParameterServerWorker
+from .pipeline_parallel.executor import Pipeline
+from .user_loop.replica_state import start_alike
+from .tensor_parallel.layers import tensor_parallel_slices
+from .tensor_parallel.plans import apply_tensor_parallel
+from .zero.sharded import Zero1, Zero2
+from .zero.zero2_units import Zero2Units
+from .zero.zero3 import Zero3
 
 
 def parallelize(model: nn.Module, topo: Topology, pcfg: ParallelConfig, make_optimizer: OptimizerFactory,

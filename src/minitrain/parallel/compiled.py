@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .units import repeated_blocks
+from .core.units import repeated_blocks
 
 
 def compile_blocks(model: nn.Module, plan=None) -> None:

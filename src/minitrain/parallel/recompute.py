@@ -28,8 +28,8 @@ import functools
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .tp_plan import matches
-from .units import repeated_blocks
+from .tensor_parallel.plans import matches
+from .core.units import repeated_blocks
 
 MODES = ("none", "block", "selective")
 

@@ -43,7 +43,7 @@ import torch
 from ..config import ConfigError, ModelConfig
 from . import plan_servers
 from .optim import FlatAdamW
-from ..parallel.memory_math import memory_terms, padded_numel, term_bytes
+from ..parallel.core.memory_math import memory_terms, padded_numel, term_bytes
 
 GB = 1e9
 
@@ -150,12 +150,12 @@ class PlanInput:
 
 
 def model_units(cfg: ModelConfig, ep: int = 1) -> dict[str, int]:
-    """Parameter count of each unit ZeRO-2/3 move together (parallel/units.py), in layout order,
+    """Parameter count of each unit ZeRO-2/3 move together (parallel/core/units.py), in layout order,
     from a model built on the meta device (no memory, no initialisation cost); with ep > 1 the units one
-    expert-parallel rank holds (its 1/ep of each layer's experts: parallel/experts.py)."""
+    expert-parallel rank holds (its 1/ep of each layer's experts: parallel/expert_parallel/experts.py)."""
     from ..models import spec_for
-    from ..parallel.experts import shard_experts
-    from ..parallel.units import module_units
+    from ..parallel.expert_parallel.experts import shard_experts
+    from ..parallel.core.units import module_units
     from ..runtime.comm import Comm
 
     with torch.device("meta"):
@@ -248,7 +248,7 @@ def update_transients(inp: PlanInput) -> tuple[int, int]:
     reduce-scatter lands in. Update: that copy, and in mixed precision
     the optimizer's upcast gradient chunk (its fused kernel needs no other temporary)."""
     mixed, P = inp.precision != "fp32", layout_params(inp)
-    # (one data-parallel rank sums nothing: no copy; parallel/flat.py's sum_dtype)
+    # (one data-parallel rank sums nothing: no copy; parallel/core/strategy.py's sum_dtype)
     wide = 4 * P if inp.zero <= 1 and mixed and reduce_bytes(inp) == 4 and inp.dp > 1 else 0
     landing = 0
     if inp.offload != "none" and inp.zero >= 2 and inp.model is not None:
@@ -409,7 +409,7 @@ def _row(what: str, links: dict[str, Link], op: str, factor: float, size: float,
 def offloaded_bytes(inp: PlanInput, state: dict[str, int]) -> tuple[int, int]:
     """(host bytes, disk bytes) of the model state kept off the device: offloaded, the optimizer's master and state
     in host memory (cpu) or files (disk), and at ZeRO-2/3 the gradient shard in host memory (ZeRO-Offload's
-    layout; parallel/config.py)."""
+    layout; parallel/core/config.py)."""
     if inp.offload == "none":
         return 0, 0
     grads = state["grads"] if inp.zero >= 2 else 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from ..parallel.loss_scale import LossScaler
+from ..parallel.core.loss_scale import LossScaler
 
 
 class NonFiniteError(RuntimeError):

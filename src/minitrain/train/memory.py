@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from .metrics import format_table, human_bytes, open_no_follow
-from ..parallel.flat import FlatStrategy
-from ..parallel.memory_math import MEMORY_KINDS
+from ..parallel.core.strategy import FlatStrategy
+from ..parallel.core.memory_math import MEMORY_KINDS
 
 
 @contextmanager
@@ -160,7 +160,7 @@ def profile(strategy: FlatStrategy, records: list, device: torch.device, expecta
 
 def off_device(offload: str, stage: int) -> dict[str, str]:
     """The kinds of model state that offload keeps off the device, and where: the optimizer's master and state in
-    host memory (cpu) or files (disk), at ZeRO-2/3 the gradient shard in host memory (parallel/config.py)."""
+    host memory (cpu) or files (disk), at ZeRO-2/3 the gradient shard in host memory (parallel/core/config.py)."""
     if offload == "none":
         return {}
     return {"optimizer": "host" if offload == "cpu" else "disk", **({"grads": "host"} if stage >= 2 else {})}

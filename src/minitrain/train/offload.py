@@ -1,5 +1,5 @@
 """The CLI's offload settings: where --train.offload disk keeps its files (--train.offload_dir, default
-OUT/offload), checked before the run, and the run's OffloadStore (parallel/offload.py)."""
+OUT/offload), checked before the run, and the run's OffloadStore (parallel/core/offload.py)."""
 from __future__ import annotations
 
 import hashlib
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..config import RunConfig
 from ..errors import ConfigError
-from ..parallel.offload import OffloadStore
+from ..parallel.core.offload import OffloadStore
 from .estimate import model_params
 from .metrics import human_bytes
 

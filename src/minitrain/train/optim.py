@@ -1,4 +1,4 @@
-"""AdamW on one flat vector of parameters, and the LR schedule (global-norm clipping: parallel/norms.py).
+"""AdamW on one flat vector of parameters, and the LR schedule (global-norm clipping: parallel/core/norms.py).
 
 The same `FlatAdamW` serves data parallel (the vector is every parameter) and
 ZeRO (the vector is this rank's shard), so the strategies differ only in how
@@ -15,7 +15,7 @@ import torch
 from torch.optim.adamw import adamw
 
 from ..config import TrainConfig
-from ..parallel.offload import CopyStream, OffloadStore, host_zeros
+from ..parallel.core.offload import CopyStream, OffloadStore, host_zeros
 
 # Devices with PyTorch's fused (single-kernel) AdamW; elsewhere its multi-tensor (foreach) form.
 FUSED_DEVICES = ("cpu", "cuda")

@@ -1,5 +1,5 @@
 """`minitrain plan --servers S`: what parameter servers cost per step, against a ring all-reduce of the same gradient
-(parallel/param_server.py runs them; docs/param-server.md derives this).
+(parallel/param_server/param_server.py runs them; docs/param-server.md derives this).
 
 Each worker pushes its whole gradient (M bytes: a 1/S shard to each server) and pulls the whole parameter vector
 (P bytes); each server receives W x M / S and sends W x P / S. On links of one bandwidth beta each, the busiest link

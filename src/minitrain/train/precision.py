@@ -1,5 +1,5 @@
 """Mixed precision for a run: the dtypes it computes, reduces and keeps its master weights in, and its fp16 loss
-scaler (the policy itself is parallel/loss_scale.py, shared with minitrain.prepare).
+scaler (the policy itself is parallel/core/loss_scale.py, shared with minitrain.prepare).
 
 The recipe of Micikevicius et al. (2018), in the ZeRO paper's accounting: parameters and
 gradients in 16 bits (2 + 2 bytes per parameter), and the optimizer updates a float32 master
@@ -24,7 +24,7 @@ import contextlib
 import torch
 
 from ..config import TrainConfig
-from ..parallel.loss_scale import COMPUTE_DTYPES, LossScaler
+from ..parallel.core.loss_scale import COMPUTE_DTYPES, LossScaler
 
 
 def master_dtype(cfg: TrainConfig) -> torch.dtype:

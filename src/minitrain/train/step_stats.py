@@ -16,7 +16,7 @@ import torch
 
 from ..checkpoint import AsyncSave
 from ..checkpoint.remote import Upload
-from ..parallel.memory_math import MEMORY_KINDS
+from ..parallel.core.memory_math import MEMORY_KINDS
 from ..runtime.signals import StopRequest
 
 PEAK_KINDS = (*MEMORY_KINDS, "total", "device")

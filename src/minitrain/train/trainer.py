@@ -31,9 +31,9 @@ from ..utils.prefetch import to_device
 from ..models import ModelSpec, spec_for
 from ..models.minigpt.moe import MoEMLP
 from ..parallel import Pipeline, cast_parameters, parallelize
-from ..parallel.config import ParallelConfig
-from ..parallel.flat import sync_figures
-from ..parallel.memory_math import MEMORY_KINDS
+from ..parallel.core.config import ParallelConfig
+from ..parallel.core.strategy import sync_figures
+from ..parallel.core.memory_math import MEMORY_KINDS
 from ..runtime.topology import Topology
 from .faults import Faults
 from .guards import NonFiniteGuard, SpikeGuard

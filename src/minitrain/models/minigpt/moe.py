@@ -95,7 +95,7 @@ class MoEMLP(nn.Module):
 
     def run_experts(self, inputs: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """The experts' outputs for `inputs`, rows grouped by expert (counts[e] rows for expert e), in that order.
-        Expert parallelism (parallel/experts.py) replaces this on the instance: the rows then travel to the
+        Expert parallelism (parallel/expert_parallel/experts.py) replaces this on the instance: the rows then travel to the
         ranks that hold their experts and back."""
         return self.expert_outputs(inputs, counts, range(self.experts))
 

@@ -1,7 +1,7 @@
-"""MiniGPT's plan (parallel/model_plan.py): its tensor-parallel layers, pipeline split and
+"""MiniGPT's plan (parallel/core/model_plan.py): its tensor-parallel layers, pipeline split and
 recomputation targets. The model file knows none of this.
 
-Tensor parallel (Megatron-LM's split, parallel/tensor.py has the layers):
+Tensor parallel (Megatron-LM's split, parallel/tensor_parallel/layers.py has the layers):
 - attention by heads: qkv column-parallel (each rank keeps the q, k and v rows of its heads), the
   output projection row-parallel (the columns of those heads);
 - the MLP: up column-parallel, down row-parallel (GELU is elementwise, so it needs no exchange);
@@ -19,11 +19,11 @@ from __future__ import annotations
 from torch import nn
 
 from .model import MiniGPT
-from ...parallel.model_plan import ModelPlan
-from ...parallel.pipeline import stage_blocks
-from ...parallel.tp_plan import Colwise
+from ...parallel.core.model_plan import ModelPlan
+from ...parallel.pipeline_parallel.executor import stage_blocks
+from ...parallel.tensor_parallel.plans import Colwise
 
-# In the plan format any model's plan uses (parallel/tp_plan.py): module-name patterns to styles.
+# In the plan format any model's plan uses (parallel/tensor_parallel/plans.py): module-name patterns to styles.
 TENSOR_PARALLEL = {
     "blocks.*.attn.qkv": Colwise(parts=3),  # q, k and v rows of this rank's heads
     "blocks.*.attn.proj": "rowwise",         # the columns of those heads

@@ -34,7 +34,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..runtime.comm import Comm, PendingCollective
+from ...runtime.comm import Comm, PendingCollective
 from .schedules import SCHEDULES, Action, expected_bubble
 
 

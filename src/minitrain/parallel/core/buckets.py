@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..runtime.comm import Comm, PendingCollective
-from .layout import FlatParameters, Segment, missing_gradients
+from ...runtime.comm import Comm, PendingCollective
+from .flat_parameters import FlatParameters, Segment, missing_gradients
 from .memory_math import MemoryLedger
 
 

@@ -23,11 +23,11 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from ..runtime.comm import Comm, PendingCollective
-from .buckets import GradientToReduce, OverlappedAllReduce
-from .config import ParallelConfig
-from .flat import FlatStrategy, OptimizerFactory
-from .offload import copy_converting_on_device
+from ...runtime.comm import Comm, PendingCollective
+from ..core.buckets import GradientToReduce, OverlappedAllReduce
+from ..core.config import ParallelConfig
+from ..core.strategy import FlatStrategy, OptimizerFactory
+from ..core.offload import copy_converting_on_device
 
 
 class ReplicatedStrategy(FlatStrategy):

@@ -34,15 +34,15 @@ from collections import deque
 import torch
 import torch.nn as nn
 
-from ..runtime.comm import Comm, PendingCollective
-from .buckets import GradientToReduce, OverlappedAllReduce
-from .config import ParallelConfig
-from .flat import FlatStrategy, OptimizerFactory
-from .layout import Segment, local_views, missing_gradients
-from .offload import copy_converting_on_device, host_zeros
-from .piece_vector import PieceVector
-from .units import module_units, unit_layout
-from .visible_grads import ShardedGradient
+from ...runtime.comm import Comm, PendingCollective
+from ..core.buckets import GradientToReduce, OverlappedAllReduce
+from ..core.config import ParallelConfig
+from ..core.strategy import FlatStrategy, OptimizerFactory
+from ..core.flat_parameters import Segment, local_views, missing_gradients
+from ..core.offload import copy_converting_on_device, host_zeros
+from ..core.piece_vector import PieceVector
+from ..core.units import module_units, unit_layout
+from ..user_loop.visible_grads import ShardedGradient
 
 MAX_INFLIGHT = 1  # unit reduce-scatters in flight before the oldest is waited for (bounds gradient memory)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..runtime.comm import Comm
+from ...runtime.comm import Comm
 
 BATCH_STATISTICS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
 BROADCAST_BUCKET_BYTES = 64 << 20  # what start_alike copies at a time: the extra memory it holds at most

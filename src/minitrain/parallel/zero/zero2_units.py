@@ -31,8 +31,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .config import ParallelConfig
-from .piece_vector import PieceVector
+from ..core.config import ParallelConfig
+from ..core.piece_vector import PieceVector
 from .zero3 import Zero3
 
 

@@ -29,8 +29,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..runtime.comm import Comm
-from .tensor import _sharded
+from ...runtime.comm import Comm
+from ..tensor_parallel.layers import _sharded
 
 
 class _AllToAll(torch.autograd.Function):
@@ -174,7 +174,7 @@ def hugging_face_experts(model: torch.nn.Module, ep_plan) -> list[torch.nn.Modul
     """The experts modules an ep_plan names: "auto" reads a Hugging Face config's `base_model_ep_plan` (its
     `ep_dispatch_experts` entries, names under the base model); a dict {module-name pattern: "experts"} names a
     model's own modules of that layout. ValueError if none matches."""
-    from .tp_plan import matches
+    from ..tensor_parallel.plans import matches
 
     if ep_plan == "auto":
         base = getattr(getattr(model, "config", None), "base_model_ep_plan", None) or {}

@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 
 from .memory_math import padded_numel
-from .placement import Placement, whole_state
+from ..state.placement import Placement, whole_state
 
 
 @dataclass(frozen=True)

@@ -30,15 +30,15 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..runtime.arrival import arrive
-from ..runtime.comm import Comm, PendingCollective
-from .config import ParallelConfig
-from .flat import OptimizerFactory
-from .freed_params import guard_freed
-from .layout import local_views, missing_gradients, take
-from .offload import copy_converting_on_device
-from .param_use import GatherOnUse, tensors_in
-from .zero import Zero2
+from ...runtime.arrival import arrive
+from ...runtime.comm import Comm, PendingCollective
+from ..core.config import ParallelConfig
+from ..core.strategy import OptimizerFactory
+from ..user_loop.freed_params import guard_freed
+from ..core.flat_parameters import local_views, missing_gradients, take
+from ..core.offload import copy_converting_on_device
+from ..user_loop.param_use import GatherOnUse, tensors_in
+from .sharded import Zero2
 
 
 class Zero3(Zero2):

@@ -48,13 +48,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..runtime.comm import CollectiveError, Comm, PendingCollective
-from ..runtime.launch import left_key
-from ..runtime.servers import ServerGroup, shard_bounds
-from .config import ParallelConfig
-from .flat import FlatStrategy
-from .layout import FlatParameters
-from .norms import SquareSums, clip_coefficient, sum_in_order
+from ...runtime.comm import CollectiveError, Comm, PendingCollective
+from ...runtime.launch import left_key
+from ...runtime.servers import ServerGroup, shard_bounds
+from ..core.config import ParallelConfig
+from ..core.strategy import FlatStrategy
+from ..core.flat_parameters import FlatParameters
+from ..core.norms import SquareSums, clip_coefficient, sum_in_order
 
 # A message is a header (float64: kind, step, version, lr, loss scale, clip, epoch, groups), then what its kind
 # brings (a push through the API: its gradient, then the learning rate of each of its `groups` param groups). A

@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..runtime.comm import Comm
-from .layout import TensorSlice
+from ...runtime.comm import Comm
+from ..core.flat_parameters import TensorSlice
 
 
 class _CopyToTensorParallel(torch.autograd.Function):

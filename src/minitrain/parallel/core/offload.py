@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 
 class OffloadError(ConfigError):

@@ -17,7 +17,7 @@ from torch import nn
 
 @dataclass(frozen=True)
 class ModelPlan:
-    # Which modules become which tensor-parallel layers: {module-name pattern: style} (parallel/tp_plan.py).
+    # Which modules become which tensor-parallel layers: {module-name pattern: style} (parallel/tensor_parallel/plans.py).
     tensor_parallel: dict | None = None
     # Keep only stage s of P (in place); the model's forward must then run the parts it still has.
     pipeline_split: Callable[[nn.Module, int, int], None] | None = None

@@ -24,7 +24,7 @@ import torch
 
 from .offload import OffloadStore, copy_converting_on_device
 from .piece_vector import PieceVector
-from .layout import FlatParameters, Ranges
+from .flat_parameters import FlatParameters, Ranges
 
 OptimizerFn = Callable[..., torch.optim.Optimizer]
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime.comm import Comm
-from .flat import FlatStrategy
+from ...runtime.comm import Comm
+from ..core.strategy import FlatStrategy
 from .placement import check_state, dtype_name
-from .tensor import gather_slices
+from ..tensor_parallel.layers import gather_slices
 
 # The integer type of each float's width: an all-reduce of bit patterns where one rank is non-zero.
 _BITS = {8: torch.int64, 4: torch.int32}

@@ -8,7 +8,7 @@ and Hugging Face's `base_model_tp_plan` use:
 
 A pattern is matched against the dotted names of `model.named_modules()` segment by segment, each
 segment with fnmatch (so `layers.*.mlp` matches `layers.0.mlp`, not `layers.0.attn.mlp`). The styles
-(the layers are parallel/tensor.py's; Megatron-LM's split):
+(the layers are parallel/tensor_parallel/layers.py's; Megatron-LM's split):
 
   colwise                nn.Linear: this rank's share of the output features; the output stays split
   rowwise                nn.Linear: this rank's share of the input features; partial outputs summed
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..runtime.comm import Comm
-from .tensor import (
+from ...runtime.comm import Comm
+from .layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelCrossEntropy,

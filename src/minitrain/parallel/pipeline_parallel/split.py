@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .pipeline import stage_blocks
+from .executor import stage_blocks
 
 BlockKwargs = Callable[[nn.Module, torch.Tensor], dict]
 

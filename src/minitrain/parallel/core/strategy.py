@@ -19,14 +19,14 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.nn as nn
 
-from ..runtime.comm import Comm
+from ...runtime.comm import Comm
 from .config import ParallelConfig
-from .layout import FlatParameters, Ranges, Segment, WholeModel, local_views, take
+from .flat_parameters import FlatParameters, Ranges, Segment, WholeModel, local_views, take
 from .memory_math import MEMORY_KINDS, MemoryLedger, memory_terms, term_bytes, term_formula
 from .norms import SquareSums, clip_coefficient, clip_coefficient_tensor
 from .piece_vector import held_bytes
-from .placement import Placement, placements
-from .visible_grads import BackwardEndSync, VisibleGradGuard
+from ..state.placement import Placement, placements
+from ..user_loop.visible_grads import BackwardEndSync, VisibleGradGuard
 
 # (master, flat parameters, this rank's shard ranges) -> an optimizer over the shard (see FlatStrategy)
 OptimizerFactory = Callable[[torch.Tensor, FlatParameters, Ranges], object]
@@ -199,7 +199,7 @@ class FlatStrategy:
         self._tp_sharded = self.flat.ranges_of_names(self.flat.sliced)
 
     def use_experts(self, ep: Comm) -> None:
-        """Expert parallelism that splits the weights (parallel/experts.py): this strategy's group is the experts'
+        """Expert parallelism that splits the weights (parallel/expert_parallel/experts.py): this strategy's group is the experts'
         replicas, and the slices (WholeModel.slices, summed over `ep` in norms) are this rank's experts. Each
         step's averaged gradient is then settled (_settle_experts) before anything reads it."""
         self._ep = ep

@@ -422,6 +422,35 @@ def nanogpt_port(docs: list[dict]) -> list[str]:
             *_table(["run", "iteration", "DDP", "minitrain", "difference"], "<>>>>", rows)]
 
 
+def learner_path(docs: list[dict]) -> list[str]:
+    """tools/learner_path.py: per strategy, the minitrain files one traced step runs in, with picotron's files
+    for the same strategy (read, not traced) under it where picotron has it."""
+    doc, target = docs[0], docs[0]["target"]
+    rows = []
+    for name, entry in doc["results"].items():
+        if "error" in entry:
+            rows.append([entry["label"], "minitrain", f"failed: {entry['error'].replace('|', '/')}", "", "", "", ""])
+        else:
+            files = entry["files"].values()
+            count, lines = len(files), sum(total for total, _ in files)
+            within = "" if name not in target["strategies"] else \
+                "yes" if count <= target["files"] and lines <= target["lines"] else "no"
+            rows.append([entry["label"], "minitrain", str(count), f"{lines:,}", f"{sum(e for _, e in files):,}",
+                         str(len(entry["calls"])), within])
+        theirs = doc["picotron"].get(name)
+        if theirs:
+            rows.append(["", "picotron (reference)", str(theirs["files"]), f"{theirs['lines']:,}", "",
+                         f"~{theirs['calls']}", ""])
+    ep = doc["model"]["ep"]
+    return [(f"One step of a {doc['model']['preset']} MiniGPT (expert parallel: {ep['moe_experts']} experts, top "
+             f"{ep['moe_top_k']}) on {doc['world_size']} ranks ({doc['backend']}) after one warm-up step, traced on "
+             f"rank 0 by `python tools/learner_path.py` at `{doc['revision']}`; picotron's figures are its files for "
+             f"that strategy, read in its repository, not traced. Target for DDP, ZeRO, TP and PP: at most "
+             f"{target['files']} files and {target['lines']:,} lines."), "",
+            *_table(["strategy", "code", "files", "lines in them", "lines executed", "cross-file calls",
+                     "within the target"], "<<>>>><", rows)]
+
+
 # Table name -> (result files, renderer). Benchmarks run at several sizes write one file per size.
 TABLES = {
     "prepare_vs_peers": ("prepare_vs_peers.json", prepare_vs_peers),
@@ -454,6 +483,7 @@ TABLES = {
     "zero3_read_guard": ("zero3_read_guard.json", zero3_read_guard),
     "host_adam_vs_deepspeed": ("host_adam_vs_deepspeed_t*.json", host_adam_vs_deepspeed),
     "nanogpt_port": ("nanogpt_port.json", nanogpt_port),
+    "learner_path": ("learner_path.json", learner_path),
 }
 
 

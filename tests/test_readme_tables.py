@@ -31,7 +31,8 @@ KEYS = {"prepare_vs_peers": TIMED | {"world", "warmup"}, "prepare_vs_peers_w4": 
         "gpu_against_plain": {"device", "against_plain", "peak"},
         "object_store": {"preset", "bytes", "repeats", "format", "results"},
         "zero3_read_guard": {"steps", "repeats", "rows"}, "host_adam_vs_deepspeed": {"steps", "repeats", "rows"},
-        "nanogpt_port": {"nanogpt", "port", "runs"}}
+        "nanogpt_port": {"nanogpt", "port", "runs"},
+        "learner_path": {"results", "picotron", "target", "world_size", "backend", "model", "revision"}}
 # A lent GPU machine runs every GPU benchmark through one script (its results come back from there).
 GPU_SESSION = "OUT=DIR bash tools/gpu_session.sh"
 MACHINE = {"platform", "cpus", "torch", "python"}

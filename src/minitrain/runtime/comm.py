@@ -1,61 +1,43 @@
-"""The only module that calls torch.distributed collectives.
+"""The only module that calls torch.distributed collectives: Comm, one per process group.
 
-Every call goes through `Comm._run`, which counts calls, payload bytes and
-wall seconds per op; step metrics take deltas of these counters. A Comm of
-world size 1 needs no process group: each op is the identity (a copy where an
-output buffer is given) and nothing is counted, since nothing moves.
+Every call goes through `Comm._run` (or `_launch`, for an async one), whose OpLedger (op_stats.py) counts calls,
+payload bytes and wall seconds per op; step metrics take deltas of these counters. A Comm of world size 1 needs
+no process group: each op is the identity (a copy where an output buffer is given) and nothing is counted, since
+nothing moves.
 
 Payload bytes per call: all_reduce, broadcast, send, recv (and each of an exchange's): the tensor;
 reduce_scatter: the full input; all_gather: the full output.
 
-Async collectives (`*_async`) book their
-*in-flight* time: from launch until the backend marks the work complete (a
-callback on its future), not until someone waits for it. That is what tells
-how much communication hid behind computation.
+Async collectives (`*_async`) return a PendingCollective (pending.py), which books their *in-flight* time.
 
 With a CollectiveWatch (runtime/watch.py; a Comm of a process group always has one when Topology made it),
 every collective also gets a fingerprint (group, sequence number, op, shapes, dtype, call site), and the watch
 hears when this rank enters and leaves it: a hang is then diagnosed by naming the rank that is elsewhere, and
-a failing collective's error carries that diagnosis. Cost: 2.5-2.7 us per collective (measured:
-runtime/watch.py).
+a failing collective's error (collective_error.py) carries that diagnosis.
 
-Longer than our ~400 lines on purpose: every collective the project issues is here, one short method each, so
-that one file shows what crosses the network and the watch sees every op.
+Every collective the project issues is a short method of Comm here, so that one file shows what crosses the
+network and the watch sees every op; call_site() skips this file to name the caller.
 """
 from __future__ import annotations
 
 import json
 import os
 import sys
-import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from .clock import clock_for
-from .diagnosis import first_sentence
+from .collective_error import CollectiveError, collective_failure
+from .op_stats import OpLedger, OpStats
+from .pending import AllOf, PendingCollective
+
+# What importers take from here besides Comm: its errors, what totals() returns, an async op's handle.
+__all__ = ["CollectiveError", "Comm", "OpStats", "PendingCollective", "call_site", "concrete_device"]
 
 # torch 2.13 renamed the single-tensor collectives; older releases (>= 2.4) have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-class _AllOf:
-    """Several backend Works as one: a collective the comm layer runs as several ops."""
-
-    def __init__(self, works: list):
-        self.works = works
-
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()
-
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self.works)
-
-    def get_future(self) -> torch.futures.Future:
-        return torch.futures.collect_all([work.get_future() for work in self.works])
 
 
 def concrete_device(device: torch.device | str) -> torch.device:
@@ -67,84 +49,9 @@ def concrete_device(device: torch.device | str) -> torch.device:
     return device
 
 
-class CollectiveError(RuntimeError):
-    """A collective failed or timed out; the message names the op and this rank, and with a watch the rank
-    that caused it. `culprit`: this rank is the one named (the launcher then reports its error first)."""
-
-    def __init__(self, message: str, culprit: bool = False):
-        super().__init__(message)
-        self.culprit = culprit
-
-
-@dataclass
-class OpStats:
-    calls: int = 0
-    bytes: int = 0
-    seconds: float = 0.0
-
-
-class PendingCollective:
-    """An async collective in flight. `wait()` finishes it (on a GPU: orders the compute stream after it; the host
-    does not block), books its stats and returns its (launched, completed) marks on the comm's clock (clock.py:
-    host seconds, or CUDA events read after the step's host synchronisation)."""
-
-    def __init__(self, comm: "Comm", op: str, nbytes: int, work=None, payload: torch.Tensor | None = None,
-                 fp: tuple | None = None, launched=None):
-        self.comm, self.op, self.nbytes, self.work, self.fp = comm, op, nbytes, work, fp
-        self.clock = comm.clock
-        self.payload = payload  # a tensor the op reads or writes, kept alive until wait()
-        self.launched = launched if launched is not None else self.clock.mark()  # marked before it was issued
-        self.completed = None if work is not None else self.launched
-        if work is not None and self.clock.on_device:
-            self.completed = self.clock.mark_done(work)  # NCCL's future completes when queued: an event instead
-        elif work is not None:
-            try:
-                work.get_future().add_done_callback(self._mark_completed)
-            except RuntimeError:  # some gloo ops (reduce_scatter) have no future: completion = wait's return
-                pass
-
-    def _mark_completed(self, _future) -> None:
-        self.completed = time.perf_counter()
-
-    def wait(self) -> tuple:
-        if self.work is not None:
-            watch = self.comm.watch if self.fp is not None else None
-            if watch is not None and not self.clock.on_device:
-                watch.enter(self.fp)
-            try:
-                self.work.wait()
-            except RuntimeError as e:
-                raise self.comm.failure(self.op, self.nbytes, e, self.fp) from e
-            finally:  # whatever ends the wait (an interrupt too), this rank is no longer in it
-                if watch is not None and not self.clock.on_device:
-                    watch.leave(self.fp)
-            if watch is not None and self.clock.on_device:  # the host passed; the device is in it until it is done
-                watch.outstanding(self.fp, self.work.is_completed)
-            if self.completed is None:  # the callback may still be on its way; bound it by now
-                self.completed = time.perf_counter()
-            self.comm.record(self.op, self.nbytes, self.launched, self.completed)
-            self.work = self.payload = None
-        return self.launched, self.completed
-
-    def done(self) -> bool:
-        """True once the backend has finished it (no waiting); wait() still books it. On a GPU the device says
-        (NCCL's future reports a collective done as soon as it is queued)."""
-        if self.work is None:
-            return True
-        if self.clock.on_device:
-            return self.work.is_completed()
-        return self.completed is not None or self.work.is_completed()
-
-    def then(self, fn) -> torch.futures.Future:
-        """A torch Future that completes with fn() once this collective has (DDP hooks return one)."""
-        if self.work is None:
-            done = torch.futures.Future()
-            done.set_result(fn())
-            return done
-        return self.work.get_future().then(lambda _future: fn())
-
-
 class Comm:
+    """One process group's collectives, each a short method; counted, timed and watched (see the module's text)."""
+
     def __init__(self, rank: int = 0, world_size: int = 1, group=None, device: torch.device | str = "cpu",
                  name: str = "world", watch=None, issue_alone: bool = False):
         """name: the group's kind ("world", "dp", "tp", "pp"), as fingerprints and diagnoses call it.
@@ -154,15 +61,13 @@ class Comm:
         self.rank, self.world_size, self.group, self.name = rank, world_size, group, name
         self.alone = world_size == 1 and not (issue_alone and group is not None)  # no backend call: local copies
         self.device = concrete_device(device)  # where this group's tensors must live (cuda for NCCL)
-        self.stats: dict[str, OpStats] = {}
+        self.ledger = OpLedger()
         self._gloo = group is not None and dist.get_backend(group) == "gloo"
         self.watch = watch if group is not None and world_size > 1 else None
         self._track = self.watch.track(name, dist.get_process_group_ranks(group)) if self.watch else None
         self._released = False
         self._clock = None  # made on first use (a CUDA clock needs the device): clock.py
-        self._unbooked: list[tuple] = []  # (op, bytes, began, ended, tag) on a device clock, booked once done
         self.tag: str | None = None  # set around a region whose collectives' seconds are wanted apart (take_tagged)
-        self._tagged: dict[str, float] = {}
 
     @property
     def group_track(self):
@@ -221,60 +126,28 @@ class Comm:
             self.watch.outstanding(fp, lambda: clock.ready(end))
         self.record(op, nbytes, start, end)
 
+    @property
+    def stats(self) -> dict[str, OpStats]:
+        """Calls, bytes and seconds so far, per op."""
+        return self.ledger.stats
+
     def record(self, op: str, nbytes: int, began, ended) -> None:
-        """Book a collective between two marks of the clock: now on the host, once both are done on a device."""
-        if self.clock.on_device:
-            self._unbooked.append((op, nbytes, began, ended, self.tag))
-        else:
-            self.book(op, nbytes, ended - began, self.tag)
-
-    def settle(self) -> None:
-        """Book the collectives whose device marks are done (after the step's host synchronisation, all of them)."""
-        clock, waiting = self.clock, []
-        for op, nbytes, began, ended, tag in self._unbooked:
-            if clock.ready(began) and clock.ready(ended):
-                self.book(op, nbytes, clock.seconds(ended) - clock.seconds(began), tag)
-            else:
-                waiting.append((op, nbytes, began, ended, tag))
-        self._unbooked = waiting
-
-    def book(self, op: str, nbytes: int, seconds: float, tag: str | None = None) -> None:
-        stats = self.stats.setdefault(op, OpStats())
-        stats.calls += 1
-        stats.bytes += nbytes
-        stats.seconds += seconds
-        if tag is not None:
-            self._tagged[tag] = self._tagged.get(tag, 0.0) + seconds
+        """Book a collective between two marks of the clock (op_stats.py), under the current tag."""
+        self.ledger.record(self.clock, op, nbytes, began, ended, self.tag)
 
     def take_tagged(self, tag: str) -> float:
         """Seconds of the collectives recorded while `tag` was set, since the last take (booked ones only: on a GPU,
         read after the step's host synchronisation)."""
-        if self._unbooked:
-            self.settle()
-        return self._tagged.pop(tag, 0.0)
+        return self.ledger.take_tagged(self.clock, tag)
 
     def failure(self, op: str, nbytes: int, cause: Exception, fp: tuple | None = None) -> CollectiveError:
-        """The error to raise for a collective that raised `cause`; with a watch, it waits (a few seconds at
-        most) for the diagnosis every rank agrees on and carries it."""
-        where = f"{op} of {nbytes} bytes failed on rank {self.rank} of {self.world_size} in {self.name}"
-        diagnosis = None
-        if self.watch is not None:
-            what = f"{op} #{fp[1]} on {self.name}" if fp is not None else op
-            diagnosis = self.watch.diagnose(f"collective failure (rank {self.watch.rank}'s {what} raised: "
-                                            f"{first_sentence(cause)})", fp)
-        if diagnosis is None:
-            return CollectiveError(f"{where}: {cause}")
-        return CollectiveError(f"{where}: {diagnosis.text}\n(the backend said: {cause})",
-                               culprit=self.watch.rank in diagnosis.culprits)
+        """The error to raise for a collective that raised `cause` (collective_error.py)."""
+        return collective_failure(self, op, nbytes, cause, fp)
 
     def totals(self) -> OpStats:
         """Sum over all ops so far (take differences for per-step figures); on a GPU, of those whose device marks
         are done (all of them after the step's host synchronisation)."""
-        if self._unbooked:
-            self.settle()
-        return OpStats(sum(s.calls for s in self.stats.values()),
-                       sum(s.bytes for s in self.stats.values()),
-                       sum(s.seconds for s in self.stats.values()))
+        return self.ledger.totals(self.clock)
 
     # --- collectives -----------------------------------------------------------------
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
@@ -362,13 +235,13 @@ class Comm:
 
     def _start_all_gather(self, full_out: torch.Tensor, shard_in: torch.Tensor):
         """Start an all_gather; returns its Work. On gloo, above 1 MiB, as one broadcast from each rank
-        into its slice of full_out: gloo's own all_gather goes through temporaries and runs 2.5-3x slower
-        (43 MB: 81 ms against 26 ms at 2 ranks, 143 against 55 ms at 4), the same as or faster below."""
+        into its slice of full_out: gloo's own all_gather goes through temporaries, which costs it at that size
+        (below, it is as fast or faster)."""
         if not (self._gloo and _nbytes(full_out) > 1 << 20):
             return _all_gather_single(full_out, shard_in, group=self.group, async_op=True)
         slices = full_out.view(self.world_size, -1)
         slices[self.rank].copy_(shard_in)
-        return _AllOf([dist.broadcast(slices[r], group=self.group, group_src=r, async_op=True)
+        return AllOf([dist.broadcast(slices[r], group=self.group, group_src=r, async_op=True)
                        for r in range(self.world_size)])
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
@@ -487,7 +360,7 @@ _SITE_NAMES: dict[str, str] = {}
 
 def call_site(skip: str = __file__) -> str:
     """'zero3.py:80': the first frame outside the file `skip` (by default this one: who called the collective).
-    About 0.4 us: a few frames up, one cached basename."""
+    A few frames up, one cached basename: cheap enough for every collective."""
     frame = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename == skip:
         frame = frame.f_back

@@ -14,8 +14,8 @@ if TYPE_CHECKING:  # the type only: schema.py puts the sections together and imp
 
 @dataclass
 class ParameterServerConfig:
-    """Parameter-server training (minitrain.parallel's parameter server): the last S ranks hold the parameters and optimizer
-    state, the others compute gradients."""
+    """Parameter-server training (minitrain.parallel's parameter server): the last S ranks hold the parameters
+    and optimizer state, the others compute gradients."""
 
     servers: int = opt(0, "ranks that are parameter servers, each holding a contiguous shard of the parameters and "
                        "its optimizer state; the other ranks are workers that push gradients and pull parameters "

@@ -58,7 +58,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
         if self._prepared.settings["servers"]:
             pushed, self._prepared.pushed_norm = self._prepared.pushed_norm, None
             return pushed if pushed is not None else self.push(0.0)
-        return self._strategy.step(None, loss_scale, max_norm if max_norm is not None else 0.0)
+        return float(self._strategy.step(None, loss_scale, max_norm if max_norm is not None else 0.0))
 
     def push(self, max_norm: float) -> float:
         """A parameter-server worker's update: its gradient to the servers with every param group's learning rate,
@@ -69,7 +69,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"param group {i}: {', '.join(changed)} changed since prepare; with parameter servers "
                                  "only the learning rate follows the worker's optimizer (a scheduler that cycles "
                                  "momentum, such as OneCycleLR, needs cycle_momentum=False)")
-        norm = self._strategy.step(None, 1.0, max_norm, group_lrs=[group["lr"] for group in self.param_groups])
+        norm = float(self._strategy.step(None, 1.0, max_norm, group_lrs=[group["lr"] for group in self.param_groups]))
         if self._strategy.ending:  # loud: the parameters it pulled may not hold this gradient
             raise RuntimeError("another worker has called cleanup(): the parameter servers take no more updates "
                                "(every worker must run the same number of steps)")

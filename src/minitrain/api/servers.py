@@ -24,7 +24,7 @@ from torch import nn
 
 from ..parallel.core.config import ParallelConfig
 from ..parallel.core.flat_parameters import FlatParameters, WholeModel
-from ..parallel.param_server.param_server import ParameterServer
+from ..parallel.param_server import ParameterServer
 from ..runtime.servers import ServerGroup
 from ..runtime.topology import Topology
 from .session import current

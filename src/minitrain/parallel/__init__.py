@@ -16,14 +16,14 @@ from .data_parallel.data_parallel import BucketedDataParallel, NaiveDataParallel
 from .core.strategy import FlatStrategy, OptimizerFactory
 from .core.flat_parameters import WholeModel
 from .core.model_plan import ModelPlan
-from .param_server.param_server import ParameterServerWorker
+from .param_server import ParameterServerWorker
 from .pipeline_parallel.executor import Pipeline
 from .user_loop.replica_state import start_alike
 from .tensor_parallel.layers import tensor_parallel_slices
 from .tensor_parallel.plans import apply_tensor_parallel
-from .zero.sharded import Zero1, Zero2
-from .zero.zero2_units import Zero2Units
-from .zero.zero3 import Zero3
+from .zero.sharded_units import ShardedUnits
+from .zero.zero1 import Zero1
+from .zero.zero2 import Zero2
 
 
 def parallelize(model: nn.Module, topo: Topology, pcfg: ParallelConfig, make_optimizer: OptimizerFactory,
@@ -80,9 +80,9 @@ def make_strategy(model: nn.Module, comm: Comm, pcfg: ParallelConfig, make_optim
     """The data-parallel strategy over `comm` for `model` (which may already be split across `tp` and `pp`)."""
     kwargs = {"whole": whole}
     if pcfg.zero == 3:
-        strategy = Zero3(model, comm, pcfg, make_optimizer, **kwargs)
-    elif pcfg.zero == 2 and Zero2Units.applies(model, pcfg):  # each unit freed after backward (zero2_units.py)
-        strategy = Zero2Units(model, comm, pcfg, make_optimizer, **kwargs)
+        strategy = ShardedUnits(model, comm, pcfg, make_optimizer, reshard_after_forward=True, **kwargs)
+    elif pcfg.zero == 2 and ShardedUnits.frees_after_backward(model, pcfg):  # zero/sharded_units.py
+        strategy = ShardedUnits(model, comm, pcfg, make_optimizer, reshard_after_forward=False, **kwargs)
     elif pcfg.zero in (1, 2):
         strategy = (Zero1 if pcfg.zero == 1 else Zero2)(model, comm, pcfg, make_optimizer, **kwargs)
     else:
@@ -101,5 +101,5 @@ def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 __all__ = ["BucketedDataParallel", "NaiveDataParallel", "TorchDataParallel", "FlatStrategy", "ModelPlan",
-           "ParallelConfig", "Pipeline", "WholeModel", "Zero1", "Zero2", "Zero2Units", "Zero3", "cast_parameters", "make_strategy",
+           "ParallelConfig", "Pipeline", "WholeModel", "ShardedUnits", "Zero1", "Zero2", "cast_parameters", "make_strategy",
            "parallelize"]

@@ -20,7 +20,9 @@ from ..errors import ConfigError
 from ..models import spec_for
 from ..parallel.core.flat_parameters import FlatParameters, WholeModel
 from ..parallel.core.norms import SquareSums
-from ..parallel.param_server.param_server import SUMMARY, DepartureWatch, ParameterServer
+from ..parallel.param_server import ParameterServer
+from ..parallel.param_server.protocol import SUMMARY
+from ..parallel.param_server.worker import DepartureWatch
 from ..runtime.servers import ServerGroup, shard_bounds
 from ..runtime.topology import Topology
 from .estimate import model_params

@@ -130,7 +130,7 @@ class FlatStrategy:
         self._tp_sharded: Ranges = []  # physical ranges of parameters split across tp (or ep: use_experts)
         self._ep: Comm | None = None  # expert parallelism that splits the weights (use_experts)
         self._settled = False  # this step's gradient settled over ep (_synced_grad)
-        self._norm: float | None = None  # this step's global gradient norm, once computed
+        self._norm: torch.Tensor | None = None  # this step's global gradient norm, once computed
         self._visible_guard: VisibleGradGuard | None = None  # refuses p.grad changed after a sync (visible_grads.py)
         self._backward_end: BackwardEndSync | None = None  # syncs when backward ends (user_loop, stages 0-1)
         # Every hook this strategy puts on the model or its parameters: close() removes them, so a dropped model no
@@ -430,8 +430,12 @@ class FlatStrategy:
     def grad_norm(self, loss_scale: float = 1.0) -> float:
         """The global norm of this step's unscaled gradient (every rank, every shard, slice and stage;
         tied weights once): the same float on every rank. Finishes the gradient sync. Collective."""
+        return float(self._grad_norm(loss_scale))
+
+    def _grad_norm(self, loss_scale: float) -> torch.Tensor:
+        """grad_norm as a float64 tensor on the device, computed once per step (nothing read back)."""
         if self._norm is None:
-            self._norm = float(self._grad_norm_tensor(loss_scale))
+            self._norm = self._grad_norm_tensor(loss_scale)
         return self._norm
 
     def _grad_norm_tensor(self, loss_scale: float) -> torch.Tensor:
@@ -458,26 +462,33 @@ class FlatStrategy:
         else:
             self._synced_grad().div_(scale)
 
+    @property
+    def steps_on_device(self) -> bool:
+        """Whether the optimizer skips a non-finite step by itself on the device (FlatAdamW's fused kernel), so that
+        step() need not read the gradient norm on the host."""
+        return getattr(self.optimizer, "skips_on_device", False)
+
     @torch.no_grad()
-    def step(self, lr: float | None = None, loss_scale: float = 1.0, max_norm: float | None = None) -> float:
-        """Sync gradients, clip, update parameters on every rank; return the global grad norm.
-        The gradients are of loss * loss_scale (fp16 loss scaling); the norm returned and the
-        update are of the unscaled loss. max_norm: clip to it (default: the config's grad_clip).
-        lr: the learning rate, or None to keep the optimizer's own. A non-finite norm (NaN/Inf in
-        any rank's gradients, or an fp16 overflow) skips the update on every rank."""
+    def step(self, lr: float | None = None, loss_scale: float = 1.0, max_norm: float | None = None) -> torch.Tensor:
+        """Sync gradients, clip, update parameters on every rank; return the global gradient norm as a float64
+        tensor on the device. The gradients are of loss * loss_scale (fp16 loss scaling); the norm returned and the
+        update are of the unscaled loss. max_norm: clip to it (default: the config's grad_clip). lr: the learning
+        rate, or None to keep the optimizer's own. A non-finite norm (NaN/Inf in any rank's gradients, or an fp16
+        overflow) skips the update on every rank: decided on the device where the optimizer can (steps_on_device;
+        the host then reads the norm whenever it likes, with the step's other statistics), else on the host, which
+        reads the norm here (every rank reads the same norm, so every rank decides alike)."""
         try:
             if self._visible_guard is not None:
                 self.finish_grad_sync()
                 self._visible_guard.check(self.flat.grad)
-            norm = self.grad_norm(loss_scale)
+            norm = self._grad_norm(loss_scale)
             self._take_in_place_edits()
-            if math.isfinite(norm):  # every rank sees the same norm, so every rank decides alike
-                clip = self.pcfg.grad_clip if max_norm is None else max_norm
-                target = self._publish_target()
-                self.optimizer.step(self._synced_grad(), lr, clip_coefficient(norm, clip) / loss_scale,
-                                    publish_to=target)
-                self._publish(target)
-                self.optimizer.release_pages()
+            clip = self.pcfg.grad_clip if max_norm is None else max_norm
+            if self.steps_on_device:
+                self._update(lr, clip_coefficient_tensor(norm, clip) / loss_scale,
+                             found_inf=(~torch.isfinite(norm)).to(torch.float32))
+            elif math.isfinite(value := float(norm)):
+                self._update(lr, clip_coefficient(value, clip) / loss_scale)
             # else skip: parameters and optimizer state unchanged
         finally:
             self._settled = False  # however the step ends: the next gradient is settled afresh
@@ -485,31 +496,14 @@ class FlatStrategy:
         self._end_step()
         return norm
 
-    @property
-    def steps_on_device(self) -> bool:
-        """Whether step_on_device can skip a non-finite step without the host reading the norm."""
-        return getattr(self.optimizer, "skips_on_device", False)
-
-    @torch.no_grad()
-    def step_on_device(self, lr: float, loss_scale: float = 1.0) -> torch.Tensor:
-        """step() without reading the gradient norm on the host: the clip coefficient and the skip of a
-        non-finite step (found_inf) are computed and applied on the device; returns the norm as a float64
-        tensor, for the caller to read with the step's other statistics (a skipped step the fused kernel also takes
-        back from its step count). Only with steps_on_device (FlatAdamW's fused kernel)."""
-        try:
-            norm = self._grad_norm_tensor(loss_scale)
-            self._take_in_place_edits()
-            found_inf = (~torch.isfinite(norm)).to(torch.float32)
-            scale = clip_coefficient_tensor(norm, self.pcfg.grad_clip) / loss_scale
-            target = self._publish_target()
-            self.optimizer.step(self._synced_grad(), lr, scale, found_inf=found_inf, publish_to=target)
-            self._publish(target)  # a skipped step publishes the unchanged master: the same parameters
-            self.optimizer.release_pages()
-        finally:
-            self._settled = False
-        self._norm = None
-        self._end_step()
-        return norm
+    def _update(self, lr: float | None, scale, found_inf: torch.Tensor | None = None) -> None:
+        """The optimizer's step on this rank's shard of the gradient times `scale`, then the new parameters published
+        (a step found_inf skips publishes the unchanged master: the same parameters)."""
+        target = self._publish_target()
+        kwargs = {} if found_inf is None else {"found_inf": found_inf}
+        self.optimizer.step(self._synced_grad(), lr, scale, publish_to=target, **kwargs)
+        self._publish(target)
+        self.optimizer.release_pages()
 
     # --- what this rank holds --------------------------------------------------------
     def held_params(self) -> torch.Tensor:

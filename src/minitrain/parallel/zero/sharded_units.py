@@ -1,29 +1,33 @@
-"""ZeRO-3: parameters sharded at rest too; each unit is gathered only while it computes.
+"""Parameters sharded and gathered unit by unit: ZeRO-3, and ZeRO-2 whose units are freed after backward. One
+flag tells them apart, as FSDP2's `reshard_after_forward` does.
 
-Between steps a rank holds only its chunk of every unit's parameters
-(P/N elements), and every model parameter points at an empty tensor. Hooks
-make each unit (units.py: one per block) whole exactly when it is needed:
+Between steps a rank holds only its chunk of every unit's parameters (P/N elements). Hooks make each unit
+(core/units.py: one per block) whole exactly when it is needed:
 
-  forward:   pre-hook   all_gather the unit (and start gathering the next one,
-                        --prefetch); point its parameters into the buffer
-             post-hook  free the buffer; hook the unit's output so that ...
-  backward:  ... when the output's gradient is ready (the unit's backward is
-                        next), gather the unit again (and prefetch the one
-                        before it)
-             when the unit's last gradient lands: reduce_scatter it into the
-                        gradient shard (ZeRO-2's path) and free the buffer.
+  forward:   pre-hook   all_gather the unit (and start gathering the next one, --prefetch); its parameters
+                        point into the buffer
+             post-hook  reshard_after_forward: free the buffer; hook the unit's output so that ...
+  backward:  ... when the output's gradient is ready (the unit's backward is next), gather the unit again
+                        if it was freed (and prefetch the one before it)
+             when the unit's last gradient lands: reduce_scatter it into the gradient shard
+                        (gradient_shard.py) and free the buffer.
+  step's end: ZeRO-3 gathers nothing (the next forward does); ZeRO-2 gathers every unit from the updated shard,
+             so the parameters are whole between steps.
 
-Each unit has one gathered buffer whose *storage* is allocated only while
-the unit is whole (resized to 0 bytes otherwise, FSDP's technique). The
-parameters are permanent views into it. That matters because autograd saves
-views of the weights (a linear layer keeps W.t() for backward): freeing by
-dropping the buffer would leave those views holding the memory until
-backward. Freeing the storage releases it; re-gathering into the same storage
-before the unit's backward gives the saved views their values back. Writes go
-through the buffer tensor, whose version counter is not the parameters', so
-autograd does not mistake the re-gather for an in-place change. The optimizer
-updates the parameter shard in place (it is the master; in mixed precision the
-16-bit shard is a rounded copy of it); nothing is gathered until the next forward.
+ZeRO-2 (reshard_after_forward=False) is FSDP's SHARD_GRAD_OP: from its reduction to the end of the update a
+unit's full parameters are dead, so they are freed there rather than kept whole as zero2.py keeps them, which
+lowers the peak at the end of backward (docs/zero.md). It gathers from the shard, which in full precision is the
+optimizer's master itself (make_strategy uses zero2.py otherwise). With gradient accumulation a unit freed by one
+micro-batch's backward is gathered again by the next forward, as FSDP2 does.
+
+Each unit has one gathered buffer whose *storage* is allocated only while the unit is whole (resized to 0 bytes
+otherwise, FSDP's technique). The parameters are permanent views into it. That matters because autograd saves
+views of the weights (a linear layer keeps W.t() for backward): freeing by dropping the buffer would leave those
+views holding the memory until backward. Freeing the storage releases it; re-gathering into the same storage
+before the unit's backward gives the saved views their values back. Writes go through the buffer tensor, whose
+version counter is not the parameters', so autograd does not mistake the re-gather for an in-place change. The
+optimizer updates the parameter shard in place (it is the master; in mixed precision the 16-bit shard is a
+rounded copy of it).
 """
 from __future__ import annotations
 
@@ -33,22 +37,23 @@ import torch.nn as nn
 from ...runtime.arrival import arrive
 from ...runtime.comm import Comm, PendingCollective
 from ..core.config import ParallelConfig
+from ..core.piece_vector import PieceVector
 from ..core.strategy import OptimizerFactory
 from ..user_loop.freed_params import guard_freed
 from ..core.flat_parameters import local_views, missing_gradients, take
 from ..core.offload import copy_converting_on_device
 from ..user_loop.param_use import GatherOnUse, tensors_in
-from .sharded import Zero2
+from .sharded import ShardedStrategy
 
 
-class Zero3(Zero2):
-    name = "zero3"
-    stage = 3
-    # A gathered unit is a transient in the memory ledger; ZeRO-2 with units counts them at rest (whole between steps).
-    gathered_at_rest = False
-
+class ShardedUnits(ShardedStrategy):
     def __init__(self, model: nn.Module, comm: Comm, pcfg: ParallelConfig, make_optimizer: OptimizerFactory,
-                 **kwargs):
+                 reshard_after_forward: bool = True, **kwargs):
+        self.reshard_after_forward = reshard_after_forward
+        self.stage = 3 if reshard_after_forward else 2
+        self.name = f"zero{self.stage}"
+        # A gathered unit is a transient in the memory ledger at ZeRO-3; ZeRO-2 counts them at rest.
+        self.gathered_at_rest = not reshard_after_forward
         super().__init__(model, comm, pcfg, make_optimizer, **kwargs)
         self.prefetch = pcfg.prefetch
         # In full precision the parameter shard *is* the optimizer's master: both would hold the
@@ -84,11 +89,22 @@ class Zero3(Zero2):
             self._watch_uses(model)
             # The user's code between steps reads a freed parameter by mistake: refused, not read (freed_params.py).
             guard_freed([self.flat.param(seg) for seg in self.flat.segments])
+        if not reshard_after_forward:
+            assert self.master_is_params, "ZeRO-2 gathers its units from the master: see make_strategy"
+            self._gather_all()
+
+    @staticmethod
+    def frees_after_backward(model: nn.Module, pcfg: ParallelConfig) -> bool:
+        """Whether ZeRO-2 can free each unit after backward (see the module docstring): full precision on the
+        device, in the trainer's own loop."""
+        dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
+        return not pcfg.user_loop and pcfg.offload == "none" and dtypes == {pcfg.master_dtype}
 
     def _set_down(self, i: int) -> None:
-        """Unit i is not needed until its backward (or the next forward): ZeRO-3 frees it; ZeRO-2 with units
-        (zero2_units.py) keeps it until its gradient is reduced."""
-        self._free(i)
+        """Unit i is not needed until its backward (or the next forward): ZeRO-3 frees it; ZeRO-2 keeps it until its
+        gradient is reduced."""
+        if self.reshard_after_forward:
+            self._free(i)
 
     def _watch_uses(self, model: nn.Module) -> None:
         """GatherOnUse active from the first forward pre-hook of any of the model's modules to its matching post-hook
@@ -174,6 +190,21 @@ class Zero3(Zero2):
                 self.ledger.drop("params", buffer)
             buffer.untyped_storage().resize_(0)
 
+    @torch.no_grad()
+    def _gather_all(self) -> None:
+        """Collective: every unit gathered afresh from the shards (a unit still whole has the values of before)."""
+        for i in list(self._gathering):  # a prefetch in flight read the shard before it changed
+            self._ensure(i)
+        self._gathered.clear()
+        for i in range(len(self.flat.units)):
+            self._start_gather(i)
+        for i in list(self._gathering):
+            self._ensure(i)
+
+    def _whole(self) -> bool:
+        """ZeRO-2 between steps: every unit gathered, read where it is."""
+        return not self.reshard_after_forward and len(self._gathered) == len(self.flat.units)
+
     # --- hooks ----------------------------------------------------------------------------
     def _before_model_forward(self, _model, _args) -> None:
         if self.stage == 3 and self.pcfg.user_loop and not torch.is_grad_enabled():
@@ -230,7 +261,7 @@ class Zero3(Zero2):
             self._hook_outputs(output, lambda _grad, pos=pos: self._before_backward(pos), self.plans[i].name)
 
     def _before_backward(self, pos: int) -> None:
-        self._retire_done()  # the last unit's full gradient, freed before this one's backward rather than during it
+        self.grad_shard.retire_done()  # the last unit's full gradient, freed before this one's backward rather than during it
         self._ensure(self._order[pos])
         if self.prefetch and pos > 0:
             self._start_gather(self._order[pos - 1])
@@ -260,20 +291,44 @@ class Zero3(Zero2):
         return self.param_shard.clone()
 
     def full_params(self) -> torch.Tensor:
-        """Collective: every rank gathers every unit."""
+        """Collective: every rank gathers every unit (ZeRO-2 between steps reads its units: no collective)."""
+        if self._whole():
+            return self.flat.to_logical(torch.cat(self._buffers_whole))
         physical = self.param_shard.new_zeros(self.flat.padded_numel)
         for unit, view in zip(self.flat.units, self._param_views):
             self.comm.all_gather(physical[unit.start:unit.stop], view)
         return self.flat.to_logical(physical)
 
     def param_norm_tensor(self) -> torch.Tensor:
-        """Collective: the shards' sums of squares, all-reduced."""
+        """Collective: the shards' sums of squares, all-reduced (ZeRO-2 between steps: its units' squares)."""
+        if self._whole():
+            whole = PieceVector(self._buffers_whole)
+            return self._total_sum_sq(self._sum_sq_parts(whole, [(0, self.flat.padded_numel)])).sqrt()
         parts = self._sum_sq_parts(self.param_shard, self.shard_ranges)
         self.comm.all_reduce_sum(parts)
         return self._total_sum_sq(parts).sqrt()
 
     def _load_params(self, local: torch.Tensor) -> None:
         self.param_shard.copy_(local)
+        if not self.reshard_after_forward:
+            self._gather_all()
+
+    def _end_step(self) -> None:
+        super()._end_step()
+        if not self.reshard_after_forward:
+            self._gather_all()  # from the shard, updated or (a skipped update: non-finite gradients) as it was
+
+    def state_snapshot(self) -> dict[str, torch.Tensor]:
+        state = super().state_snapshot()
+        if not self.reshard_after_forward:
+            state["params"] = torch.cat(self._buffers_whole)  # what it holds between steps, as zero2.py does
+        return state
+
+    def memory_bytes(self) -> dict[str, int]:
+        held = super().memory_bytes()  # the shard (with the optimizer's state)
+        if self.gathered_at_rest:
+            held["params"] += sum(b.numel() * b.element_size() for b in self._buffers_whole)
+        return held
 
     def _publish_target(self) -> torch.Tensor | None:
         return self.param_shard if self.pcfg.offload != "none" and not self.master_is_params else None

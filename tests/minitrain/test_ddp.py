@@ -12,7 +12,7 @@ import minitrain
 from minitrain import ddp
 from minitrain.data import LAB_EXAMPLES, LAB_SEQ_LEN, LAB_VOCAB, make_corpus, make_shard
 
-from tests.dist import run_cli  # this directory is no package: a `minitrain` package here would shadow the library
+from tests.helpers.dist import run_cli  # this directory is no package: a `minitrain` package here would shadow the library
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -127,6 +127,7 @@ def test_slow_turns_delays_each_rank_at_its_own_steps(monkeypatch):
     assert sorted(slept) == [(0, 3, 0.25), (0, 6, 0.25), (1, 4, 0.25), (1, 7, 0.25), (2, 2, 0.25), (2, 5, 0.25)]
 
 
+@pytest.mark.multirank
 def test_a_worker_that_dies_stops_the_run_naming_it(tmp_path):
     # Without --ps.elastic the launcher sees the worker go and ends every rank, servers included, naming it.
     result = run_main("train", "--preset", "tiny", "--steps", "6", "--nproc", "3", "--ps.servers", "1",
@@ -156,6 +157,7 @@ def _cli_train(out, *argv):
     return result
 
 
+@pytest.mark.multirank
 def test_checkpoints_hold_the_servers_state_and_move_to_data_parallel_and_back(tmp_path):
     # Two servers, K = 0: the checkpoint of step 3 is data parallel's own (the same vectors, the same step count);
     # resumed as data parallel, or a data-parallel checkpoint resumed on servers, both end where both runs end.
@@ -172,6 +174,7 @@ def test_checkpoints_hold_the_servers_state_and_move_to_data_parallel_and_back(t
         assert _same(_flat_state(tmp_path / name, 6), _flat_state(tmp_path / "dp", 6)), name
 
 
+@pytest.mark.multirank
 def test_a_server_that_dies_stops_the_run_and_resume_auto_ends_bit_identical(tmp_path):
     servers = ("--nproc", "3", "--ps.servers", "1")
     _cli_train(tmp_path / "reference", *servers)
@@ -241,6 +244,7 @@ def test_under_bounded_staleness_a_worker_that_stops_stops_the_others_without_a_
     assert len({s["updates"] for s in served}) == 1 and served[0]["updates"] <= 4
 
 
+@pytest.mark.multirank
 def test_a_loss_spike_rolls_the_servers_back_with_the_workers(tmp_path):
     # A spike at step 12 (the learning rate x 1000) rolls back to step 10's checkpoint: worker 0 sends the servers
     # its state; a request of worker 1 made after the rollback waits at a server until that state has come. The run
@@ -310,6 +314,7 @@ def test_a_request_made_after_a_rollback_waits_for_the_state_it_belongs_to():
     assert torch.equal(zero["pulled"], one["pulled"]) and not torch.equal(one["pulled"], one["first"])
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("fault, last_update", [("sigkill", 2), ("sigterm", 3)])
 def test_elastic_a_worker_that_dies_is_left_out_and_the_others_finish_save_and_resume(tmp_path, fault, last_update):
     # Three workers, K = 1, --ps.elastic: worker 2 is killed as its step 3 starts (its gradients of steps 1 and 2 are

@@ -1,0 +1,237 @@
+"""Pipeline parallelism: schedules as data (checked on an ideal clock, no processes), and real
+pipelines of 2 and 4 stages whose gradients and losses equal the unpipelined run in float64, at any
+number of micro-batches, with the bubble and the in-flight activations the schedules promise."""
+import time
+
+import pytest
+import torch
+
+
+from minitrain.train.run_config import run_config
+from minitrain.parallel.pipeline_parallel.executor import stage_blocks
+from minitrain.parallel.pipeline_parallel.schedules import (
+    SCHEDULES,
+    Action,
+    DeadlockError,
+    expected_bubble,
+    gpipe,
+    one_f_one_b,
+    peak_in_flight,
+    simulate,
+    simulated_bubble,
+)
+from minitrain.runtime.topology import Topology
+from minitrain.train.trainer import Trainer
+
+from tests.helpers.dist import run_main, run_ranks
+from tests.helpers.reference import assert_exercises_the_loop, plain_run
+
+TOL = 1e-12
+STEPS = 4
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_schedules_run_every_micro_batch_once_without_deadlock_and_with_the_formula_bubble(name):
+    for stages in range(1, 7):
+        for microbatches in range(1, 13):
+            schedule = SCHEDULES[name](stages, microbatches)
+            for actions in schedule:
+                assert sorted(map(str, actions)) == sorted([f"F{m}" for m in range(microbatches)]
+                                                           + [f"B{m}" for m in range(microbatches)])
+                assert all(actions.index(Action("F", m)) < actions.index(Action("B", m)) for m in range(microbatches))
+            for backward_cost in (1, 2, 3):  # the bubble does not depend on the backward / forward ratio
+                bubbles = simulated_bubble(simulate(schedule, 1, backward_cost), stages)
+                assert max(abs(b - expected_bubble(stages, microbatches)) for b in bubbles) < 1e-12
+
+
+def test_1f1b_holds_at_most_p_micro_batches_and_gpipe_all_m():
+    for stages in range(1, 7):
+        for microbatches in range(1, 13):
+            assert [peak_in_flight(a) for a in one_f_one_b(stages, microbatches)] == \
+                [min(stages - s, microbatches) for s in range(stages)]
+            assert [peak_in_flight(a) for a in gpipe(stages, microbatches)] == [microbatches] * stages
+
+
+def test_simulation_finds_a_deadlock():
+    # The last stage wants to run backward 0 before its own forward 0; stage 0 waits on that backward.
+    with pytest.raises(DeadlockError, match="stage 0 at B0, stage 1 at B0"):
+        simulate([[Action("F", 0), Action("B", 0)], [Action("B", 0), Action("F", 0)]])
+
+
+def test_stages_get_contiguous_blocks_as_even_as_possible():
+    assert stage_blocks(4, 2) == [range(0, 2), range(2, 4)]
+    assert stage_blocks(5, 3) == [range(0, 2), range(2, 4), range(4, 5)]
+    assert stage_blocks(4, 4) == [range(i, i + 1) for i in range(4)]
+
+
+MODEL = {"model.n_layer": 4, "model.d_model": 32, "model.n_head": 4, "model.vocab_size": 64}
+
+
+def _config(world, pp, microbatches=1, schedule="1f1b", zero=0, **values):
+    return run_config(cli_values={"train.dtype": "float64", "train.zero": zero, "dist.nproc": world,
+                                    "dist.pp": pp, "dist.microbatches": microbatches, "dist.schedule": schedule,
+                                    "train.batch_size": 12, "train.log_every": 0,
+                                    # between the steps' gradient norms: steps 1-2 unclipped, 3-4 clipped
+                                    "train.grad_clip": 2.0, **MODEL, **values})
+
+
+def _run(trainer):
+    """Losses of STEPS steps, the gradients of the first step (synced, by parameter name) and the last
+    step's pipeline record."""
+    losses, grads, record = [], {}, None
+    for step in range(STEPS):
+        record = trainer.train_step()
+        losses.append(record.loss)
+        if step == 0:
+            grads = {name: p.grad.clone() for name, p in trainer.model.named_parameters() if p.grad is not None}
+    return losses, grads, record.pipeline
+
+
+def _pipelined(topo, pp, runs):
+    """One (schedule, micro-batches) run after another on the same ranks."""
+    return [_run(Trainer(_config(topo.world_size, pp, m, schedule), topo.with_layout(1, pp))) for schedule, m in runs]
+
+
+def _unpipelined():
+    """Plain PyTorch in one process: the losses of STEPS steps and the first step's gradients by name."""
+    ref = plain_run(_config(1, 1), STEPS)
+    assert_exercises_the_loop(ref)
+    first = plain_run(_config(1, 1), 1)
+    return ref.losses, first.by_name(first.grads), None
+
+
+RUNS = [(name, m) for name in SCHEDULES for m in (1, 2, 4, 12)]  # M < P, = P, > P; 12: one sequence per micro-batch
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_pipelined_gradients_and_losses_equal_the_unpipelined_run(pp):
+    losses, grads, _ = _unpipelined()
+    per_rank = run_ranks(_pipelined, pp, pp, RUNS, timeout_s=180)
+    for (schedule, microbatches), results in zip(RUNS, zip(*per_rank)):
+        seen = {}
+        for stage, (stage_losses, stage_grads, record) in enumerate(results):
+            seen.update(stage_grads)
+            for name, g in stage_grads.items():
+                assert (g - grads[name]).abs().max() <= TOL, (schedule, microbatches, stage, name)
+            assert max(abs(a - b) for a, b in zip(stage_losses, losses)) <= TOL, (schedule, microbatches, stage)
+            bound = microbatches if schedule == "gpipe" else min(pp - stage, microbatches)
+            assert record["peak_in_flight"][stage] == bound, (schedule, microbatches, record)
+        assert sorted(seen) == sorted(grads)  # the stages together hold every parameter, each once
+    assert losses[-1] < losses[0]
+
+
+def _sharded_and_recomputed(topo):
+    out = {}
+    for zero, recompute in ((2, "selective"), (3, "block")):
+        cfg = _config(topo.world_size, 2, 3, "gpipe", zero, **{"train.batch_size": 6,
+                                                               "train.activation_checkpointing": recompute})
+        out[zero] = _run(Trainer(cfg, topo.with_layout(1, 2)))[0]
+    return out
+
+
+def test_pipeline_over_zero_2_and_3_replicas_with_recomputation_trains_like_one_process():
+    """2 stages x 2 data-parallel replicas: ZeRO-2/3 shard each stage's state over its replicas, and hooks
+    that gather and reduce per unit meet several micro-batches in flight (ZeRO-2 with selective
+    recomputation, ZeRO-3 with block recomputation)."""
+    losses = _unpipelined()[0]
+    for rank, per_stage in enumerate(run_ranks(_sharded_and_recomputed, 4, timeout_s=180)):
+        for zero, rank_losses in per_stage.items():
+            assert max(abs(a - b) for a, b in zip(rank_losses, losses)) <= TOL, (rank, zero)
+
+
+class _Slow(torch.nn.Module):
+    """A stage whose forward and backward each take a fixed time, far above their compute, so the measured
+    bubble can be compared with the formula on a busy 2-core machine."""
+
+    def __init__(self, inner, seconds):
+        super().__init__()
+        self.inner, self.seconds = inner, seconds
+
+    def forward(self, *args):
+        time.sleep(self.seconds)
+        return _SleepInBackward.apply(self.inner(*args), self.seconds)
+
+
+class _SleepInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+def _measured_bubble(topo, pp, microbatches):
+    trainer = Trainer(_config(topo.world_size, pp, microbatches, "1f1b"), topo.with_layout(1, pp))
+    trainer.pipeline.module = _Slow(trainer.pipeline.module, 0.02)
+    return [trainer.train_step().pipeline for _ in range(3)]
+
+
+def test_measured_bubble_matches_the_formula():
+    records = run_ranks(_measured_bubble, 4, 4, 4)[0]
+    expected = expected_bubble(4, 4)  # 3/7
+    assert records[-1]["expected_bubble"] == pytest.approx(expected)
+    for stage_bubble in records[-1]["bubble"]:  # sleeps of 20 ms dwarf the transfers and the scheduling noise
+        assert abs(stage_bubble - expected) < 0.08, records[-1]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--nproc", "2", "--pp", "2", "--model.n_layer", "4", "--model.tie_weights", "true"],
+     "cannot share a weight across stages"),
+    (["--nproc", "2", "--pp", "2", "--dp", "torch"], "--dp torch with --pp 2 --microbatches 1"),
+    (["--nproc", "2", "--microbatches", "2", "--dp", "torch"], "--dp torch with --pp 1 --microbatches 2"),
+    (["--batch-size", "4", "--microbatches", "3"], "--microbatches 3 does not divide --batch-size 4"),
+    (["--microbatches", "0"], "dist.microbatches must be"),
+    (["--schedule", "zigzag"], "dist.schedule"),
+])
+def test_bad_pipeline_settings_exit_2_naming_them(argv, message):
+    proc = run_main("train", *argv)
+    assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_pp_schedule_prints_the_timeline():
+    proc = run_main("pp-schedule", "--pp", "4", "--microbatches", "8", "--schedule", "1f1b")
+    assert proc.returncode == 0, proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("stage ") and "|" in line]
+    assert rows[0].split("|")[1].split()[:8] == ["F0", "F1", "F2", "F3", ".", ".", ".", "B0"]
+    assert rows[3].split("|")[1].split()[:4] == [".", ".", ".", "F0"]
+    assert "(P-1)/(M+P-1) = 27.3%" in proc.stdout
+    assert run_main("pp-schedule", "--microbatches", "0").returncode == 2
+
+
+RESUME_AT, LAST = 3, 6
+
+
+def _checkpointed(topo, dp, pp, root, resume_from):
+    """Train to step LAST with `dp` x `pp` ranks (the same global batch), saving at RESUME_AT, or
+    starting from `resume_from`; returns the losses of the steps it ran."""
+    cfg = _config(dp * pp, pp, 2 if pp > 1 else 1, "1f1b", **{"train.batch_size": 12 // dp})
+    trainer = Trainer(cfg, topo.with_layout(1, pp) if topo.world_size > 1 else topo)
+    if resume_from:
+        trainer.load_checkpoint(resume_from)
+    losses = []
+    while trainer.step < LAST:
+        losses.append(trainer.train_step().loss)
+        if trainer.step == RESUME_AT and not resume_from:
+            trainer.save_checkpoint(root)
+    return losses
+
+
+def test_a_pipeline_checkpoint_resumes_exactly_and_reshards_to_other_layouts(tmp_path):
+    import json
+
+    full = run_ranks(_checkpointed, 2, 1, 2, tmp_path, None)[-1]
+    step_dir = tmp_path / "step-000003"
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    assert manifest["layout"] == {"dp": 1, "tp": 1, "pp": 2} and manifest["zero"] == 0
+    # Each stage wrote its own parameters: the files' pieces together cover the whole model once.
+    assert {t["file"] for t in manifest["tensors"] if t["key"] == "params"} == {"rank-00000.safetensors",
+                                                                                 "rank-00001.safetensors"}
+    same = run_ranks(_checkpointed, 2, 1, 2, tmp_path, step_dir)[-1]
+    assert same == full[RESUME_AT:]  # the same layout continues bit for bit
+    for losses in (run_ranks(_checkpointed, 2, 2, 1, tmp_path, step_dir)[0],  # 2 stages -> 2 replicas
+                   _checkpointed(Topology.single(), 1, 1, tmp_path, step_dir)):  # -> one process
+        assert max(abs(a - b) for a, b in zip(losses, full[RESUME_AT:])) <= TOL

@@ -40,7 +40,8 @@ from .step_timer import StepProfiler
 from ..runtime.topology import Topology
 from .tracking import Tracker
 from .step_stats import Agreed, StepRequests
-from .trainer import StepRecord, Trainer
+from .step_record import StepRecord
+from .trainer import Trainer
 
 
 def train_worker(topo: Topology, cfg: RunConfig) -> dict:

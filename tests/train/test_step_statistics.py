@@ -1,0 +1,86 @@
+"""A step's statistics as a component of their own (step_statistics.py): the parameter norm on its schedule, with
+nothing else in the records changed by it; an expert load that comes through the model's spec (models/spec.py),
+the trainer knowing no model family."""
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from minitrain.models import spec_for
+from minitrain.models.spec import ModelSpec
+from minitrain.runtime.topology import Topology
+from minitrain.train import step_statistics
+from minitrain.train import trainer as trainer_module
+from minitrain.train.run_config import run_config
+from minitrain.train.trainer import Trainer
+from tests.helpers.dist import run_ranks
+
+STEPS = 5
+SAME = ("loss", "grad_norm", "lr", "tokens_seen", "skipped", "memory", "expert_load")
+
+
+def _config(world: int = 1, **values):
+    return run_config(cli_values={"model.preset": "tiny", "train.dtype": "float64", "train.steps": STEPS,
+                                  "train.log_every": 0, "dist.nproc": world, **values})
+
+
+def _records(topo, every: int, tp: int = 1) -> list[dict]:
+    with Trainer(_config(topo.world_size, **{"dist.tp": tp}), topo.with_layout(tp, 1),
+                 param_norm_every=every) as trainer:
+        return [dataclasses.asdict(trainer.train_step()) for _ in range(STEPS)]
+
+
+@pytest.mark.parametrize("every,computed", [(1, [1, 2, 3, 4, 5]), (2, [2, 4, 5]), (0, [5])])
+def test_the_parameter_norm_is_computed_on_its_schedule_and_changes_nothing_else(every, computed):
+    each, scheduled = _records(Topology.single(), 1), _records(Topology.single(), every)
+    assert [r["step"] for r in scheduled if r["param_norm"] is not None] == computed  # and the last step
+    for a, b in zip(each, scheduled):
+        assert (b["param_norm_per_rank"] is None) == (b["param_norm"] is None)
+        if b["param_norm"] is not None:  # the same figure, to the bit, where it is computed
+            assert (b["param_norm"], b["param_norm_per_rank"]) == (a["param_norm"], a["param_norm_per_rank"])
+        assert {k: b[k] for k in SAME} == {k: a[k] for k in SAME}
+
+
+def test_under_tensor_parallelism_every_rank_computes_the_norm_at_the_same_steps():
+    each, scheduled = (run_ranks(_records, 2, every, 2) for every in (1, 2))
+    for rank in range(2):
+        for a, b in zip(each[rank], scheduled[rank]):
+            assert {k: b[k] for k in SAME} == {k: a[k] for k in SAME}
+            if b["step"] in (2, 4, 5):
+                assert b["param_norm_per_rank"] == a["param_norm_per_rank"] and b["comm_calls"] == a["comm_calls"]
+            else:  # the norm's all-reduce over the tensor-parallel group is left out with it
+                assert b["param_norm_per_rank"] is None and b["comm_calls"] < a["comm_calls"]
+
+
+class CountedLayer:
+    """Stands for a mixture-of-experts layer: only what the trainer may know of one (models.spec.CountsExpertLoad)."""
+
+    experts = 2
+
+    def __init__(self, load: list[float], dropped: float):
+        self.load, self.dropped, self.taken = load, dropped, 0
+
+    def take_load(self) -> tuple[list[float], float]:
+        self.taken += 1
+        return self.load, self.dropped
+
+
+def test_an_expert_load_comes_through_the_model_spec():
+    cfg = _config()
+    layers = [CountedLayer([1.0, 2.0], 0.5), CountedLayer([3.0, 0.0], 1.0)]
+    minigpt = spec_for(cfg.model)
+    spec = ModelSpec("counted", minigpt.build, minigpt.plan, expert_layers=lambda model: layers)
+    with Trainer(cfg, Topology.single(), spec) as trainer:
+        records = [trainer.train_step() for _ in range(2)]
+    assert [r.expert_load for r in records] == [[[1.0, 2.0, 0.5], [3.0, 0.0, 1.0]]] * 2
+    assert [layer.taken for layer in layers] == [2, 2]  # taken once a step
+
+
+@pytest.mark.parametrize("module", [trainer_module, step_statistics])
+def test_the_step_imports_no_model_family(module):
+    tree = ast.parse(Path(module.__file__).read_text())
+    imported = [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+    assert not [name for name in imported if "minigpt" in name], imported

@@ -31,7 +31,7 @@ import torch
 from record import RESULTS, write_result  # benchmarks/record.py
 
 from minitrain.runtime.launch import launch
-from minitrain.train import estimate as plan
+from minitrain import plan
 from minitrain.train.metrics import format_table, human_bytes
 from minitrain.train.run_config import run_config
 from minitrain.train.trainer import Trainer

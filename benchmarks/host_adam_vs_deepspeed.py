@@ -36,7 +36,7 @@ import torch
 from ranges import fmt_range, median_range  # benchmarks/ranges.py
 from record import RESULTS, write_result  # benchmarks/record.py
 
-from minitrain.train import estimate as plan
+from minitrain import plan
 from minitrain.train.metrics import format_table
 from minitrain.train.optim import FlatAdamW
 from minitrain.train.run_config import run_config

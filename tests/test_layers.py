@@ -18,6 +18,7 @@ LAYERS = [
     {"parallel"},
     {"models", "data", "checkpoint"},
     {"train", "api"},
+    {"plan"},  # the memory/time planner: it predicts what train's optimizer and the strategies hold, from their code
     {"ddp"},  # the from-scratch DDP lab (code/main.py): torch and the data it reads only
     {"bench"},  # measurements, which `minitrain bench` runs
     {"apps"},  # the commands

@@ -10,7 +10,7 @@ import pytest
 from torch.overrides import TorchFunctionMode
 
 
-from minitrain.train import estimate as plan
+from minitrain import plan
 from minitrain.train.run_config import run_config
 from minitrain.train.trainer import Trainer
 

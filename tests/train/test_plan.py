@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from minitrain.train import estimate as plan
+from minitrain import plan
 from minitrain.train.run_config import run_config
 from minitrain.train.memory import allocated_peak_bytes, saved_activation_bytes
 from minitrain.train.precision import autocast

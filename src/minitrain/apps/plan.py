@@ -1,11 +1,12 @@
 """`minitrain plan`: memory per rank and step time predicted for a model and a layout, before launching
-(the estimator is train/estimate.py)."""
+(the planner is minitrain/plan/; this command reads the flags and renders its result)."""
 from __future__ import annotations
 
 import argparse
 import json
 
 from ..errors import ConfigError
+from ..train.metrics import format_table, human_bytes
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -57,7 +58,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def run(args) -> int:
     from ..config import PRESETS
-    from ..train import estimate as plan
+    from .. import plan
     from ..train.run_config import run_config
 
     for name in ("micro_batch", "grad_accum", "dp", "tp", "pp", "ep", "microbatches"):
@@ -94,5 +95,60 @@ def run(args) -> int:
                          servers=args.servers, staleness=args.staleness,
                          seq_len=args.model_seq_len or 1024)
     result = plan.plan(inp)
-    print(json.dumps(result) if args.json else plan.render(result))
+    print(json.dumps(result) if args.json else render(result))
     return 0
+
+
+def render(result: dict) -> str:
+    """The plan (minitrain.plan.plan's dict) as text."""
+    from ..plan import GB  # the planner is imported when a plan is made (run), not to parse the command line
+
+    inp, b = result["input"], result["bytes_per_rank"]
+    kinds = ("params", "grads", "optimizer", "gathered", "activations", "loss_backward", "reduce_copy", "update",
+             "total")
+    rows = [[kind, human_bytes(b[kind]), f"{b[kind] / GB:.3f}"] for kind in kinds]
+    if inp["offload"] != "none":  # rows of state off the device say where it is, and are not in the device's total
+        rows[kinds.index("optimizer")][0] = f"optimizer ({'host' if inp['offload'] == 'cpu' else 'disk'})"
+        if inp["zero"] >= 2:
+            rows[kinds.index("grads")][0] = "grads (host)"
+        rows += [[f"{where}, off the device", human_bytes(b[where]), f"{b[where] / GB:.3f}"]
+                 for where in ("host", "disk") if b[where]]
+    memory = human_bytes(result["device_memory_bytes"])
+    experts = f" (ep {inp['ep']}: 1/{inp['ep']} of the experts per rank)" if inp.get("ep", 1) > 1 else ""
+    lines = [f"Plan: {result['world_size']} rank(s) = dp {inp['dp']} x tp {inp['tp']} x pp {inp['pp']}{experts}, "
+             f"ZeRO-{inp['zero']}, "
+             f"{inp['precision']}, micro-batch {inp['micro_batch']}, activation checkpointing "
+             f"{inp['activation_checkpointing']}, on {inp['hardware']}",
+             "", "Memory per rank", format_table(["kind", "bytes", "GB"], rows, "<>>"),
+             f"total {human_bytes(b['total'])} of {memory}: " + ("fits" if result["fits"] else "DOES NOT FIT"),
+             "", f"FLOPs per token {result['flops_per_token']:.4g} (with recomputation "
+             f"{result['flops_per_token_with_recompute']:.4g}); per rank per step {result['flops_per_rank_step']:.4g}",
+             f"compute {1e3 * result['compute_s']:.2f} ms at {100 * result['mfu']:.0f}% MFU of "
+             f"{result['peak_flops'] / 1e12:.4g} TFLOP/s; pipeline bubble {100 * result['pipeline_bubble']:.1f}%"]
+    if result["communication"]:
+        comm = [[r["what"], r["calls"], human_bytes(r["bytes"]), f"{1e3 * r['seconds']:.2f}"]
+                for r in result["communication"]]
+        lines += ["", "Communication per step (alpha-beta model, no overlap assumed)",
+                  format_table(["collective", "calls", "bus bytes", "ms"], comm, "<>>>")]
+    if result.get("parameter_servers"):
+        lines += _render_servers(result["parameter_servers"])
+    lines += ["", f"step {1e3 * result['step_s']:.2f} ms, {result['tokens_per_step']:,} tokens/step, "
+                  f"{result['tokens_per_s']:,.0f} tokens/s"]
+    return "\n".join(lines)
+
+
+def _render_servers(s: dict) -> list[str]:
+    """The parameter servers' summary (plan/servers.py) as text lines."""
+    held = s["bytes_per_server"]
+    needed = ("no number of servers beats it on these links: a worker's link carries its gradient, then the "
+              "parameters, where a ring's carries 2(W-1)/W of the gradient" if s["servers_needed"] is None
+              else f"the fewest servers that would beat it: {s['servers_needed']} (each server's link carries W/S "
+              "of every worker's bytes, each server adds a message latency)")
+    faster = "faster" if s["push_pull_s"] < s["ring_all_reduce_s"] else "slower"
+    return ["", f"Parameter servers: {s['workers']} worker(s), {s['servers']} server(s), staleness bound K = "
+                f"{s['staleness']}",
+            f"push + pull {1e3 * s['push_pull_s']:.2f} ms per step, {faster} than a ring all-reduce of the same "
+            f"gradient over the workers ({1e3 * s['ring_all_reduce_s']:.2f} ms); {needed}",
+            f"each server holds {human_bytes(sum(held.values()))}: parameters {human_bytes(held['params'])}, "
+            f"optimizer {human_bytes(held['optimizer'])}, gradients waiting for their step "
+            f"{human_bytes(held['held_gradients'])}; a worker holds no optimizer state"]

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from ..config import RunConfig
 from ..errors import ConfigError
+from ..models.size import model_params
 from ..parallel.core.offload import OffloadStore
-from .estimate import model_params
 from .metrics import human_bytes
 
 

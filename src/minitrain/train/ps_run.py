@@ -18,6 +18,7 @@ import torch
 from ..config import RunConfig
 from ..errors import ConfigError
 from ..models import spec_for
+from ..models.size import model_params
 from ..parallel.core.flat_parameters import FlatParameters, WholeModel
 from ..parallel.core.norms import SquareSums
 from ..parallel.param_server import ParameterServer
@@ -25,7 +26,6 @@ from ..parallel.param_server.protocol import SUMMARY
 from ..parallel.param_server.worker import DepartureWatch
 from ..runtime.servers import ServerGroup, shard_bounds
 from ..runtime.topology import Topology
-from .estimate import model_params
 from .faults import Faults
 from .optim import flat_adamw_factory
 from .precision import compute_dtype, reduce_dtype

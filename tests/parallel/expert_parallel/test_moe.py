@@ -205,7 +205,7 @@ def test_the_cli_reports_the_expert_load_per_step_and_plots_it(tmp_path):
 
 
 def test_the_plan_counts_every_expert_in_memory_and_top_k_of_them_in_flops():
-    from minitrain.train import estimate as plan
+    from minitrain import plan
 
     dense = ModelConfig(n_layer=2, d_model=32, n_head=4)
     moe = ModelConfig(n_layer=2, d_model=32, n_head=4, moe_experts=8, moe_top_k=2)
@@ -507,7 +507,7 @@ def _held_at_ep(topo, ep):
 def test_the_plan_predicts_the_bytes_each_rank_holds_under_expert_parallelism(world, ep):
     # As for ZeRO: the planner's bytes at rest per rank are what the strategy holds, at every stage, with 1/ep of
     # the experts and ZeRO sharding over the experts' replicas (world / ep ranks).
-    from minitrain.train import estimate as plan
+    from minitrain import plan
 
     held, model = run_ranks(_held_at_ep, world, ep)[0]
     for zero, measured in held.items():

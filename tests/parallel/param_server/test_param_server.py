@@ -192,7 +192,7 @@ def test_plan_counts_push_and_pull_against_the_ring_and_what_a_server_holds():
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
     servers = plan["parameter_servers"]
-    from minitrain.train.estimate import PRESETS
+    from minitrain.plan import PRESETS
 
     link = PRESETS["h100-sxm"].inter["send"]  # 12 ranks over 8-GPU nodes
     P = plan["input"]["params"]

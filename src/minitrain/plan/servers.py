@@ -1,5 +1,5 @@
 """`minitrain plan --servers S`: what parameter servers cost per step, against a ring all-reduce of the same gradient
-(parallel/param_server/param_server.py runs them; docs/param-server.md derives this).
+(parallel/param_server/ runs them; docs/param-server.md derives this).
 
 Each worker pushes its whole gradient (M bytes: a 1/S shard to each server) and pulls the whole parameter vector
 (P bytes); each server receives W x M / S and sends W x P / S. On links of one bandwidth beta each, the busiest link
@@ -59,20 +59,3 @@ def summary(workers: int, servers: int, staleness: int, params: int, grad_bytes:
             "ring_all_reduce_s": ring_all_reduce_s(workers, grad_bytes, alpha_s, beta_Bps),
             "servers_needed": servers_needed(workers, grad_bytes, param_bytes, alpha_s, beta_Bps),
             "bytes_per_server": server_state_bytes(params, servers, workers, staleness, param_elem, reduce_elem)}
-
-
-def render(s: dict, human_bytes) -> list[str]:
-    """The summary as text lines."""
-    held = s["bytes_per_server"]
-    needed = ("no number of servers beats it on these links: a worker's link carries its gradient, then the "
-              "parameters, where a ring's carries 2(W-1)/W of the gradient" if s["servers_needed"] is None
-              else f"the fewest servers that would beat it: {s['servers_needed']} (each server's link carries W/S "
-              "of every worker's bytes, each server adds a message latency)")
-    faster = "faster" if s["push_pull_s"] < s["ring_all_reduce_s"] else "slower"
-    return ["", f"Parameter servers: {s['workers']} worker(s), {s['servers']} server(s), staleness bound K = "
-                f"{s['staleness']}",
-            f"push + pull {1e3 * s['push_pull_s']:.2f} ms per step, {faster} than a ring all-reduce of the same "
-            f"gradient over the workers ({1e3 * s['ring_all_reduce_s']:.2f} ms); {needed}",
-            f"each server holds {human_bytes(sum(held.values()))}: parameters {human_bytes(held['params'])}, "
-            f"optimizer {human_bytes(held['optimizer'])}, gradients waiting for their step "
-            f"{human_bytes(held['held_gradients'])}; a worker holds no optimizer state"]

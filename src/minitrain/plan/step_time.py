@@ -1,0 +1,89 @@
+"""Time per step: FLOPs per token 6N + 12 L h s (Chowdhery et al., PaLM, appendix B; N all parameters, or a
+mixture of experts' active ones), plus one more forward of what is recomputed, at the stated MFU; each collective
+from the alpha-beta model t = alpha + factor x S / beta (ring: factor 2(N-1)/N for all-reduce, (N-1)/N for
+all-gather and reduce-scatter); parameter servers' push and pull (servers.py). Communication is added to
+compute (no overlap assumed: an upper bound); the pipeline bubble is (pp-1)/(m+pp-1) (predict.py).
+"""
+from __future__ import annotations
+
+import math
+
+from . import servers
+from .hardware import Link
+from .inputs import PlanInput, element_bytes, layout_params, reduce_bytes
+from .memory import units_freed
+
+
+def active_params(inp: PlanInput) -> float:
+    """Parameters one token's forward multiplies by: every one for a dense model; in a mixture of experts its k
+    experts' of each layer's E (their up and down matrices and biases), not all of them."""
+    m = inp.model
+    if m is None or not m.moe_experts:
+        return inp.params
+    per_expert = 2 * m.d_model * m.ffn_dim + m.ffn_dim + m.d_model
+    return inp.params - m.n_layer * (m.moe_experts - m.moe_top_k) * per_expert
+
+
+def flops_per_token(inp: PlanInput) -> tuple[float, float]:
+    """(model FLOPs, FLOPs including recomputation) per token, whole model. A mixture of experts counts the
+    parameters a token meets: all but the experts, and top_k of each layer's experts."""
+    N = active_params(inp)
+    L, h, s = (inp.model.n_layer, inp.model.d_model, inp.model.seq_len) if inp.model else (0, 0, 0)
+    model = 6 * N + 12 * L * h * s
+    extra = {"none": 0, "block": 2 * N + 4 * L * h * s, "selective": 4 * L * h * s}[inp.activation_checkpointing]
+    return model, model + extra
+
+
+def collective_time(link: Link, factor: float, size: float, calls: int = 1) -> float:
+    return calls * link.alpha_s + factor * size / link.beta_Bps
+
+
+def communication(inp: PlanInput) -> list[dict]:
+    """Per step, per rank: data-parallel gradient and parameter traffic of the ZeRO stage, the
+    tensor-parallel all-reduces and the pipeline sends; each with bytes moved and seconds."""
+    hw, N, elem = inp.hardware, inp.dp, element_bytes(inp.precision)
+    world = inp.dp * inp.tp * inp.pp
+    dp_links = hw.intra if world <= hw.gpus_per_node else hw.inter
+    units = (inp.model.n_layer + 4) if inp.model else 1  # blocks, embeddings, ln_f, head
+    rows = []
+    if inp.servers:
+        link = server_link(inp)
+        rows += servers.traffic(N, inp.servers, reduce_bytes(inp) * layout_params(inp), elem * layout_params(inp),
+                                     link.alpha_s, link.beta_Bps)
+    elif N > 1:
+        grads, params = reduce_bytes(inp) * layout_params(inp), elem * layout_params(inp)  # the group's whole vectors
+        syncs = inp.grad_accum if inp.zero >= 2 else 1  # ZeRO-2/3 reduce every micro-batch
+        if inp.zero == 0:
+            rows.append(_row("all_reduce gradients", dp_links, "all_reduce", 2 * (N - 1) / N, grads, syncs))
+        else:
+            calls = units if inp.zero >= 2 else 1
+            rows.append(_row("reduce_scatter gradients", dp_links, "reduce_scatter", (N - 1) / N, grads, syncs,
+                             calls))
+            # ZeRO-3: before forward and before backward; ZeRO-2: after the update, and before each micro-batch's
+            # forward after the first (the previous backward freed them)
+            gathers = 2 * inp.grad_accum if inp.zero == 3 else inp.grad_accum if units_freed(inp) else 1
+            rows.append(_row("all_gather parameters", dp_links, "all_gather", (N - 1) / N, params, gathers,
+                             units if inp.zero >= 2 else 1))
+    if inp.model and (inp.tp > 1 or inp.pp > 1):
+        act = elem * inp.micro_batch * inp.model.seq_len * inp.model.d_model
+        micro = inp.grad_accum * max(1, inp.microbatches)
+        if inp.tp > 1:  # Megatron: 2 all-reduces per layer in forward (attention, MLP), 2 in backward
+            count = 4 * math.ceil(inp.model.n_layer / inp.pp) * micro
+            rows.append(_row("tensor-parallel all_reduce", hw.intra, "all_reduce", 2 * (inp.tp - 1) / inp.tp, act,
+                             count))
+        if inp.pp > 1:  # one activation forward and one gradient backward per micro-batch and stage boundary
+            rows.append(_row("pipeline send/recv", hw.inter if world > hw.gpus_per_node else hw.intra, "send", 1.0,
+                             act, 2 * micro))
+    return rows
+
+
+def server_link(inp: PlanInput) -> Link:
+    """The link a parameter server's pushes and pulls cross: within a node while workers and servers fit in one."""
+    hw = inp.hardware
+    return (hw.intra if inp.dp + inp.servers <= hw.gpus_per_node else hw.inter)["send"]
+
+
+def _row(what: str, links: dict[str, Link], op: str, factor: float, size: float, times: int, calls: int = 1) -> dict:
+    link = links[op]
+    return {"what": what, "op": op, "bytes": int(factor * size * times), "seconds":
+            times * collective_time(link, factor, size, calls), "calls": times * calls}

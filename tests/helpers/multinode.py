@@ -65,7 +65,7 @@ def segments(rows: list[dict]) -> list[tuple[int, int, int]]:
     """(world size, first step, last step) of each stretch of the run at one world size."""
     spans: list[list[int]] = []
     for row in rows:
-        world = len(row["param_norm_per_rank"])
+        world = len(row["busy_s_per_rank"])
         if not spans or spans[-1][0] != world:
             spans.append([world, row["step"], row["step"]])
         spans[-1][2] = row["step"]
@@ -107,7 +107,7 @@ def elastic_run(cluster: Cluster, argv: list[str], out: Path, log_dir: Path, *, 
     agents[1].wait()
 
     def after(t: float, world: int | None = None) -> list[dict]:
-        return [r for r in metric_rows(out) if r["time"] > t and world in (None, len(r["param_norm_per_rank"]))]
+        return [r for r in metric_rows(out) if r["time"] > t and world in (None, len(r["busy_s_per_rank"]))]
 
     # At the smaller world: a step the full world logged as node 1 died is rolled back with the resume.
     first = _wait_for("step after the node loss", lambda: after(killed_at, world=nproc), timeout_s, cluster)[0]

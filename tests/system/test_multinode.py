@@ -49,7 +49,7 @@ def _across_nodes(cluster, tmp_path, layouts: dict[str, list[str]], nodes: int, 
             assert "terminate called" not in agent.stderr, f"{agent.node} aborted in teardown:\n{agent.stderr}"
         for name in layouts:
             theirs, ours = metric_rows(root / name), metric_rows(reference / name)
-            assert [len(r["param_norm_per_rank"]) for r in theirs] == [nodes * nproc] * STEPS
+            assert [len(r["busy_s_per_rank"]) for r in theirs] == [nodes * nproc] * STEPS
             assert [r["loss"] for r in theirs] == [r["loss"] for r in ours], f"{name}: losses differ"
             assert shards(root / name, STEPS) == shards(reference / name, STEPS), f"{name}: final state differs"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from minitrain.models.spec import ModelSpec
 from minitrain.runtime.topology import Topology
 from minitrain.train import step_statistics
 from minitrain.train import trainer as trainer_module
+from minitrain.train.loop import TrainingRun
 from minitrain.train.run_config import run_config
 from minitrain.train.trainer import Trainer
 from tests.helpers.dist import run_ranks
@@ -53,6 +55,13 @@ def test_under_tensor_parallelism_every_rank_computes_the_norm_at_the_same_steps
                 assert b["param_norm_per_rank"] == a["param_norm_per_rank"] and b["comm_calls"] == a["comm_calls"]
             else:  # the norm's all-reduce over the tensor-parallel group is left out with it
                 assert b["param_norm_per_rank"] is None and b["comm_calls"] < a["comm_calls"]
+
+
+def test_a_run_logs_the_parameter_norm_on_the_steps_that_print_a_progress_line(tmp_path):
+    TrainingRun(Topology.single(), _config(**{"train.log_every": 2, "out": str(tmp_path)})).run()
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines if line["param_norm"] is not None] == [2, 4, 5]
+    assert all(line["grad_norm"] is not None and line["loss"] is not None for line in lines)
 
 
 class CountedLayer:

@@ -75,7 +75,8 @@ class TrainingRun:
         # The first rank of those writing into this OUT tidies it (keep_last): rank 0's, and on each machine with a
         # disk of its own, that machine's.
         self.tidies_out = topo.rank == min(check_shared_out(self.out, topo, cfg.ckpt.dir))
-        self.trainer = Trainer(cfg, topo)
+        # The parameter norm, a figure no step needs, on the steps that print a progress line (and the last).
+        self.trainer = Trainer(cfg, topo, param_norm_every=cfg.train.log_every)
         self.topo = topo = self.trainer.topo  # the groups it trains on (under expert parallelism, its own)
         self.start_path = resume_path(cfg)
         if self.start_path is not None:

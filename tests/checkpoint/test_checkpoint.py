@@ -10,7 +10,7 @@ import torch
 from minitrain import checkpoint
 from minitrain.checkpoint import CheckpointError
 from minitrain.train.run_config import run_config
-from minitrain.parallel.core.strategy import same_state
+from minitrain.parallel.core.sync_stats import same_state
 from minitrain.runtime.topology import Topology
 from minitrain.train.trainer import Trainer
 

@@ -252,7 +252,7 @@ def _every_layout_through_nccl(topo, root):
     the same bytes as the run that went on."""
     from pathlib import Path
 
-    from minitrain.parallel.core.strategy import same_state
+    from minitrain.parallel.core.sync_stats import same_state
 
     topo = topo.issuing_alone()
     out = {}

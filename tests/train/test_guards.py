@@ -4,7 +4,7 @@ import torch
 
 
 from minitrain.train.run_config import run_config
-from minitrain.parallel.core.strategy import same_state
+from minitrain.parallel.core.sync_stats import same_state
 from minitrain.train.guards import NonFiniteError
 from minitrain.train.trainer import Trainer
 

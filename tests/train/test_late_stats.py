@@ -12,7 +12,7 @@ import statistics
 import pytest
 
 from minitrain.config import ConfigError
-from minitrain.parallel.core.strategy import same_state
+from minitrain.parallel.core.sync_stats import same_state
 from minitrain.runtime.topology import Topology
 from minitrain.train.loop import TrainingRun
 from minitrain.train.run_config import run_config

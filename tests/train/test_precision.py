@@ -6,7 +6,7 @@ import torch
 from minitrain.config import ConfigError
 
 from minitrain.train.run_config import run_config
-from minitrain.parallel.core.strategy import same_state
+from minitrain.parallel.core.sync_stats import same_state
 from minitrain.bench.peers import PeerTrainer
 from minitrain.train.precision import LossScaler
 from minitrain.runtime.topology import Topology

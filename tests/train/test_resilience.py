@@ -9,7 +9,7 @@ import torch
 from minitrain import checkpoint
 from minitrain.train.run_config import run_config
 from minitrain.data import ShardedLoader, make_corpus
-from minitrain.parallel.core.strategy import same_state
+from minitrain.parallel.core.sync_stats import same_state
 from minitrain.train.guards import SpikeError, SpikeGuard
 from minitrain.train.loop import TrainingRun
 from minitrain.runtime.topology import Topology

@@ -25,7 +25,7 @@ from ..config import ConfigError, RunConfig
 from ..train.run_config import check_run
 from ..runtime.launch import launch
 from ..train.metrics import MetricsWriter, format_table, human_bytes
-from ..parallel.core.strategy import same_state
+from ..parallel.core.sync_stats import same_state
 from ..runtime.topology import Topology
 from ..train.trainer import Trainer
 from .out_dir import prepare_out_dir

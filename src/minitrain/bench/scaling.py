@@ -29,7 +29,7 @@ from ..config import RunConfig
 from ..train.run_config import run_config
 from ..runtime.launch import launch
 from ..train.metrics import format_table, percentile, sync_report
-from ..parallel.core.strategy import same_state
+from ..parallel.core.sync_stats import same_state
 from ..runtime.topology import Topology
 from ..train.trainer import Trainer
 

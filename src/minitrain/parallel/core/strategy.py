@@ -7,8 +7,6 @@ gradient norm and clipping, what a rank holds, and its checkpoint state.
 user's torch optimizer over this rank's shard (`shard_optimizer.py`), so the strategies never
 know which.
 
-Longer than our ~400 lines on purpose: it is the one contract every strategy (ddp.py, zero.py, zero3.py)
-fills in, and the step, the norm, the memory accounting and the checkpoint state read best beside each other.
 """
 from __future__ import annotations
 
@@ -21,66 +19,18 @@ import torch.nn as nn
 
 from ...runtime.comm import Comm
 from .config import ParallelConfig
-from .flat_parameters import FlatParameters, Ranges, Segment, WholeModel, local_views, take
+from .in_place_edits import InPlaceEdits
+from .flat_parameters import FlatParameters, Ranges, WholeModel, local_views, take
 from .memory_math import MEMORY_KINDS, MemoryLedger, memory_terms, term_bytes, term_formula
-from .norms import SquareSums, clip_coefficient, clip_coefficient_tensor
+from .model_split import ModelSplit
+from .norms import clip_coefficient, clip_coefficient_tensor
+from .sync_stats import sync_figures
 from .piece_vector import held_bytes
 from ..state.placement import Placement, placements
-from ..user_loop.visible_grads import BackwardEndSync, VisibleGradGuard
+from ..user_loop.visible_grads import VisibleGradients
 
 # (master, flat parameters, this rank's shard ranges) -> an optimizer over the shard (see FlatStrategy)
 OptimizerFactory = Callable[[torch.Tensor, FlatParameters, Ranges], object]
-
-
-def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Same dtype, shape and bytes (unlike ==, tells -0.0 from 0.0 and matches NaNs)."""
-    return (a.dtype == b.dtype and a.shape == b.shape
-            and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
-
-
-def same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    """Two state_snapshot()s (or any tensor dicts) equal byte for byte."""
-    return a.keys() == b.keys() and all(bit_equal(a[k], b[k]) for k in a)
-
-
-def sync_figures(marks: tuple, clock, wait: bool = False) -> dict | None:
-    """A sync's figures from its marks (FlatStrategy.sync_at): None while a mark is not done, unless `wait`."""
-    buckets, intervals, backward_end = marks
-    every = [m for pair in intervals for m in pair] + ([backward_end] if backward_end is not None else [])
-    for mark in every if wait else ():
-        clock.wait(mark)
-    if not all(clock.ready(m) for m in every):
-        return None
-    seconds = [(clock.seconds(a), clock.seconds(b)) for a, b in intervals]
-    end = None if backward_end is None else clock.seconds(backward_end)
-    return {"buckets": buckets, **sync_summary(seconds, end)}
-
-
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[tuple[float, float]] = []
-    for start, done in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], done))
-        else:
-            merged.append((start, done))
-    return merged
-
-
-def sync_summary(intervals: list[tuple[float, float]], backward_end: float | None) -> dict:
-    """Gradient-sync figures of one step from each collective's (launched, completed) times.
-
-    allreduce_inflight_s: wall time during which any gradient collective was in flight (the
-    union of the intervals: a backend runs queued async ops one after another, so their
-    intervals overlap and a plain sum would count the queueing twice). overlap: the share of
-    that time before backward ended, i.e. hidden behind compute (None when backward's end is
-    not observable, as inside PyTorch DDP, whose wait happens within backward)."""
-    merged = _union(intervals)
-    inflight = sum(done - start for start, done in merged)
-    hidden = None
-    if backward_end is not None and inflight > 0:
-        hidden = sum(max(0.0, min(done, backward_end) - start) for start, done in merged) / inflight
-    return {"allreduce_calls": len(intervals), "allreduce_inflight_s": inflight, "overlap": hidden,
-            "allreduce_ms": [round(1000 * (done - start), 3) for start, done in intervals]}
 
 
 class FlatStrategy:
@@ -123,33 +73,31 @@ class FlatStrategy:
         self.reduce_dtype = pcfg.reduce_dtype  # gradients are summed across ranks in this dtype
         # ZeRO-0/1 sum the whole gradient in it, through a copy when it is wider than the gradient; a group of one
         # sums nothing, so the gradient is used as it is (the optimizer upcasts it chunk by chunk, to the same
-        # values). On an H200 the step's copies were about 2 ms of a 52 ms gpt2-124m step, this one among them.
+        # values).
         self.sum_dtype = self.flat.dtype if comm.alone else pcfg.reduce_dtype
-        self.tp = Comm(device=comm.device)  # the tensor-parallel group, when the model is split (use_model_parallel)
-        self.pp = Comm(device=comm.device)  # the pipeline group, when this rank holds one stage of the model
-        self._tp_sharded: Ranges = []  # physical ranges of parameters split across tp (or ep: use_experts)
-        self._ep: Comm | None = None  # expert parallelism that splits the weights (use_experts)
+        # The groups the model is split across besides this one (tensor, pipeline, expert parallel): the norms and,
+        # under expert parallelism, the gradient must cover them (model_split.py).
+        self.split = ModelSplit(self.flat, comm.device)
         self._settled = False  # this step's gradient settled over ep (_synced_grad)
         self._norm: torch.Tensor | None = None  # this step's global gradient norm, once computed
-        self._visible_guard: VisibleGradGuard | None = None  # refuses p.grad changed after a sync (visible_grads.py)
-        self._backward_end: BackwardEndSync | None = None  # syncs when backward ends (user_loop, stages 0-1)
         # Every hook this strategy puts on the model or its parameters: close() removes them, so a dropped model no
         # longer reaches the strategy (autograd would keep both alive) and the model is the user's own again.
         self.hooks: list = []
         self.closed = False  # close() was called: no further update (its gradients would no longer be synced)
         # No further step can be taken (parameter servers that another worker has left): the run stops.
         self.ending = False
-        # Parameters whose fresh gradient _keep_grads_in_place copies into the flat buffer (a user's loop at ZeRO-0/1).
-        self._kept_in_place: list[nn.Parameter] = []
-        # A user's in-place edits of parameters the optimizer does not step directly (_take_in_place_edits).
-        self._edit_watch: list[tuple[Segment, nn.Parameter]] = []
-        self._versions: list[int] = []
+        # What a user's loop sees in p.grad at ZeRO-0/1, views of the flat gradient (user_loop/visible_grads.py).
+        self.visible: VisibleGradients | None = None
+        # A user's in-place edits of parameters the optimizer does not step directly (in_place_edits.py).
+        self._edits: InPlaceEdits | None = None
         if pcfg.user_loop:
             self._follow_user_state_dict(model)
-            self._watch_in_place_edits()
+            # ZeRO-3 needs none: there a parameter's storage is freed between steps and an edit is refused.
+            if not self.master_is_params and self.stage < 3:
+                self._edits = InPlaceEdits(self.flat, self.shard_ranges, self.optimizer)
             if self.flat.grad is not None:
-                self._keep_grads_in_place()
-                self._drop_kept_grads()  # as a model fresh from torch: no p.grad before the first backward
+                self.visible = VisibleGradients(self.flat)
+                self.hooks += self.visible.handles
 
     def close(self) -> None:
         """Take every hook this strategy put on the model off it. The strategy then holds no place in autograd or in
@@ -195,32 +143,13 @@ class FlatStrategy:
         slices (WholeModel.slices) are split across `tp` (their squares are summed over the group,
         replicated parameters counted once); each rank of `pp` holds different parameters (a stage),
         so the squares are summed over it."""
-        self.tp, self.pp = tp, pp
-        self._tp_sharded = self.flat.ranges_of_names(self.flat.sliced)
+        self.split.use_groups(tp, pp)
 
     def use_experts(self, ep: Comm) -> None:
         """Expert parallelism that splits the weights (parallel/expert_parallel/experts.py): this strategy's group is the experts'
         replicas, and the slices (WholeModel.slices, summed over `ep` in norms) are this rank's experts. Each
-        step's averaged gradient is then settled (_settle_experts) before anything reads it."""
-        self._ep = ep
-
-    @torch.no_grad()
-    def _settle_experts(self, local: torch.Tensor) -> None:
-        """The gradient averaged over the replicas becomes the average over every rank: the dense parameters'
-        (each rank of an ep group saw other tokens) summed over the ep group, and everything divided by ep (an
-        expert's already holds the tokens of its whole ep group, sent to it). Collective over ep."""
-        experts = self.flat.local_ranges(self._tp_sharded, self.shard_ranges)
-        dense, at = [], 0
-        for a, b in [*experts, (local.numel(), local.numel())]:
-            if a > at:
-                dense.append((at, a))
-            at = b
-        if dense:
-            summed = torch.cat([local[a:b] for a, b in dense]).to(self._ep.device)  # local may be host-held
-            self._ep.all_reduce_sum(summed)
-            for (a, b), part in zip(dense, summed.split([b - a for a, b in dense])):
-                local[a:b] = part  # (item assignment: local may be a PieceVector, ZeRO-2/3's shard)
-        local.div_(self._ep.world_size)
+        step's averaged gradient is then settled (ModelSplit.settle_experts) before anything reads it."""
+        self.split.ep = ep
 
     def _average(self, summed: torch.Tensor) -> torch.Tensor:
         """summed / the data-parallel ranks, in place. One rank's sum is left as it is: dividing by 1 changes no
@@ -230,81 +159,25 @@ class FlatStrategy:
     def _synced_grad(self) -> torch.Tensor:
         """_averaged_grad(), settled once per step under expert parallelism."""
         grad = self._averaged_grad()
-        if self._ep is not None and not self._settled:
-            self._settle_experts(grad)
+        if self.split.ep is not None and not self._settled:
+            self.split.settle_experts(grad, self.shard_ranges)
             self._settled = True
         return grad
 
-    def _sum_sq_parts(self, local: torch.Tensor, ranges: Ranges) -> torch.Tensor:
-        """[squares of this rank's tensor-parallel slices, squares of everything else] of a local vector
-        taken from `ranges`, in float64 (no tensor parallelism: [0, everything])."""
-        square_sums = SquareSums()  # its float64 buffer lives as long as this norm's computation
-        if self.tp.world_size == 1:
-            return torch.cat([torch.zeros(1, dtype=torch.float64, device=local.device), square_sums(local).reshape(1)])
-        sharded = self.flat.local_ranges(self._tp_sharded, ranges)
-        in_slices = sum((square_sums(local[a:b]) for a, b in sharded),
-                        torch.zeros((), dtype=torch.float64, device=local.device))
-        rest, at = torch.zeros((), dtype=torch.float64, device=local.device), 0
-        for a, b in [*sharded, (local.numel(), local.numel())]:
-            rest = rest + square_sums(local[at:a])
-            at = b
-        return torch.stack([in_slices, rest])
-
-    def _total_sum_sq(self, parts: torch.Tensor) -> torch.Tensor:
-        """The model's sum of squares from _sum_sq_parts (already summed over the data-parallel shards)."""
-        total = parts[1]
-        if self.tp.world_size > 1:
-            in_slices = parts[:1].clone()
-            self.tp.all_reduce_sum(in_slices)
-            total = in_slices[0] + parts[1]
-        if self.pp.world_size > 1:
-            total = total.reshape(1).clone()
-            self.pp.all_reduce_sum(total)
-            total = total[0]
-        return total
-
-    # --- the gradients a ported DDP loop reads (visible_grads.py; user_loop, stages 0 and 1) -----------------
+    # --- the gradients a ported DDP loop reads (user_loop, stages 0 and 1: user_loop/visible_grads.py) ----------
     def _sync_when_backward_ends(self, suspended) -> None:
         """Finish the sync in the autograd engine's end-of-backward callback, unless `suspended()` (no_sync)."""
-        if self.pcfg.user_loop:
-            self._backward_end = BackwardEndSync([self.flat.param(s) for s in self.flat.segments],
-                                                 self._sync_again, suspended)
-            self.hooks += self._backward_end.handles
-
-    def _keep_grads_in_place(self) -> None:
-        """A gradient autograd made afresh because p.grad had been set to None (model.zero_grad(), torch's default
-        set_to_none) is copied into its place in the flat buffer, which p.grad then views again: torch's meaning
-        (a fresh start for that gradient) kept, and the sync sees it. Registered before the sync's own hooks."""
-        def keep(p, view):
-            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
-                view.copy_(p.grad)
-                p.grad = view
-
-        for seg in self.flat.segments:
-            if seg.numel:
-                view = self.flat.grad[seg.offset:seg.offset + seg.numel].view(seg.shape)
-                self._kept_in_place.append(self.flat.param(seg))
-                self.hooks.append(self.flat.param(seg).register_post_accumulate_grad_hook(
-                    lambda p, view=view: keep(p, view)))
+        if self.visible is not None:
+            self.hooks += self.visible.sync_when_backward_ends(self._sync_again, suspended)
 
     def _sync_again(self) -> None:
         self._synced = False  # a second backward before the step syncs its own gradients too, as DDP's does
         self.finish_grad_sync()
 
     def _show_averaged(self, averaged: torch.Tensor) -> None:
-        """p.grad (views of flat.grad) hold the averaged gradient: a wider averaged copy is rounded into them; a
-        fingerprint is taken where a change before step() could not be honoured."""
-        if not self.pcfg.user_loop:
-            return
-        if averaged is not self.flat.grad:
-            self.flat.grad.copy_(averaged)
-        why = ("the model is split over tensor-parallel ranks" if self.tp.world_size > 1 else
-               "the model is split over pipeline stages" if self.pp.world_size > 1 else
-               "the optimizer steps on their sum in a wider dtype, not on p.grad" if averaged is not self.flat.grad
-               else None)
-        if why is not None:
-            self._visible_guard = self._visible_guard or VisibleGradGuard(why)
-            self._visible_guard.take(self.flat.grad)
+        """p.grad (views of flat.grad) hold the averaged gradient (a user's loop)."""
+        if self.visible is not None:
+            self.visible.show(averaged, self.split.tp.world_size > 1, self.split.pp.world_size > 1)
 
     # --- the user's own model.load_state_dict / state_dict (user_loop) ---------------------------------------------
     def _follow_user_state_dict(self, model: nn.Module) -> None:
@@ -316,40 +189,8 @@ class FlatStrategy:
         them (ZeRO-2, mixed precision) is taken from them again, or the next step would bring the old values back."""
         if not self.master_is_params:
             self.optimizer.master.copy_(take(self.flat.data, self.shard_ranges))
-            self._note_versions()
-
-    # --- the user's in-place edits of parameters (user_loop) ------------------------------------------------------
-    def _watch_in_place_edits(self) -> None:
-        """Where the optimizer steps a master kept apart from the parameters (ZeRO-2, mixed precision, offload), a
-        parameter edited in place between steps (`with torch.no_grad(): p.clamp_(...)`, torch.nn.init on a layer)
-        would be overwritten by the next step's publication of the master: each step first takes such edits into
-        the master (_take_in_place_edits). Every in-place op on a parameter counts up its version, which the
-        strategy's own writes (through the flat buffer) do not: a changed version is the user's edit, found at the
-        cost of reading one number per parameter. An edit through `p.data` counts up another tensor's version and
-        is not seen. ZeRO-3 needs none of this: there a parameter's storage is freed between steps and an edit is
-        refused (freed_params.py)."""
-        if not self.master_is_params and self.stage < 3:
-            self._edit_watch = [(seg, self.flat.param(seg)) for seg in self.flat.segments if seg.numel]
-            self._note_versions()
-
-    def _note_versions(self) -> None:
-        self._versions = [p._version for _, p in self._edit_watch]
-
-    @torch.no_grad()
-    def _take_in_place_edits(self) -> None:
-        """The parameters edited in place since the last step: their values into this rank's master (rounded
-        values in mixed precision: the edit is what the parameter now holds)."""
-        edited = [seg for (seg, p), seen in zip(self._edit_watch, self._versions) if p._version != seen]
-        if not edited:
-            return
-        at = 0  # where each shard range starts in the master
-        for a, b in self.shard_ranges:
-            for seg in edited:
-                lo, hi = max(a, seg.offset), min(b, seg.offset + seg.numel)
-                if lo < hi:
-                    self.optimizer.master[at + lo - a:at + hi - a].copy_(self.flat.data[lo:hi])
-            at += b - a
-        self._note_versions()
+            if self._edits is not None:
+                self._edits.note()
 
     def ranges_of(self, rank: int) -> Ranges:
         """Physical ranges whose optimizer state `rank` holds: everything, or its chunk of each unit."""
@@ -373,13 +214,12 @@ class FlatStrategy:
         """Zero the gradients for the next step. release: also give back the memory of gradients kept only
         between steps where the strategy can (ZeRO-2/3's shard), as torch's zero_grad(set_to_none=True) does."""
         self._end_abandoned_step()
-        if release and self._kept_in_place:
-            # torch's set_to_none: p.grad is None until the next backward, whose fresh gradient the hook above copies
-            # into the buffer. One copy per gradient, where a zero-filled buffer costs a fill and an add (ZeRO-0 went
-            # from 1.01 to 0.96 of DDP's step in benchmarks/prepare_vs_peers.py). A parameter that then gets no
-            # gradient is zeroed before the sync (flat.grads_in_place), so the buffer's last step is never read as
-            # this one's.
-            self._drop_kept_grads()
+        if release and self.visible is not None:
+            # torch's set_to_none: p.grad is None until the next backward, whose fresh gradient is copied into the
+            # buffer (VisibleGradients). One copy per gradient, where a zero-filled buffer costs a fill and an add.
+            # A parameter that then gets no gradient is zeroed before the sync (flat.grads_in_place), so the
+            # buffer's last step is never read as this one's.
+            self.visible.drop()
             return
         self.flat.grad.zero_()
 
@@ -393,10 +233,6 @@ class FlatStrategy:
 
     def _forget_sync(self) -> None:
         """A step's gradient sync is over (the step was taken or abandoned): the next backward's is its own."""
-
-    def _drop_kept_grads(self) -> None:
-        for p in self._kept_in_place:
-            p.grad = None
 
     def no_sync(self):
         """Context for all but the last micro-batch of a step: backward without gradient sync.
@@ -444,10 +280,10 @@ class FlatStrategy:
             raise RuntimeError(f"this {self.name} strategy was closed (its hooks are off the model); prepare the "
                                "model again to train it")
         # On the group's device (an offloaded gradient shard is in host memory).
-        parts = self._sum_sq_parts(self._synced_grad(), self.shard_ranges).to(self.comm.device)
+        parts = self.split.sum_sq_parts(self._synced_grad(), self.shard_ranges).to(self.comm.device)
         if self.stage >= 1:
             self.comm.all_reduce_sum(parts)  # over the data-parallel shards
-        return self._total_sum_sq(parts).sqrt() / loss_scale
+        return self.split.total_sum_sq(parts).sqrt() / loss_scale
 
     @torch.no_grad()
     def unscale_grads(self, scale: float) -> None:
@@ -478,11 +314,12 @@ class FlatStrategy:
         the host then reads the norm whenever it likes, with the step's other statistics), else on the host, which
         reads the norm here (every rank reads the same norm, so every rank decides alike)."""
         try:
-            if self._visible_guard is not None:
+            if self.visible is not None and self.visible.guard is not None:
                 self.finish_grad_sync()
-                self._visible_guard.check(self.flat.grad)
+                self.visible.guard.check(self.flat.grad)
             norm = self._grad_norm(loss_scale)
-            self._take_in_place_edits()
+            if self._edits is not None:
+                self._edits.take()
             clip = self.pcfg.grad_clip if max_norm is None else max_norm
             if self.steps_on_device:
                 self._update(lr, clip_coefficient_tensor(norm, clip) / loss_scale,
@@ -524,7 +361,7 @@ class FlatStrategy:
 
     def param_norm_tensor(self) -> torch.Tensor:
         """param_norm as a float64 tensor on the device (read it when convenient: reading it waits for it)."""
-        return self._total_sum_sq(self._sum_sq_parts(self.flat.data, [(0, self.flat.padded_numel)])).sqrt()
+        return self.split.total_sum_sq(self.split.sum_sq_parts(self.flat.data, [(0, self.flat.padded_numel)])).sqrt()
 
     # --- memory ------------------------------------------------------------------------
     def memory_bytes(self) -> dict[str, int]:

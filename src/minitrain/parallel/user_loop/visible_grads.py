@@ -103,3 +103,55 @@ class VisibleGradGuard:
             raise RuntimeError(f"p.grad was changed between backward and optimizer.step() ({self.why}, so a norm "
                                "torch computes from p.grad is not the model's): clip with "
                                "minitrain.clip_grad_norm_(model, max_norm)")
+
+
+class VisibleGradients:
+    """p.grad in a user's loop at ZeRO-0/1: views of the flat gradient buffer that hold the averaged gradient once
+    backward ends (sync_when_backward_ends), with a guard where a change to them could not be honoured (show).
+
+    A gradient autograd made afresh because p.grad had been set to None (model.zero_grad(), torch's default
+    set_to_none) is copied into its place in the flat buffer, which p.grad then views again: torch's meaning (a
+    fresh start for that gradient) kept, and the sync sees it. Its hooks (`handles`) are registered before the
+    sync's own. As a model fresh from torch, no p.grad is set before the first backward."""
+
+    def __init__(self, flat):
+        self.flat = flat
+        self.kept: list[torch.nn.Parameter] = []
+        self.handles: list = []
+        self.guard: VisibleGradGuard | None = None  # refuses p.grad changed after a sync
+
+        def keep(p, view):
+            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+                p.grad = view
+
+        for seg in flat.segments:
+            if seg.numel:
+                view = flat.grad[seg.offset:seg.offset + seg.numel].view(seg.shape)
+                self.kept.append(flat.param(seg))
+                self.handles.append(flat.param(seg).register_post_accumulate_grad_hook(
+                    lambda p, view=view: keep(p, view)))
+        self.drop()
+
+    def drop(self) -> None:
+        """torch's zero_grad(set_to_none=True): p.grad is None until the next backward."""
+        for p in self.kept:
+            p.grad = None
+
+    def sync_when_backward_ends(self, sync: Callable[[], None], suspended: Callable[[], bool]) -> list:
+        """Run `sync` in the autograd engine's end-of-backward callback, unless `suspended()` (no_sync); returns
+        the hooks' handles."""
+        return BackwardEndSync([self.flat.param(s) for s in self.flat.segments], sync, suspended).handles
+
+    def show(self, averaged: torch.Tensor, tp_split: bool, pp_split: bool) -> None:
+        """p.grad hold `averaged`: a wider averaged copy is rounded into them; a fingerprint is taken where a change
+        before step() could not be honoured."""
+        if averaged is not self.flat.grad:
+            self.flat.grad.copy_(averaged)
+        why = ("the model is split over tensor-parallel ranks" if tp_split else
+               "the model is split over pipeline stages" if pp_split else
+               "the optimizer steps on their sum in a wider dtype, not on p.grad" if averaged is not self.flat.grad
+               else None)
+        if why is not None:
+            self.guard = self.guard or VisibleGradGuard(why)
+            self.guard.take(self.flat.grad)

@@ -303,10 +303,10 @@ class ShardedUnits(ShardedStrategy):
         """Collective: the shards' sums of squares, all-reduced (ZeRO-2 between steps: its units' squares)."""
         if self._whole():
             whole = PieceVector(self._buffers_whole)
-            return self._total_sum_sq(self._sum_sq_parts(whole, [(0, self.flat.padded_numel)])).sqrt()
-        parts = self._sum_sq_parts(self.param_shard, self.shard_ranges)
+            return self.split.total_sum_sq(self.split.sum_sq_parts(whole, [(0, self.flat.padded_numel)])).sqrt()
+        parts = self.split.sum_sq_parts(self.param_shard, self.shard_ranges)
         self.comm.all_reduce_sum(parts)
-        return self._total_sum_sq(parts).sqrt()
+        return self.split.total_sum_sq(parts).sqrt()
 
     def _load_params(self, local: torch.Tensor) -> None:
         self.param_shard.copy_(local)

@@ -151,3 +151,70 @@ def test_the_api_loads_no_training_config_or_commands():
     loaded = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.split()
     units = {unit(m) for m in loaded}
     assert units <= {"api", "parallel", "runtime", "checkpoint", "utils", "errors", "version"}, sorted(units)
+
+
+# parallel/ is a syllabus: one folder per lesson. Lowest first; the folders of one level never import each other.
+# state/ (placement, slices, whole-model state) and user_loop/ (what a user's own loop needs: visible gradients,
+# freed parameters, replica checks) are leaves the strategies switch on; core/ is the contract every strategy
+# fills in; each strategy imports core/ and the leaves only; parallelize() composes them on top.
+PARALLEL_LEVELS = [
+    {"state", "user_loop"},
+    {"core"},
+    {"data_parallel", "zero", "tensor_parallel", "pipeline_parallel", "expert_parallel", "param_server"},
+    {"parallelize"},  # parallel/__init__.py and the model transforms beside it (recompute.py, compiled.py)
+]
+
+
+def lesson(module: str) -> str | None:
+    """minitrain.parallel.zero.zero1 -> zero; minitrain.parallel.recompute -> parallelize; outside parallel: None."""
+    parts = module.split(".")
+    if parts[:2] != ["minitrain", "parallel"]:
+        return None
+    folder = parts[2] if len(parts) > 2 else "parallelize"
+    return folder if any(folder in level for level in PARALLEL_LEVELS) else "parallelize"
+
+
+def test_each_parallel_lesson_imports_only_core_and_the_leaves():
+    level = {f: i for i, folders in enumerate(PARALLEL_LEVELS) for f in folders}
+    wrong = []
+    for module, targets in GRAPH.items():
+        mine = lesson(module)
+        for target in targets:
+            theirs = lesson(target)
+            if mine is None or theirs is None or theirs == mine:
+                continue
+            if level[theirs] >= level[mine]:
+                wrong.append(f"{module} -> {target} ({mine} may not import {theirs})")
+    assert not wrong, "\n".join(wrong)
+
+
+MAX_FILE_LINES = 450
+MAX_CLASS_CHAIN = 3
+
+
+def test_no_file_over_the_limit():
+    long = {str(p.relative_to(SRC)): n for p in SRC.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES}
+    assert not long, f"files over {MAX_FILE_LINES} lines (split them along their seams): {long}"
+
+
+def test_no_class_chain_deeper_than_the_limit():
+    """A class's chain: itself and the minitrain classes it inherits from, along the longest line of bases (a strategy
+    reads its whole chain to know what one step does)."""
+    import importlib
+    import inspect
+
+    def depth(cls) -> int:
+        ours = [b for b in cls.__bases__ if b.__module__.startswith("minitrain.")]
+        return 1 + max((depth(b) for b in ours), default=0)
+
+    chains = {}
+    for module in GRAPH:
+        if module.endswith("__main__"):
+            continue
+        for name, cls in inspect.getmembers(importlib.import_module(module), inspect.isclass):
+            if cls.__module__ == module:
+                chains[f"{module}.{name}"] = depth(cls)
+    assert len(chains) > 100  # every module imported, every class seen
+    assert chains["minitrain.parallel.zero.sharded_units.ShardedUnits"] == 3  # ShardedUnits, ShardedStrategy, FlatStrategy
+    deep = {name: d for name, d in chains.items() if d > MAX_CLASS_CHAIN}
+    assert not deep, f"class chains deeper than {MAX_CLASS_CHAIN}: {deep}"

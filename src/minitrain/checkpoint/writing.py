@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from ..parallel.core.strategy import FlatStrategy
 from ..parallel.state.placement import dtype_name
-from ..parallel.tensor_parallel.layers import gather_slices
+from ..parallel.state.slices import gather_slices
 from ..runtime.topology import Topology
 from .files import _fsync_dir, _fsync_file, _write_durably, rng_state, sha256_of
 from .format import (FORMAT, LATEST, MANIFEST, MANIFEST_SHA, WRITTEN_BY, CheckpointError, shard_file_name,

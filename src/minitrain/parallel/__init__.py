@@ -19,7 +19,7 @@ from .core.model_plan import ModelPlan
 from .param_server import ParameterServerWorker
 from .pipeline_parallel.executor import Pipeline
 from .user_loop.replica_state import start_alike
-from .tensor_parallel.layers import tensor_parallel_slices
+from .state.slices import tensor_parallel_slices
 from .tensor_parallel.plans import apply_tensor_parallel
 from .zero.sharded_units import ShardedUnits
 from .zero.zero1 import Zero1

@@ -28,7 +28,7 @@ import functools
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .tensor_parallel.plans import matches
+from .core.model_plan import matches
 from .core.units import repeated_blocks
 
 MODES = ("none", "block", "selective")

@@ -12,7 +12,7 @@ import minitrain
 from minitrain.checkpoint import consolidated_state_dict
 from minitrain.runtime.comm import Comm
 from minitrain.parallel.recompute import apply_activation_checkpointing, targets
-from minitrain.parallel.tensor_parallel.layers import tensor_parallel_slices
+from minitrain.parallel.state.slices import tensor_parallel_slices
 from minitrain.parallel.tensor_parallel.plans import (
     Colwise,
     apply_tensor_parallel,

@@ -34,16 +34,7 @@ import torch.nn as nn
 
 from .memory_math import padded_numel
 from ..state.placement import Placement, whole_state
-
-
-@dataclass(frozen=True)
-class TensorSlice:
-    """Where a tensor-parallel parameter comes from: entries `index` along `dim` of a whole parameter of
-    shape `full_shape`."""
-
-    full_shape: tuple[int, ...]
-    dim: int
-    index: torch.Tensor
+from ..state.slices import TensorSlice
 
 
 @dataclass

@@ -9,6 +9,8 @@ parallel, ZeRO and block recomputation need none).
 """
 from __future__ import annotations
 
+import fnmatch
+
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,3 +27,9 @@ class ModelPlan:
     blocks: Callable[[nn.Module], list[nn.Module]] | None = None
     # (module, method name) pairs `selective` activation checkpointing recomputes.
     selective: Callable[[nn.Module], list[tuple[nn.Module, str]]] | None = None
+
+
+def matches(pattern: str, name: str) -> bool:
+    """Segment by segment: `layers.*.mlp` matches `layers.3.mlp` and nothing deeper or shallower."""
+    parts, segments = pattern.split("."), name.split(".")
+    return len(parts) == len(segments) and all(fnmatch.fnmatchcase(s, p) for s, p in zip(segments, parts))

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ...runtime.comm import Comm
-from ..tensor_parallel.layers import _sharded
+from ..state.slices import sharded_parameter
 
 
 class _AllToAll(torch.autograd.Function):
@@ -117,7 +117,7 @@ def _keep_own_experts(module: torch.nn.Module, names, experts: int, comm: Comm) 
     rows = torch.arange(comm.rank * per, (comm.rank + 1) * per, device="cpu")
     module.slices = {}
     for name in names:
-        param, module.slices[name] = _sharded(getattr(module, name), 0, rows)
+        param, module.slices[name] = sharded_parameter(getattr(module, name), 0, rows)
         setattr(module, name, param)
 
 
@@ -174,7 +174,7 @@ def hugging_face_experts(model: torch.nn.Module, ep_plan) -> list[torch.nn.Modul
     """The experts modules an ep_plan names: "auto" reads a Hugging Face config's `base_model_ep_plan` (its
     `ep_dispatch_experts` entries, names under the base model); a dict {module-name pattern: "experts"} names a
     model's own modules of that layout. ValueError if none matches."""
-    from ..tensor_parallel.plans import matches
+    from ..core.model_plan import matches
 
     if ep_plan == "auto":
         base = getattr(getattr(model, "config", None), "base_model_ep_plan", None) or {}

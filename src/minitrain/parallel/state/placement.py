@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:  # layout.py imports this module
-    from ..core.flat_parameters import TensorSlice
+    from .slices import TensorSlice
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,16 @@ pipeline stages, each broadcast from the first stage that holds it.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ...runtime.comm import Comm
-from ..core.strategy import FlatStrategy
 from .placement import check_state, dtype_name
-from ..tensor_parallel.layers import gather_slices
+from .slices import gather_slices
+
+if TYPE_CHECKING:  # the strategy is handed in; whole-model state sits below the strategies
+    from ..core.strategy import FlatStrategy
 
 # The integer type of each float's width: an all-reduce of bit patterns where one rank is non-zero.
 _BITS = {8: torch.int64, 4: torch.int32}

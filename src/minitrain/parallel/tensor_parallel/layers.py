@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...runtime.comm import Comm
-from ..core.flat_parameters import TensorSlice
+from ..state.slices import sharded_parameter
 
 
 class _CopyToTensorParallel(torch.autograd.Function):
@@ -93,40 +93,6 @@ def reduce_from_tensor_parallel(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     return _ReduceFromTensorParallel.apply(x, comm)
 
 
-def _sharded(full: torch.Tensor, dim: int, index: torch.Tensor) -> tuple[nn.Parameter, TensorSlice]:
-    """This rank's slice of a full parameter (the entries `index` along `dim`), and where it came from."""
-    p = nn.Parameter(full.detach().index_select(dim, index.to(full.device)).clone(),
-                     requires_grad=full.requires_grad)
-    return p, TensorSlice(tuple(full.shape), dim, index.cpu())
-
-
-def gather_slices(value: torch.Tensor, sl: TensorSlice, comm: Comm) -> torch.Tensor:
-    """The whole tensor of which each rank of `comm` holds a slice like `sl` (its own entries along sl.dim):
-    every rank's values and indices all-gathered, each put back where it came from. Collective over comm."""
-    if comm.world_size == 1:
-        return value
-    pieces = value.new_empty((comm.world_size, *value.shape))
-    comm.all_gather(pieces.view(-1), value.detach().contiguous().view(-1))
-    index = sl.index.to(device=comm.device, dtype=torch.int64)
-    indices = index.new_empty(comm.world_size * index.numel())
-    comm.all_gather(indices, index)
-    whole = value.new_empty(sl.full_shape)
-    for piece, rows in zip(pieces, indices.view(comm.world_size, -1)):
-        whole.index_copy_(sl.dim, rows.to(value.device), piece)
-    return whole
-
-
-def tensor_parallel_slices(model: nn.Module) -> dict[str, TensorSlice]:
-    """{parameter name: its slice} for every sliced parameter of the layers below (tied weights under
-    their canonical name, as named_parameters() gives it)."""
-    canonical = {id(p): name for name, p in model.named_parameters()}
-    out = {}
-    for module in model.modules():
-        for pname, sl in getattr(module, "slices", {}).items():
-            out[canonical[id(getattr(module, pname))]] = sl
-    return out
-
-
 class ColumnParallelLinear(nn.Module):
     """y_r = f(x) A_r^T + b_r: this rank's output features `rows` of a full nn.Linear. The output
     stays split (the next layer is row-parallel, or the vocabulary-parallel loss), or with
@@ -135,11 +101,11 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, full: nn.Linear, rows: torch.Tensor, comm: Comm, gather_output: bool = False):
         super().__init__()
         self.comm, self.gather_output = comm, gather_output
-        self.weight, weight = _sharded(full.weight, 0, rows)
+        self.weight, weight = sharded_parameter(full.weight, 0, rows)
         self.slices = {"weight": weight}
         self.bias = None
         if full.bias is not None:
-            self.bias, self.slices["bias"] = _sharded(full.bias, 0, rows)
+            self.bias, self.slices["bias"] = sharded_parameter(full.bias, 0, rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(copy_to_tensor_parallel(x, self.comm), self.weight, self.bias)
@@ -153,7 +119,7 @@ class RowParallelLinear(nn.Module):
     def __init__(self, full: nn.Linear, cols: torch.Tensor, comm: Comm):
         super().__init__()
         self.comm = comm
-        self.weight, weight = _sharded(full.weight, 1, cols)
+        self.weight, weight = sharded_parameter(full.weight, 1, cols)
         self.slices = {"weight": weight}
         self.bias = None if full.bias is None else nn.Parameter(full.bias.detach().clone())
 
@@ -168,7 +134,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, full: nn.Embedding, lo: int, hi: int, comm: Comm):
         super().__init__()
         self.comm, self.lo, self.hi = comm, lo, hi
-        self.weight, weight = _sharded(full.weight, 0, torch.arange(lo, hi))
+        self.weight, weight = sharded_parameter(full.weight, 0, torch.arange(lo, hi))
         self.slices = {"weight": weight}
         # A padding row gets no gradient (nn.Embedding's padding_idx), on the rank that holds it.
         pad = full.padding_idx

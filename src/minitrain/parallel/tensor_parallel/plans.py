@@ -27,13 +27,13 @@ or the attention heads and key-value heads of a Hugging Face config.
 """
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ...runtime.comm import Comm
+from ..core.model_plan import matches
 from .layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -82,12 +82,6 @@ TpPlan = dict[str, "str | Style"]
 HUGGING_FACE_ONLY = ("packed_colwise", "packed_rowwise", "moe_tp_experts", "local_colwise", "local_rowwise",
                      "local_packed_rowwise", "local", "gather", "ep_router", "grouped_gemm", "sequence_parallel",
                      "isolated", "mla_kv_a_proj")
-
-
-def matches(pattern: str, name: str) -> bool:
-    """Segment by segment: `layers.*.mlp` matches `layers.3.mlp` and nothing deeper or shallower."""
-    parts, segments = pattern.split("."), name.split(".")
-    return len(parts) == len(segments) and all(fnmatch.fnmatchcase(s, p) for s, p in zip(segments, parts))
 
 
 def resolve(model: nn.Module, plan: TpPlan) -> dict[str, Style]:

@@ -49,7 +49,7 @@ class ShardedStrategy(FlatStrategy):
                             for seg in self.flat.segments} if pcfg.user_loop else {}
             self.grad_shard = GradientShard(self.flat, comm, self.shard_ranges, self.reduce_dtype, self.ledger,
                                             offloaded=pcfg.offload != "none", stage=self.stage,
-                                            placeholders=placeholders, average=pcfg.user_loop,
+                                            placeholders=placeholders, average=self._averaged_in_sync,
                                             on_reduced=self._unit_reduced)
             self.hooks += self.grad_shard.handles
             # A new forward means the last backward is over: finish its reductions now, so with gradient
@@ -84,7 +84,6 @@ class ShardedStrategy(FlatStrategy):
     def zero_grad(self, release: bool = False) -> None:
         if self.grad_shard is None:
             return super().zero_grad(release)
-        self.grad_shard.retire_all()
         self._end_abandoned_step()
         self.grad_shard.zero(release)
 

@@ -33,7 +33,7 @@ from ..models.minigpt.model import MiniGPT
 from ..train.optim import FUSED_DEVICES, lr_at
 from ..parallel.compiled import compile_blocks
 from .peers import decay_groups
-from ..train.estimate import PlanInput, flops_per_token
+from ..plan import PlanInput, flops_per_token
 from ..train.precision import autocast, compute_dtype
 from ..runtime.topology import Topology
 from ..train.trainer import Trainer
@@ -160,7 +160,9 @@ def _timed_steps(step, steps: int, device: torch.device) -> float:
 
 def measure(opts: ThroughputOptions, precision: str, device: torch.device) -> dict:
     cfg = bench_config(opts, precision)
-    ours = Trainer(cfg, Topology.single(device))
+    # As `minitrain train` makes it: the parameter norm on the steps that print a progress line (none here) and
+    # the last.
+    ours = Trainer(cfg, Topology.single(device), param_norm_every=cfg.train.log_every)
     plain = PlainLoop(cfg, device)
     for _ in range(opts.warmup):  # compiles, allocates, warms caches
         ours.launch_step()

@@ -22,7 +22,7 @@ import torch
 
 from ..models.spec import CountsExpertLoad
 from ..parallel.core.memory_math import MEMORY_KINDS
-from ..parallel.core.strategy import sync_figures
+from ..parallel.core.sync_stats import sync_figures
 from ..runtime.comm import OpStats
 from ..runtime.topology import Topology
 from .memory import DevicePeak

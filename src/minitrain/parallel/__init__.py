@@ -39,7 +39,7 @@ def parallelize(model: nn.Module, topo: Topology, pcfg: ParallelConfig, make_opt
     2. pipeline parallel (the plan's split): it deletes the (already sliced) modules other stages run,
        so that nothing after it, above all the data-parallel strategy, holds or syncs their parameters;
     2b. expert parallelism (topo.ep): each rank keeps its share of every mixture-of-experts layer's experts,
-       marked as slices of the whole tensors (experts.py);
+       marked as slices of the whole tensors (expert_parallel/experts.py);
     3. compiling each block's forward (compile=True; compiled.py), then activation checkpointing: it
        wraps module calls from outside and must wrap the final modules, compiled, while keeping their
        hooks, which ZeRO-3 installs next;
@@ -67,7 +67,7 @@ def parallelize(model: nn.Module, topo: Topology, pcfg: ParallelConfig, make_opt
     if compile:
         compile_blocks(model, plan)
     apply_activation_checkpointing(model, activation_checkpointing, plan)
-    if topo.servers is not None:  # a parameter-server worker: its servers hold the optimizer (param_server.py)
+    if topo.servers is not None:  # a parameter-server worker: its servers hold the optimizer (param_server/)
         return ParameterServerWorker(model, topo.dp, topo.servers, pcfg, whole=whole), None
     strategy = make_strategy(model, topo.dp, pcfg, make_optimizer, whole, topo.slices, topo.pp)
     if topo.ep.world_size > 1:

@@ -60,6 +60,7 @@ def _read(fn: types.FunctionType) -> set[str]:
 def _starts_ranks(obj, seen: set[int]) -> bool:
     """Whether calling `obj` can reach one of RANK_STARTERS through code of this test tree."""
     obj = inspect.unwrap(obj.func if isinstance(obj, functools.partial) else obj)
+    obj = getattr(getattr(obj, "hypothesis", None), "inner_test", obj)  # a @given test: the function it wraps
     if any(obj is starter for starter in RANK_STARTERS):
         return True
     if id(obj) in seen or not _ours(obj):

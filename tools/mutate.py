@@ -74,7 +74,12 @@ def load(path: Path = LIST) -> list[dict]:
 
 
 def stale_reason(m: dict, root: Path = ROOT) -> str | None:
-    """Why the mutation no longer applies to the source as it is, or None."""
+    """Why the mutation no longer applies to the source or the tests as they are, or None."""
+    # A selection names its test file first ("tests/x.py::test_y" or "tests/x.py -k EXPR"): a file that moved
+    # would make pytest exit 4, an error, not a verdict.
+    gone = [f for f in dict.fromkeys(shlex.split(s)[0].split("::")[0] for s in m["tests"]) if not (root / f).is_file()]
+    if gone:
+        return f"test file {', '.join(gone)} does not exist"
     path = root / PACKAGE / m["file"]
     if not path.is_file():
         return f"{PACKAGE / m['file']} does not exist"

@@ -23,6 +23,8 @@ from minitrain.parallel.pipeline_parallel.split import PipelineSplit, check_piec
 from tests.helpers.dist import run_ranks
 from tests.helpers.numerics import assert_bit_equal
 
+pytestmark = pytest.mark.slow
+
 V, D, T = 16, 8, 6
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
 TOL = 1e-12

@@ -17,8 +17,10 @@ from minitrain.checkpoint import CheckpointError
 from minitrain.parallel.core.shard_optimizer import NotElementwiseError
 
 from tests.helpers.dist import run_ranks
-from tests.helpers.hf_models import (KINDS, OPTIMIZERS, batches, frozen_parameter, lm_loss, make_model, param_groups, reference_run,
-                        tied)
+from tests.helpers.hf_models import (KINDS, OPTIMIZERS, batches, frozen_parameter, lm_loss, make_model, param_groups,
+                                     reference_run, tied)
+
+pytestmark = pytest.mark.slow
 
 pytest.importorskip("transformers")
 

@@ -12,6 +12,8 @@ import minitrain
 from tests.helpers.dist import run_ranks
 from tests.helpers.hf_models import OPTIMIZERS, batches, lm_loss, make_model, param_groups
 
+pytestmark = pytest.mark.slow
+
 STEPS, MAX_NORM = 4, 0.5
 
 

@@ -1,8 +1,11 @@
 import json
 
+import pytest
 from safetensors.torch import load_file
 
 from tests.helpers.dist import run_cli, run_main
+
+pytestmark = pytest.mark.slow
 
 MANIFEST_KEYS = {"seed", "backend", "world_size", "model_params", "steps", "allreduce_p50_ms", "allreduce_p95_ms",
                  "tokens_per_sec_1proc", "tokens_per_sec_2proc", "byte_equivalent", "lesson_notes"}

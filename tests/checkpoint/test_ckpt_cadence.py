@@ -8,6 +8,8 @@ from minitrain.train.run_config import run_config
 
 from tests.helpers.dist import run_cli, run_main, run_ranks
 
+pytestmark = pytest.mark.slow
+
 
 def _train(out, *extra):
     proc = run_cli("train", "--nproc", "2", "--zero", "2", "--train.log_every", "0", "--out", str(out), *extra)

@@ -25,6 +25,8 @@ from minitrain.checkpoint import remote
 from tests.helpers.dist import run_cli, run_main
 from tests.helpers.s3_server import s3_server
 
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("s3fs", reason="s3fs is not installed (pip install 'minitrain[s3]')")
 moto_server = pytest.importorskip("moto.server", reason="moto is not installed (the test extra installs it)")
 
@@ -286,8 +288,8 @@ def test_the_api_saves_to_and_loads_from_the_store(s3, tmp_path):
 
 def test_the_api_round_trip_through_the_store_on_two_ranks(s3):
     url = f"s3://{BUCKET}/api-two"
-    result = run_cli(str(Path(__file__).resolve().parents[1] / "helpers" / "store_round_trip.py"), url, script=True, torchrun_nproc=2,
-                     timeout_s=120)
+    script = Path(__file__).resolve().parents[1] / "helpers" / "store_round_trip.py"
+    result = run_cli(str(script), url, script=True, torchrun_nproc=2, timeout_s=120)
     assert result.returncode == 0 and "same after the round trip" in result.stdout, result.stderr[-3000:]
     assert remote.committed_steps(url) == [2] and len(remote.read_commit(url, 2)["files"]) == 4
 

@@ -1,5 +1,6 @@
 """The Python API's round trip through object storage, as a user's script runs it: `python store_round_trip.py URL`
-(under torchrun for several ranks). tests/checkpoint/test_object_store.py imports its pieces for the one-process case."""
+(under torchrun for several ranks). tests/checkpoint/test_object_store.py imports its pieces for the one-process
+case."""
 import functools
 import sys
 

@@ -6,13 +6,17 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 import minitrain
 from minitrain import ddp
 from minitrain.data import LAB_EXAMPLES, LAB_SEQ_LEN, LAB_VOCAB, make_corpus, make_shard
 
-from tests.helpers.dist import run_cli  # this directory is no package: a `minitrain` package here would shadow the library
+# This directory is no package: a `minitrain` package here would shadow the library.
+from tests.helpers.dist import run_cli
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -349,7 +349,7 @@ def test_a_gpus_norm_sums_squares_in_float64_without_a_copy_and_agrees_with_the_
     float64 copy, no cuBLAS dot: 1.8 ms of a gpt2-124m step on an H100). The same sums as the CPU's copies to
     float64 summation's error (the two sum in other orders), chunk by chunk, over a vector of several chunks and a
     tail, narrow and full; where torch.compile cannot run, the eager form with a warning that says so."""
-    from minitrain.parallel import norms
+    from minitrain.parallel.core import norms
 
     monkeypatch.setattr(norms, "_compiled_square_sum", None)
     # Traced by dynamo as on a GPU, its graph run eagerly: inductor's CPU code would take seconds to build and is

@@ -8,6 +8,8 @@ from minitrain.runtime.launch import LaunchTimeoutError, RankFailedError, launch
 
 from tests.helpers.dist import run_ranks
 
+pytestmark = pytest.mark.slow
+
 
 def _identity(topo):
     return (topo.rank, topo.world_size, torch.get_num_threads(), os.environ["OMP_NUM_THREADS"], os.getpid())

@@ -4,6 +4,8 @@ import pytest
 
 from tests.helpers.dist import run_cli, run_main
 
+pytestmark = pytest.mark.slow
+
 METRIC_KEYS = {"step", "loss", "grad_norm", "param_norm", "lr", "tokens", "step_time_s", "tokens_per_s",
                "comm_time_s", "comm_bytes", "memory"}
 

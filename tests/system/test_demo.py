@@ -4,9 +4,13 @@ import shutil
 import sys
 from pathlib import Path
 
+import pytest
+
 from minitrain.apps.demo import check_invariants
 
 from tests.helpers.dist import run_cli
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -12,6 +12,8 @@ from safetensors.torch import load_file
 
 from tests.helpers.dist import run_cli, run_main
 
+pytestmark = pytest.mark.slow
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 

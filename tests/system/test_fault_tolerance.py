@@ -14,6 +14,8 @@ from minitrain import checkpoint
 
 from tests.helpers.dist import run_cli, run_cli_and_signal
 
+pytestmark = pytest.mark.slow
+
 RUN = ("train", "--steps", "20", "--ckpt-every-steps", "5", "--train.log_every", "0")
 
 

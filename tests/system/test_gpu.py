@@ -15,7 +15,7 @@ from minitrain.train.trainer import Trainer
 
 from tests.helpers.dist import run_cli
 
-pytestmark = [pytest.mark.gpu,
+pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")]
 
 

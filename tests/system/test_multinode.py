@@ -16,6 +16,8 @@ from tests.helpers.dist import run_ranks
 from tests.helpers.multinode import THIS, elastic_run, metric_rows, shards, train_each
 from tests.helpers.netns import Cluster, unavailable
 
+pytestmark = pytest.mark.slow
+
 TINY = ["--dtype", "float64", "--train.log_every", "0"]  # one checkpoint: the final one, at step STEPS
 STEPS = 6
 

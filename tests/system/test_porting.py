@@ -15,6 +15,8 @@ import torch
 
 from tests.helpers.dist import run_script
 
+pytestmark = pytest.mark.slow
+
 SCRIPTS = Path(__file__).resolve().parents[1] / "helpers" / "user_scripts"
 DDP_SCRIPT = SCRIPTS / "ddp_train.py"
 FSDP2_SCRIPT = SCRIPTS / "fsdp2_train.py"

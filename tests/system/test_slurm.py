@@ -30,6 +30,8 @@ import pytest
 from minitrain import checkpoint
 from minitrain.runtime.launch import free_port
 
+pytestmark = pytest.mark.slow
+
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "slurm" / "train.sbatch"
 DAEMONS = ("slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "scontrol", "scancel", "sinfo", "squeue")

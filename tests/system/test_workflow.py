@@ -20,6 +20,8 @@ from minitrain.train.trainer import Trainer, seed_everything
 
 from tests.helpers.dist import run_cli, run_ranks
 
+pytestmark = pytest.mark.slow
+
 NOTES = Path(minitrain.__file__).parent / "corpora" / "field_notes.txt"
 STEPS, EVAL_EVERY = 60, 20
 MODEL = ["--model.n_layer", "2", "--model.d_model", "64", "--model.seq_len", "64"]

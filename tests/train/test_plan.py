@@ -17,6 +17,8 @@ from minitrain.train.trainer import Trainer
 
 from tests.helpers.dist import run_main, run_ranks
 
+pytestmark = pytest.mark.slow
+
 # The memory terms of the machine these tests measure on, a CPU (its autocast keeps the loss in float32); the
 # data sheet's FLOP and link figures are not used by them.
 HERE = replace(plan.PRESETS["h100-sxm"], device="cpu")

@@ -1,5 +1,5 @@
 """Loss-spike rollback, background saves and the restored data order, in one process
-(the multi-rank scenarios are in test_fault_tolerance.py)."""
+(the multi-rank scenarios are in tests/system/test_fault_tolerance.py)."""
 import math
 import threading
 

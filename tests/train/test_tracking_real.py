@@ -12,6 +12,8 @@ from minitrain.train.tracking import MlflowSink, Tracker, WandbSink
 
 from tests.helpers.dist import run_cli
 
+pytestmark = pytest.mark.slow
+
 mlflow = pytest.importorskip("mlflow", reason="the mlflow package is not installed (pip install 'minitrain[mlflow]')")
 wandb = pytest.importorskip("wandb", reason="the wandb package is not installed (pip install 'minitrain[wandb]')")
 

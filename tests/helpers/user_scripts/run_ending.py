@@ -1,7 +1,8 @@
 """A short run of a user's own script that ends as scripts end: `destroy_process_group()` without minitrain's
 cleanup() (a DDP script's last line), cleanup() twice, or sys.exit(3) between a backward and its step. Run under
 torchrun's environment; the mode is the first argument and the ZeRO stage the second, or with `each` both are
-drawn in turn from the run's number (tests/helpers/zygote.py sets ZYGOTE_RUN). tests/system/test_exits.py runs it many times over.
+drawn in turn from the run's number (tests/helpers/zygote.py sets ZYGOTE_RUN). tests/system/test_exits.py runs it many
+times over.
 
 Last, after minitrain's own exit handler, it says on stderr how many of gloo's work threads (a process group's) are
 still alive: one that lives into the interpreter's shutdown can abort the process there ("terminate called without

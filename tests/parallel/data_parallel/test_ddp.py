@@ -17,6 +17,8 @@ from minitrain.train.trainer import Trainer
 from tests.helpers.dist import run_ranks
 from tests.helpers.numerics import key_bias_mask
 
+pytestmark = pytest.mark.slow
+
 MODES = ("naive", "bucketed", "torch")
 STEPS = 5
 

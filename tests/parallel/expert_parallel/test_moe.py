@@ -17,6 +17,8 @@ from tests.helpers.dist import run_main, run_ranks
 from tests.helpers.numerics import assert_bit_equal
 from tests.helpers.reference import assert_close_to, plain_run
 
+pytestmark = pytest.mark.slow
+
 E, K = 4, 2
 
 

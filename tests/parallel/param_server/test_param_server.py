@@ -10,6 +10,8 @@ import torch
 
 from tests.helpers.dist import run_main, run_ranks
 
+pytestmark = pytest.mark.slow
+
 TINY = {"model.preset": "tiny", "train.steps": 6, "train.log_every": 0, "train.batch_size": 4}
 
 

@@ -26,6 +26,8 @@ from minitrain.train.trainer import Trainer
 from tests.helpers.dist import run_main, run_ranks
 from tests.helpers.reference import assert_exercises_the_loop, plain_run
 
+pytestmark = pytest.mark.slow
+
 TOL = 1e-12
 STEPS = 4
 

@@ -21,8 +21,10 @@ from minitrain.parallel.core.shard_optimizer import NotElementwiseError
 
 from tests.helpers.dist import run_ranks
 from tests.helpers.numerics import assert_states_match
-from tests.parallel.user_loop.test_habits import Block
 from tests.helpers.hf_models import make_model
+from tests.parallel.user_loop.test_habits import Block
+
+pytestmark = pytest.mark.slow
 
 V, D, T = 16, 8, 6
 TOL = 1e-12

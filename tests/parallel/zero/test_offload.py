@@ -15,6 +15,8 @@ import torch
 from tests.helpers.dist import run_cli, run_main, run_ranks
 from tests.helpers.numerics import assert_bit_equal
 
+pytestmark = pytest.mark.slow
+
 STAGES = (0, 1, 2, 3)
 MODES = ("none", "cpu", "disk")
 STEPS = 4

@@ -20,6 +20,8 @@ from tests.helpers.numerics import FLOAT32_VS_ONE_PROCESS, key_bias_mask
 from tests.helpers.reference import assert_close_to, assert_exercises_the_loop, plain_run
 from tests.helpers.storage import sampled_step
 
+pytestmark = pytest.mark.slow
+
 STAGES = (0, 1, 2, 3)
 STEPS = 5
 

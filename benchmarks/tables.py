@@ -429,26 +429,28 @@ def learner_path(docs: list[dict]) -> list[str]:
     rows = []
     for name, entry in doc["results"].items():
         if "error" in entry:
-            rows.append([entry["label"], "minitrain", f"failed: {entry['error'].replace('|', '/')}", "", "", "", ""])
+            rows.append([entry["label"], "minitrain", f"failed: {entry['error'].replace('|', '/')}", "", "", "", "", ""])
         else:
             files = entry["files"].values()
             count, lines = len(files), sum(total for total, _ in files)
             within = "" if name not in target["strategies"] else \
                 "yes" if count <= target["files"] and lines <= target["lines"] else "no"
+            lesson = [total for path, (total, _) in entry["files"].items() if "/parallel/" in path]
             rows.append([entry["label"], "minitrain", str(count), f"{lines:,}", f"{sum(e for _, e in files):,}",
-                         str(len(entry["calls"])), within])
+                         str(len(entry["calls"])), f"{len(lesson)}, {sum(lesson):,}", within])
         theirs = doc["picotron"].get(name)
         if theirs:
             rows.append(["", "picotron (reference)", str(theirs["files"]), f"{theirs['lines']:,}", "",
-                         f"~{theirs['calls']}", ""])
+                         f"~{theirs['calls']}", "", ""])
     ep = doc["model"]["ep"]
     return [(f"One step of a {doc['model']['preset']} MiniGPT (expert parallel: {ep['moe_experts']} experts, top "
              f"{ep['moe_top_k']}) on {doc['world_size']} ranks ({doc['backend']}) after one warm-up step, traced on "
              f"rank 0 by `python tools/learner_path.py` at `{doc['revision']}`; picotron's figures are its files for "
              f"that strategy, read in its repository, not traced. Target for DDP, ZeRO, TP and PP: at most "
-             f"{target['files']} files and {target['lines']:,} lines."), "",
+             f"{target['files']} files and {target['lines']:,} lines. Of them in parallel/: the strategy's folder, "
+             f"core/, state/ and user_loop/; the others are the runtime (comm and its watch) and the public API."), "",
             *_table(["strategy", "code", "files", "lines in them", "lines executed", "cross-file calls",
-                     "within the target"], "<<>>>><", rows)]
+                     "of them in parallel/ (files, lines)", "within the target"], "<<>>>>><", rows)]
 
 
 # Table name -> (result files, renderer). Benchmarks run at several sizes write one file per size.

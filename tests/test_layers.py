@@ -154,13 +154,15 @@ def test_the_api_loads_no_training_config_or_commands():
 
 
 # parallel/ is a syllabus: one folder per lesson. Lowest first; the folders of one level never import each other.
-# state/ (placement, slices, whole-model state) and user_loop/ (what a user's own loop needs: visible gradients,
-# freed parameters, replica checks) are leaves the strategies switch on; core/ is the contract every strategy
-# fills in; each strategy imports core/ and the leaves only; parallelize() composes them on top.
+# state/ (placement, slices, whole-model state) is at the bottom; core/ is the contract every strategy fills in; each
+# strategy imports core/ (and state/) only; user_loop/ (what a user's own loop needs: visible gradients, freed
+# parameters, parameters used outside their module, replicas alike) is above them, its mechanisms handed to a
+# strategy by make_strategy; parallelize() composes them on top.
 PARALLEL_LEVELS = [
-    {"state", "user_loop"},
+    {"state"},
     {"core"},
     {"data_parallel", "zero", "tensor_parallel", "pipeline_parallel", "expert_parallel", "param_server"},
+    {"user_loop"},
     {"parallelize"},  # parallel/__init__.py and the model transforms beside it (recompute.py, compiled.py)
 ]
 
@@ -174,7 +176,7 @@ def lesson(module: str) -> str | None:
     return folder if any(folder in level for level in PARALLEL_LEVELS) else "parallelize"
 
 
-def test_each_parallel_lesson_imports_only_core_and_the_leaves():
+def test_each_parallel_lesson_imports_only_what_is_below_it():
     level = {f: i for i, folders in enumerate(PARALLEL_LEVELS) for f in folders}
     wrong = []
     for module, targets in GRAPH.items():

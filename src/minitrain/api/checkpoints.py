@@ -37,7 +37,7 @@ def save_checkpoint(directory: str | Path, model: nn.Module, optimizer: Prepared
     """Save the model and optimizer as a sharded, sha256-verified checkpoint under directory/step-NNNNNN,
     and point directory/latest at it once it is complete. Collective (every rank writes its own shard).
     extra: anything JSON can hold (epoch, data position, ...), returned by load_checkpoint.
-    directory may be a URL of object storage (s3://bucket/prefix; checkpoint/remote.py): the checkpoint is written
+    directory may be a URL of object storage (s3://bucket/prefix; checkpoint/remote/): the checkpoint is written
     in `staging` (default: a temporary directory; on several nodes, give one they share), uploaded, committed, and
     the local copy removed; returns URL/step-NNNNNN."""
     state = _with_its_optimizer(model, optimizer, "save_checkpoint")

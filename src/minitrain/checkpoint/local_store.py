@@ -1,7 +1,7 @@
 """`--ckpt.dir /path` (or file:///path): the checkpoint store on a filesystem, for clusters whose machines each
 have their own OUT but mount one filesystem (NFS, Lustre) for checkpoints.
 
-remote.py treats it as any fsspec store; this filesystem makes its three writes as safe as OUT's own: a file put
+remote/ treats it as any fsspec store; this filesystem makes its three writes as safe as OUT's own: a file put
 into the store and `latest.json` rewritten each go to a temporary name, are fsynced and renamed into place (a crash
 leaves the old file or the new one, never half of one); a commit object is created only if none exists, and only
 whole (written and fsynced under a temporary name, then hard-linked to its name, which fails if the name exists).

@@ -21,6 +21,7 @@ from .pipeline_parallel.executor import Pipeline
 from .user_loop.replica_state import start_alike
 from .state.slices import tensor_parallel_slices
 from .tensor_parallel.plans import apply_tensor_parallel
+from .user_loop.support import UserLoopSupport
 from .zero.sharded_units import ShardedUnits
 from .zero.zero1 import Zero1
 from .zero.zero2 import Zero2
@@ -68,7 +69,8 @@ def parallelize(model: nn.Module, topo: Topology, pcfg: ParallelConfig, make_opt
         compile_blocks(model, plan)
     apply_activation_checkpointing(model, activation_checkpointing, plan)
     if topo.servers is not None:  # a parameter-server worker: its servers hold the optimizer (param_server/)
-        return ParameterServerWorker(model, topo.dp, topo.servers, pcfg, whole=whole), None
+        loop = UserLoopSupport() if pcfg.user_loop else None
+        return ParameterServerWorker(model, topo.dp, topo.servers, pcfg, whole=whole, loop=loop), None
     strategy = make_strategy(model, topo.dp, pcfg, make_optimizer, whole, topo.slices, topo.pp)
     if topo.ep.world_size > 1:
         strategy.use_experts(topo.ep)
@@ -78,7 +80,7 @@ def parallelize(model: nn.Module, topo: Topology, pcfg: ParallelConfig, make_opt
 def make_strategy(model: nn.Module, comm: Comm, pcfg: ParallelConfig, make_optimizer: OptimizerFactory,
                   whole: WholeModel | None = None, tp: Comm | None = None, pp: Comm | None = None) -> FlatStrategy:
     """The data-parallel strategy over `comm` for `model` (which may already be split across `tp` and `pp`)."""
-    kwargs = {"whole": whole}
+    kwargs = {"whole": whole, "loop": UserLoopSupport() if pcfg.user_loop else None}
     if pcfg.zero == 3:
         strategy = ShardedUnits(model, comm, pcfg, make_optimizer, reshard_after_forward=True, **kwargs)
     elif pcfg.zero == 2 and ShardedUnits.frees_after_backward(model, pcfg):  # zero/sharded_units.py

@@ -1,12 +1,10 @@
-"""The base of every data-parallel strategy: flat buffers (layout.py), a shard optimizer, the global
+"""The base of every data-parallel strategy: flat buffers (flat_parameters.py), a shard optimizer, the global
 gradient norm and clipping, what a rank holds, and its checkpoint state.
 
-`stage` says what is sharded across ranks, as in the ZeRO paper: 0 nothing, 1 optimizer state,
-2 also gradients, 3 also parameters. The optimizer is built by a factory the caller passes
-(`make_optimizer(master, flat, shard_ranges)`): minitrain's own `FlatAdamW` for the CLI, or a
-user's torch optimizer over this rank's shard (`shard_optimizer.py`), so the strategies never
-know which.
-
+`stage` says what is sharded across ranks, as in the ZeRO paper: 0 nothing, 1 optimizer state, 2 also gradients,
+3 also parameters. The optimizer is built by a factory the caller passes (`make_optimizer(master, flat,
+shard_ranges)`): minitrain's own `FlatAdamW` for the CLI, or a user's torch optimizer over this rank's shard
+(`shard_optimizer.py`), so the strategies never know which.
 """
 from __future__ import annotations
 
@@ -27,7 +25,6 @@ from .norms import clip_coefficient, clip_coefficient_tensor
 from .sync_stats import sync_figures
 from .piece_vector import held_bytes
 from ..state.placement import Placement, placements
-from ..user_loop.visible_grads import VisibleGradients
 
 # (master, flat parameters, this rank's shard ranges) -> an optimizer over the shard (see FlatStrategy)
 OptimizerFactory = Callable[[torch.Tensor, FlatParameters, Ranges], object]
@@ -47,8 +44,11 @@ class FlatStrategy:
 
     def __init__(self, model: nn.Module, comm: Comm, pcfg: ParallelConfig, make_optimizer: OptimizerFactory,
                  units: list[tuple[str, list[str]]] | None = None, keep_grad: bool = True,
-                 whole: WholeModel | None = None):
+                 whole: WholeModel | None = None, loop=None):
         self.model, self.comm, self.pcfg = model, comm, pcfg
+        if pcfg.user_loop and loop is None:
+            raise ValueError("a strategy for a user's own loop needs the loop's mechanisms: make it with make_strategy")
+        self.loop = loop  # what a user's own loop needs, handed in from above (user_loop/support.py); None in the CLI
         self.module: nn.Module = model
         self._last_sync: dict = {}
         self._sync_marks: tuple | None = None  # the last sync's clock marks, until they can be read (sync_at)
@@ -87,7 +87,7 @@ class FlatStrategy:
         # No further step can be taken (parameter servers that another worker has left): the run stops.
         self.ending = False
         # What a user's loop sees in p.grad at ZeRO-0/1, views of the flat gradient (user_loop/visible_grads.py).
-        self.visible: VisibleGradients | None = None
+        self.visible = None
         # A user's in-place edits of parameters the optimizer does not step directly (in_place_edits.py).
         self._edits: InPlaceEdits | None = None
         if pcfg.user_loop:
@@ -96,7 +96,7 @@ class FlatStrategy:
             if not self.master_is_params and self.stage < 3:
                 self._edits = InPlaceEdits(self.flat, self.shard_ranges, self.optimizer)
             if self.flat.grad is not None:
-                self.visible = VisibleGradients(self.flat)
+                self.visible = loop.visible_gradients(self.flat)
                 self.hooks += self.visible.handles
 
     def close(self) -> None:

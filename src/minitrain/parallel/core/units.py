@@ -22,9 +22,12 @@ flattened at all: they belong to no unit.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
+import torch
 import torch.nn as nn
 
 CONTAINERS = (nn.ModuleList, nn.ModuleDict)
@@ -89,3 +92,33 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
 def unit_layout(plans: list[UnitPlan]) -> list[tuple[str, list[str]]]:
     """The (name, parameter names) list FlatParameters lays out."""
     return [(plan.name, plan.params) for plan in plans]
+
+
+def tensors_in(value, depth: int = 6) -> Iterator[torch.Tensor]:
+    """Every tensor in `value`, however it is held: lists, tuples, dicts (a Hugging Face ModelOutput), dataclasses,
+    and the attributes of any other object, down to `depth` levels."""
+    seen: set[int] = set()
+
+    def walk(v, level):
+        if isinstance(v, torch.Tensor):
+            yield v
+            return
+        if level == 0 or v is None or isinstance(v, (str, bytes, int, float, bool)) or id(v) in seen:
+            return
+        seen.add(id(v))
+        if isinstance(v, dict):
+            items = v.values()
+        elif isinstance(v, (list, tuple, set, frozenset)):
+            items = v
+        elif dataclasses.is_dataclass(v) and not isinstance(v, type):
+            items = [getattr(v, f.name) for f in dataclasses.fields(v)]
+        elif isinstance(v, torch.nn.Module):  # a module in an output is not an output
+            return
+        elif hasattr(v, "__dict__"):
+            items = vars(v).values()
+        else:
+            return
+        for item in items:
+            yield from walk(item, level - 1)
+
+    yield from walk(value, depth)

@@ -1,8 +1,8 @@
 """Where ZeRO-3 must see a unit's parameters being used, for a model it did not write.
 
-ZeRO-3 (zero3.py) gathers a unit's parameters in its module's forward pre-hook and frees them after, and
+ZeRO-3 (zero/sharded_units.py) gathers a unit's parameters in its module's forward pre-hook and frees them after, and
 gathers them again when the first gradient reaches the module's output. Two things a model may do break
-that, and both used to read freed memory (wrong losses, or a crash in backward):
+that, and both would read freed memory (wrong losses, or a crash in backward):
 
 - use a parameter outside its module's own forward: an `nn.ParameterList` indexed in the parent's forward,
   a tied weight read directly (`F.linear(x, self.embed.weight)`), a loss that calls a submodule;
@@ -10,47 +10,16 @@ that, and both used to read freed memory (wrong losses, or a crash in backward):
 
 `GatherOnUse` is a TorchFunctionMode active while the model (or any unit, called on its own) runs forward:
 an op that receives a parameter whose unit is not gathered has the unit gathered first, and the unit stays
-gathered until its gradient is reduced (its user's backward reads it again). `tensors_in` finds every
-tensor in any output (containers, dataclasses, objects' attributes); zero3.py refuses, naming the type, an
+gathered until its gradient is reduced (its user's backward reads it again). `tensors_in` (core/units.py) finds every
+tensor in any output (containers, dataclasses, objects' attributes); sharded_units.py refuses, naming the type, an
 output in which it finds none that requires grad, since the unit's backward could then not be seen.
 """
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
-
-
-def tensors_in(value, depth: int = 6) -> Iterator[torch.Tensor]:
-    """Every tensor in `value`, however it is held: lists, tuples, dicts (a Hugging Face ModelOutput), dataclasses,
-    and the attributes of any other object, down to `depth` levels."""
-    seen: set[int] = set()
-
-    def walk(v, level):
-        if isinstance(v, torch.Tensor):
-            yield v
-            return
-        if level == 0 or v is None or isinstance(v, (str, bytes, int, float, bool)) or id(v) in seen:
-            return
-        seen.add(id(v))
-        if isinstance(v, dict):
-            items = v.values()
-        elif isinstance(v, (list, tuple, set, frozenset)):
-            items = v
-        elif dataclasses.is_dataclass(v) and not isinstance(v, type):
-            items = [getattr(v, f.name) for f in dataclasses.fields(v)]
-        elif isinstance(v, torch.nn.Module):  # a module in an output is not an output
-            return
-        elif hasattr(v, "__dict__"):
-            items = vars(v).values()
-        else:
-            return
-        for item in items:
-            yield from walk(item, level - 1)
-
-    yield from walk(value, depth)
 
 
 class GatherOnUse(TorchFunctionMode):

@@ -101,7 +101,7 @@ def feed_checksum(previous: torch.Tensor | None, values) -> torch.Tensor:
     """A checksum (int64, on the tensors' device) of every tensor in `values` (any nesting), folded into
     `previous`: their bits, weighted by position, so equal inputs give equal checksums on every rank and a
     different batch almost surely does not. No host synchronisation."""
-    from .param_use import tensors_in
+    from ..core.units import tensors_in
 
     total = previous
     for t in tensors_in(values):

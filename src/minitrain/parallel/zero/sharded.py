@@ -23,7 +23,6 @@ from ..core.offload import copy_converting_on_device
 from ..core.piece_vector import PieceVector
 from ..core.strategy import FlatStrategy, OptimizerFactory
 from ..core.units import module_units, unit_layout
-from ..user_loop.visible_grads import ShardedGradient
 from .gradient_shard import GradientShard
 
 
@@ -45,8 +44,7 @@ class ShardedStrategy(FlatStrategy):
         if self.plans is not None:
             # What p.grad holds once its gradient is on its way to the shard: None, or for a loop that reads p.grad
             # a ShardedGradient that says so.
-            placeholders = {seg.name: ShardedGradient(self.flat.param(seg), seg.name, self.stage)
-                            for seg in self.flat.segments} if pcfg.user_loop else {}
+            placeholders = self.loop.sharded_gradients(self.flat, self.stage) if pcfg.user_loop else {}
             self.grad_shard = GradientShard(self.flat, comm, self.shard_ranges, self.reduce_dtype, self.ledger,
                                             offloaded=pcfg.offload != "none", stage=self.stage,
                                             placeholders=placeholders, average=self._averaged_in_sync,

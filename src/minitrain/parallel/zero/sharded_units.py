@@ -39,10 +39,9 @@ from ...runtime.comm import Comm, PendingCollective
 from ..core.config import ParallelConfig
 from ..core.piece_vector import PieceVector
 from ..core.strategy import OptimizerFactory
-from ..user_loop.freed_params import guard_freed
+from ..core.units import tensors_in
 from ..core.flat_parameters import local_views, missing_gradients, take
 from ..core.offload import copy_converting_on_device
-from ..user_loop.param_use import GatherOnUse, tensors_in
 from .sharded import ShardedStrategy
 
 
@@ -86,9 +85,10 @@ class ShardedUnits(ShardedStrategy):
         self.hooks.append(model.register_forward_pre_hook(self._eager(self._before_model_forward)))
         self.hooks.append(model.register_forward_hook(self._eager(self._after_model_forward)))
         if pcfg.user_loop:
-            self._watch_uses(model)
+            unit_of = {id(self.flat.param(seg)): i for i, unit in enumerate(self.flat.units) for seg in unit.segments}
+            self.hooks += self.loop.watch_uses(model, unit_of, lambda i: i in self._gathered, self._use_outside)
             # The user's code between steps reads a freed parameter by mistake: refused, not read (freed_params.py).
-            guard_freed([self.flat.param(seg) for seg in self.flat.segments])
+            self.loop.guard_freed([self.flat.param(seg) for seg in self.flat.segments])
         if not reshard_after_forward:
             assert self.master_is_params, "ZeRO-2 gathers its units from the master: see make_strategy"
             self._gather_all()
@@ -105,27 +105,6 @@ class ShardedUnits(ShardedStrategy):
         gradient is reduced."""
         if self.reshard_after_forward:
             self._free(i)
-
-    def _watch_uses(self, model: nn.Module) -> None:
-        """GatherOnUse active from the first forward pre-hook of any of the model's modules to its matching post-hook
-        (a submodule a loss calls, outside the model's forward, is watched too)."""
-        unit_of = {id(self.flat.param(seg)): i for i, unit in enumerate(self.flat.units) for seg in unit.segments}
-        watch = GatherOnUse(unit_of, lambda i: i in self._gathered, self._use_outside)
-        depth = [0]
-
-        def enter(_module, _args):
-            depth[0] += 1
-            if depth[0] == 1:
-                watch.__enter__()
-
-        def leave(_module, _args, _output):
-            depth[0] -= 1
-            if depth[0] == 0:
-                watch.__exit__(None, None, None)
-
-        for module in model.modules():
-            self.hooks.append(module.register_forward_pre_hook(enter, prepend=True))
-            self.hooks.append(module.register_forward_hook(leave, always_call=True))
 
     def _follow_user_state_dict(self, model: nn.Module) -> None:
         """model.load_state_dict gathers every unit first and keeps this rank's chunks of the loaded values

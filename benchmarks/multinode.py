@@ -33,8 +33,8 @@ sys.path.insert(0, str(RESULTS.parent.parent))  # the repository root: the clust
 
 from minitrain.runtime.launch import launch
 from minitrain.train.metrics import format_table
-from tests.multinode import ELASTIC_RDZV, THIS, elastic_run, shards, train_each
-from tests.netns import Cluster, unavailable
+from tests.helpers.multinode import ELASTIC_RDZV, THIS, elastic_run, shards, train_each
+from tests.helpers.netns import Cluster, unavailable
 
 LAYOUTS = {"dp": ["--zero", "0"], "zero3": ["--zero", "3"]}
 EXACT = ["--dtype", "float64", "--train.log_every", "0", "--steps", "6"]

@@ -157,6 +157,7 @@ def test_a_text_file_given_as_the_corpus_points_at_data_prepare(tmp_path, capsys
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.multirank  # `train` launches its rank through the launcher
 def test_a_synthetic_run_exports_and_samples_token_ids(tmp_path, capsys):
     """No tokenizer: the prompt and the output are ids. In one process, through the same commands."""
     assert main(["train", "--steps", "3", "--train.log_every", "0", "--out", str(tmp_path / "run")]) == 0

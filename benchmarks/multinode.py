@@ -40,7 +40,7 @@ LAYOUTS = {"dp": ["--zero", "0"], "zero3": ["--zero", "3"]}
 EXACT = ["--dtype", "float64", "--train.log_every", "0", "--steps", "6"]
 ELASTIC = ["--dtype", "float64", "--zero", "1", "--global-batch", "8", "--steps", "400", "--ckpt-every-steps", "20",
            "--train.log_every", "0", "--timeout-s", "60"]
-# torchrun's own heartbeat and last-call timing beside the faster one tests/multinode.py uses.
+# torchrun's own heartbeat and last-call timing beside the faster one tests/helpers/multinode.py uses.
 RDZV = {"torchrun defaults": "", "fast heartbeats": ELASTIC_RDZV}
 # The exactness job under both of torchrun's rendezvous: c10d (what the docs recommend) and the static one
 # (--node-rank, --master-addr), where aborts in teardown were first reported.

@@ -10,7 +10,7 @@
 # throughput_gpu.json, throughput_gpu_read_at_once.json (--late-stats off) and throughput_gpu_compiled.json
 # (benchmarks/throughput.py: tokens/s and MFU against a plain PyTorch loop), host_adam_vs_deepspeed_t16.json
 # (benchmarks/host_adam_vs_deepspeed.py, with DeepSpeed from .whl/). Copied
-# into benchmarks/results/, `python benchmarks/tables.py` renders them into the README's "On a GPU".
+# into benchmarks/results/, `python benchmarks/tables.py` renders them into docs/gpu.md ("On a GPU").
 set -u
 OUT=${OUT:-/tmp/gpu-session}
 mkdir -p "$OUT"
@@ -30,7 +30,7 @@ part() {  # part SECONDS TITLE COMMAND...
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
 python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), torch.cuda.get_device_name())"
 
-part 110 "GPU tests" python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --timeout 100 tests/test_gpu.py
+part 110 "GPU tests" python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --timeout 100 tests/system/test_gpu.py
 part 60 "throughput, eager" python3 benchmarks/throughput.py --configs gpt2-124m/bf16 --batch-size 16 --rounds 7 \
     --out "$OUT/throughput_gpu.json"
 part 60 "throughput, eager, statistics read at once" python3 benchmarks/throughput.py --configs gpt2-124m/bf16 \

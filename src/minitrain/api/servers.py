@@ -1,6 +1,6 @@
 """Parameter servers through the API: prepare(model, optimizer_fn, servers=S, staleness=K) makes the last S ranks
 servers that hold the parameters and the user's optimizer, shard by shard, and the others workers that train as
-usual (parallel/param_server/param_server.py holds both sides; the CLI's --ps.servers is the same code).
+usual (parallel/param_server/: worker.py and server.py, the two sides; the CLI's --ps.servers is the same code).
 
     model, optimizer = minitrain.prepare(model, optimizer_fn, servers=1)
     if minitrain.is_server():

@@ -65,7 +65,7 @@ def check_vocab_size(vocab_size: int) -> None:
                           f"token) and {MAX_VOCAB}, got {vocab_size}")
 
 
-# BPE's work on one word grows faster than its length (a 300 kB line of letters took 33 s, 1 MB past 5 minutes):
+# BPE's work on one word grows faster than its length, so one long enough line would stall the tokenizer:
 # a run of more than MAX_WORD characters without white space is cut into pieces of MAX_WORD for the tokenizer.
 # Ordinary text has no such run, so its tokens are what they would be uncut; decode(encode(text)) == text always.
 MAX_WORD = 256

@@ -45,7 +45,7 @@ class CausalSelfAttention(nn.Module):
         By default PyTorch's fused kernel (scaled_dot_product_attention, causal): flash attention
         where the device and dtype have it, which never materialises the (B, nh, T, T) scores.
         --model.attention explicit spells the same math out below (readable, and it shows what the
-        fused kernel saves); the two agree to 1e-12 in float64 (tests/test_model.py)."""
+        fused kernel saves); the two agree to 1e-12 in float64 (tests/models/test_model.py)."""
         if not self.explicit:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         T = q.size(-2)

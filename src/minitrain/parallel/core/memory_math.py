@@ -13,8 +13,9 @@ def memory_terms(stage: int, master_is_params: bool, states: int = 2) -> dict[st
     elementwise tensors (Adam's m and v: 2; SGD's momentum: 1) plus its master, unless the master is the
     parameters themselves. Stage s shards the optimizer state (s >= 1) and gradients (s >= 2); ZeRO-3 keeps only
     the parameter shard, and ZeRO-2 the full parameters, with beside them, when it frees them after backward, the
-    shard they are gathered from (zero2_units.py). At ZeRO-2/3 `master_is_params` means the shard is the master
-    (counted as parameters). The strategies and the planner both use this one rule."""
+    shard they are gathered from (zero/sharded_units.py, reshard_after_forward False). At ZeRO-2/3
+    `master_is_params` means the shard is the master (counted as parameters). The strategies and the planner both
+    use this one rule."""
     optimizer = states + (0 if master_is_params else 1)
     return {"params": (0, 1) if stage == 3 else (1, int(stage == 2 and master_is_params)),
             "grads": (1, 0) if stage < 2 else (0, 1),

@@ -26,12 +26,12 @@ class SquareSums:
     computation; the buffer goes with it, so nothing is held between steps). Exact enough that the norm does
     not depend on how the vector is cut into shards (float32 partial sums would: ZeRO-1 and data parallel then
     clip by norms 1e-7 apart). A fresh chunk-sized copy per chunk would cost page faults whenever the allocator
-    returns each to the system (with MALLOC_MMAP_THRESHOLD_ set low, 2 MiB chunks took 100 ms a step on a
-    10.8M-parameter model); float32 accumulation over the whole vector is off by 1e-3 there."""
+    returns each to the system (as it does with MALLOC_MMAP_THRESHOLD_ set low; what that cost is in docs/zero.md);
+    float32 accumulation over the whole vector would lose the precision the float64 chunks keep."""
 
     CHUNK = 1 << 18  # at most 2 MiB of float64
-    # On a GPU each chunk is three kernel launches: in 2 MiB chunks gpt2-124m's two norms a step (gradient and
-    # parameters) were 950 chunks, about 3,000 launches. There 32 MiB.
+    # On a GPU each chunk is three kernel launches whatever its size: there 32 MiB, so that a step's two norms
+    # (gradient and parameters) launch few kernels (the step times behind it: docs/single-process-speed.md).
     GPU_CHUNK = 1 << 22
 
     def __init__(self):
@@ -51,9 +51,9 @@ class SquareSums:
     def block_dots(self, x: torch.Tensor) -> list[torch.Tensor]:
         """The sum of squares of each chunk of x, in order (float64 scalars on x's device): their sum in order
         (sum_in_order) is this object's result, so a vector cut into pieces at multiples of block() gives the same
-        float64 sum, bit for bit, from its pieces' chunks (parameter servers, param_server.py; on a GPU to within
-        float64 roundings: upcasting_square_sums). Float64 chunks are dotted where they are (chunks at the same
-        offsets: the same alignment, the same rounding)."""
+        float64 sum, bit for bit, from its pieces' chunks (parameter servers, param_server/server.py; on a GPU to
+        within float64 roundings: upcasting_square_sums). Float64 chunks are dotted where they are (chunks at the
+        same offsets: the same alignment, the same rounding)."""
         chunk = self.block(x.device)
         if not x.numel():
             return [torch.zeros((), dtype=torch.float64, device=x.device)]
@@ -73,12 +73,12 @@ class SquareSums:
 
 def upcasting_square_sums(x: torch.Tensor, chunk: int) -> list[torch.Tensor]:
     """Each chunk's sum of squares in float64 with no float64 copy of it (SquareSums' way on a GPU). There the
-    copy and cuBLAS's float64 dot cost, at gpt2-124m in bf16, 1.8 ms of a 54 ms step for the gradient's and the
-    parameters' norms (an H100, benchmarks/gpu.py); torch.linalg.vector_norm(dtype=float64) makes the same copy
-    inside. A compiled kernel reads each element once and keeps the float64 sum in registers. It sums in another
-    order than the dot: the two agree to float64 summation's error (1e-13 relative at most, against the 1e-7 of a
-    float32 sum), so pieces cut at multiples of the chunk agree with the whole vector to those roundings, not
-    always to the bit as the CPU's copies do."""
+    copy and cuBLAS's float64 dot are a measurable share of the step for the gradient's and the parameters' norms
+    (docs/gpu.md); torch.linalg.vector_norm(dtype=float64) makes the same copy inside. A compiled kernel reads each
+    element once and keeps the float64 sum in registers. It sums in another order than the dot: the two agree to
+    float64 summation's error (1e-13 relative at most, against the 1e-7 of a float32 sum), so pieces cut at
+    multiples of the chunk agree with the whole vector to those roundings, not always to the bit as the CPU's
+    copies do."""
     return [_float64_square_sum(part.detach()) for part in x.split(chunk)]
 
 

@@ -32,8 +32,8 @@ def host_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
 def copy_converting_on_device(dst: torch.Tensor, src: torch.Tensor, chunk: int = 1 << 24) -> torch.Tensor:
     """dst.copy_(src) where src is in host memory and dst on a GPU in another dtype (an offloaded float32 master
     published to bf16 parameters): each chunk crosses the bus in src's dtype into a device buffer and is rounded
-    there, the same rounding. Copied and converted at once, gpt2-124m's master took 68 ms on an H100, against 9 ms
-    to cross as it is (benchmarks/offload_copies_gpu.py). Elsewhere a plain copy_."""
+    there, the same rounding. Copied and converted at once, the master crosses several times slower than as it is
+    (docs/zero.md, offload; benchmarks/offload_copies_gpu.py). Elsewhere a plain copy_."""
     if dst.device.type != "cuda" or src.device == dst.device or src.dtype == dst.dtype:
         return dst.copy_(src)
     return copy_through(dst, src, torch.empty(min(chunk, src.numel()), dtype=src.dtype, device=dst.device))

@@ -2,8 +2,8 @@
 Ho et al., NIPS 2013). Who is which: runtime/servers.py.
 
 Server s holds the master weights and optimizer state of the s-th contiguous shard of the flat parameter vector
-(the layout data parallel uses, layout.py). A worker holds the whole model, computes its gradient on its own data,
-pushes each shard of it to that shard's server and pulls the updated shards back:
+(the layout data parallel uses, core/flat_parameters.py). A worker holds the whole model, computes its gradient
+on its own data, pushes each shard of it to that shard's server and pulls the updated shards back:
 
   worker w, step c:  forward and backward on its parameters, whose shard s is at version v_s
                      -> each server: a header (c, v_s, lr, loss scale, clip) and the gradient's shard

@@ -1,7 +1,7 @@
 """Pipeline schedules as data: for each stage, the ordered list of what it does.
 
 A schedule is a plain function (stages P, micro-batches M) -> one list of Actions per stage.
-One executor (pipeline.py) runs any of them; `simulate` plays them on an ideal clock, which
+One executor (executor.py) runs any of them; `simulate` plays them on an ideal clock, which
 gives the text timeline of `minitrain pp-schedule`, the bubble each schedule should have and a
 deadlock check that needs no processes.
 

@@ -2,9 +2,9 @@
 it is saved, loaded, resharded and consolidated.
 
 Every entry of the model's own `state_dict()` is one of three kinds:
-- param: a trainable parameter. It lives in the flat vectors (layout.py): replicated or a data-parallel
-  shard by the ZeRO stage, a tensor-parallel slice where the plan splits it, on one pipeline stage. Saved
-  as pieces of the logical vector, so it reshards to any layout.
+- param: a trainable parameter. It lives in the flat vectors (core/flat_parameters.py): replicated or a
+  data-parallel shard by the ZeRO stage, a tensor-parallel slice where the plan splits it, on one pipeline stage.
+  Saved as pieces of the logical vector, so it reshards to any layout.
 - frozen: a parameter with requires_grad=False. Replicated over data-parallel ranks; a tensor-parallel
   slice where the plan splits its module (a frozen embedding at tp=2). Saved whole, once per stage: a
   slice is gathered over the tensor-parallel group first, and each rank of any layout takes its slice
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-if TYPE_CHECKING:  # layout.py imports this module
+if TYPE_CHECKING:  # core/flat_parameters.py imports this module
     from .slices import TensorSlice
 
 

@@ -2,9 +2,9 @@
 `minitrain.full_state_dict` and the prepared optimizer's `state_dict()` in torch's own format.
 
 Trainable parameters and the optimizer's elementwise state are vectors in local layout (over a rank's shard
-ranges). `gather_logical` turns such a vector into the whole model's logical vector (layout.py) on every rank
-with one all-reduce over the world: each rank writes the elements it alone is responsible for (its dp shard,
-or everything on the first replica at ZeRO-0; its tensor-parallel slices, and replicated parameters on the
+ranges). `gather_logical` turns such a vector into the whole model's logical vector (core/flat_parameters.py) on
+every rank with one all-reduce over the world: each rank writes the elements it alone is responsible for (its
+dp shard, or everything on the first replica at ZeRO-0; its tensor-parallel slices, and replicated parameters on the
 first tensor-parallel rank only; its pipeline stage's parameters), zeros elsewhere, and the sum of the bit
 patterns is then each element's own bits, exactly (a -0.0 or a NaN arrives as itself). Frozen parameters and
 buffers follow the placement rule (placement.py): slices gathered over the tensor-parallel group, and, with

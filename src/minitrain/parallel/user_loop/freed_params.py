@@ -1,9 +1,9 @@
 """ZeRO-3's parameters between steps, in a user's own loop: freed, and refused by name instead of read.
 
-ZeRO-3 (zero3.py) keeps each parameter's shape but gives its storage back between uses: a rank holds only its
-shard, and the whole parameter exists while its module's forward and backward need it. Code of the user's that
-reads a parameter then (an EMA of the weights, a logged norm, `print(p)`, `p.detach().clone()`) used to read
-freed memory: garbage, or the process killed by SIGSEGV with no word of why.
+ZeRO-3 (parallel/zero/sharded_units.py) keeps each parameter's shape but gives its storage back between uses: a
+rank holds only its shard, and the whole parameter exists while its module's forward and backward need it. Code of
+the user's that reads a parameter then (an EMA of the weights, a logged norm, `print(p)`, `p.detach().clone()`)
+would read freed memory: garbage, or the process killed by SIGSEGV with no word of why.
 
 `Zero3Parameter` is the class such a parameter takes in a user's loop (prepare(zero=3)): an op given one whose
 storage is freed raises, saying what to do instead; on a gathered one every op runs as on any parameter (inside
@@ -11,7 +11,7 @@ the model's forward, GatherOnUse gathers a parameter before the op reaches here)
 dtype, device, numel, its `.grad`, hooks, a conversion to the dtype and device it has) never touches its values
 and is allowed. The check is Python work per op that receives a parameter, a few microseconds each.
 
-Not covered (they still read freed memory, as before): a view taken while the parameter was gathered (a hook
+Not covered (they still read freed memory): a view taken while the parameter was gathered (a hook
 that keeps `m.weight[0]`) read after the step; torch.tensor(p), as_subclass and DLPack, which bypass
 __torch_function__; code compiled by torch.compile, which is not checked so that a compiled forward keeps its
 graph whole.
@@ -84,7 +84,7 @@ class Zero3Parameter(nn.Parameter):
         kwargs = kwargs or {}
         with torch._C.DisableTorchFunctionSubclass():
             # Traced by torch.compile (a compiled block's forward): a check there would break the graph at every
-            # op, so compiled code goes unchecked, as every parameter did before this class.
+            # op, so compiled code goes unchecked, as a plain parameter is.
             if _reads_values(func) and not torch.compiler.is_compiling():
                 for arg in (*args, *kwargs.values()):
                     for t in arg if isinstance(arg, (list, tuple)) else (arg,):

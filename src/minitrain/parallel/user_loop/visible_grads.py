@@ -11,7 +11,7 @@ averaged over the ranks, so `torch.nn.utils.clip_grad_norm_(model.parameters(), 
   step() instead of being silently ignored or misapplied (`VisibleGradGuard`).
 - At ZeRO-2/3 each gradient is reduce-scattered into a shard as backward produces it and exists nowhere whole.
   `p.grad` is then a `ShardedGradient`: a tensor without data whose every use raises, naming
-  `minitrain.clip_grad_norm_` (torch's clip_grad_norm_ used to see no gradients and return 0.0, clipping
+  `minitrain.clip_grad_norm_` (torch's clip_grad_norm_ would see no gradients and return 0.0, clipping
   nothing). The next backward accumulates through it as through a zero.
 """
 from __future__ import annotations

@@ -11,7 +11,7 @@ marks are read after the step's one host synchronisation (the statistics exchang
 `ready(mark)` says whether one is, `wait(mark)` waits for it, `seconds(mark)` gives its time since the clock began.
 
 `HostClock.mark_done(work)` returns None: the collective's completion time comes from its future's callback
-(PendingCollective). Tests stand in for a GPU with a clock of their own (tests/test_gpu_paths.py).
+(PendingCollective). Tests stand in for a GPU with a clock of their own (tests/runtime/test_gpu_paths.py).
 """
 from __future__ import annotations
 

@@ -359,8 +359,8 @@ _SITE_NAMES: dict[str, str] = {}
 
 
 def call_site(skip: str = __file__) -> str:
-    """'zero3.py:80': the first frame outside the file `skip` (by default this one: who called the collective).
-    A few frames up, one cached basename: cheap enough for every collective."""
+    """'sharded_units.py:154': the first frame outside the file `skip` (by default this one: who called the
+    collective). A few frames up, one cached basename: cheap enough for every collective."""
     frame = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename == skip:
         frame = frame.f_back

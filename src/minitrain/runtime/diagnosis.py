@@ -29,7 +29,7 @@ def fp_json(fp: tuple) -> list:
 
 
 def fp_text(fp: list, shapes: bool = False) -> str:
-    """'all_gather #812 on dp (zero3.py:80)'; with `shapes`, also what it moves."""
+    """'all_gather #812 on dp (sharded_units.py:154)'; with `shapes`, also what it moves."""
     group, seq, op, dims, dtype, site = fp
     if group == "store":  # the periodic check, which waits for the others through the store
         return f"the {op} ({site})"

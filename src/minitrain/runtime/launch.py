@@ -117,9 +117,9 @@ def _send(conn, message) -> None:
 
 def _rank_context():
     """Ranks start from a fork server that has imported torch and minitrain once: each rank is
-    forked from it with them loaded, instead of importing them again (about 2.5 s of CPU per rank
-    here). The server itself is a fresh process that only imported modules: it holds no CUDA
-    context and has run no thread pool, so forking from it is safe (it is how
+    forked from it with them loaded, instead of importing them again (torch's import is a large part
+    of a rank's start). The server itself is a fresh process that only imported modules: it holds no
+    CUDA context and has run no thread pool, so forking from it is safe (it is how
     torch.multiprocessing's "forkserver" start method is meant to be used)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "minitrain.train.loop", "minitrain.runtime._forkserver"])

@@ -1,4 +1,4 @@
-"""Who is a parameter server and who a worker (parallel/param_server/param_server.py says what they do).
+"""Who is a parameter server and who a worker (parallel/param_server/ says what they do).
 
 Of a world of N ranks, the last S are servers and the first W = N - S are workers, so that rank 0, which speaks
 and writes the run's files, is a worker. Server s holds the s-th of S contiguous shards of the flat parameter

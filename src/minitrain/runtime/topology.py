@@ -64,8 +64,8 @@ def _rendezvous_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
     """The key-value store ranks meet in, as `env://` would make it, but with a key prefix per
     torchrun restart. torchrun's default (static) rendezvous keeps one store across restarts, and
     `env://` adds no prefix, so a restarted rank could read the previous attempt's addresses and
-    fail connecting to a dead port: about half of all restarts here, whether or not
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE was set (benchmarks/torchrun_restarts.py)."""
+    fail connecting to a dead port, whether or not TORCH_DISABLE_SHARE_RDZV_TCP_STORE is set (how
+    often: docs/fault-tolerance.md, benchmarks/torchrun_restarts.py)."""
     agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                           is_master=not agent_hosts_it and rank == 0, timeout=timeout, multi_tenant=True)
@@ -261,9 +261,9 @@ class Topology:
         """Tear down in order: the watch's thread, then every process group. A group's threads (gloo's loop
         and workers) end when the last reference to it goes. Objects that outlive the run can still reach
         the Comms (a strategy's gradient hooks live in autograd, where Python's collector cannot free them),
-        so each Comm lets go of its group here: otherwise the threads lived on into the interpreter's exit,
-        and a torchrun rank that had finished its run aborted there ("terminate called without an active
-        exception", about 1 run in 40 across two nodes; benchmarks/multinode.py repeats it)."""
+        so each Comm lets go of its group here: otherwise the threads would live on into the interpreter's exit,
+        and a torchrun rank that had finished its run could abort there ("terminate called without an active
+        exception"; docs/multi-node.md, clean exits; benchmarks/multinode.py repeats it)."""
         if self.watch is not None:  # its thread stops before the process group (and its store) goes
             self.watch.close()
         for comm in self.opened:

@@ -4,7 +4,7 @@ Every collective through comm.py carries a fingerprint, a plain tuple
 
     (group, sequence number in that group, op, shapes, dtype, call site)
 
-the call site being the first frame outside comm.py ("zero3.py:80"). One CollectiveWatch per process, made
+the call site being the first frame outside comm.py ("sharded_units.py:154"). One CollectiveWatch per process, made
 by Topology when it joins a process group, hears from comm.py when this rank enters and leaves a collective,
 and keeps per group a running digest of the fingerprints and, per process, the last RING of them.
 
@@ -77,8 +77,8 @@ class GroupTrack:
         self.arrivals = 0  # calls every member makes together, announced in the store (arrival.py)
 
     def issue(self, op: str, tensors: tuple, site: str) -> tuple:
-        """The next fingerprint: about 1.5 us of the 2.5 (CollectiveWatch's docstring), most of it reading
-        .shape and building tuples."""
+        """The next fingerprint: the larger part of what the watch costs a collective (docs/fault-tolerance.md),
+        mostly reading .shape and building tuples."""
         self.seq += 1
         shapes = tuple(map(_SHAPE, tensors))
         dtype = _dtype_name(tensors[0].dtype) if tensors else ""
@@ -95,11 +95,9 @@ class GroupTrack:
 class CollectiveWatch:
     """This process's watch: see the module docstring.
 
-    Cost per collective (fingerprint, call site, digest, ring, enter/leave): 2.5-2.7 us, blocking or async, one
-    or two tensors; measured by timing Comm._run and _launch + wait with a no-op in place of the backend call,
-    with and without a watch (best of 7 x 20000 calls; 2-CPU AMD EPYC, Python 3.11, torch 2.13). The smallest
-    gloo all-reduce between two ranks of that machine took 760 us. The thread costs one store round trip per
-    POLL_S per rank."""
+    Cost per collective (fingerprint, call site, digest, ring, enter/leave): small next to the smallest gloo
+    all-reduce (the figures and how they were taken: docs/fault-tolerance.md). The thread costs one store round
+    trip per POLL_S per rank."""
 
     def __init__(self, rank: int, world_size: int, store, timeout_s: float, report=None):
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s

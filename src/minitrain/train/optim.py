@@ -44,7 +44,7 @@ class FlatAdamW:
 
     The update is PyTorch's own fused AdamW kernel (one pass over w, g, m and v per chunk, where
     the unfused form makes seven), with weight decay applied just before it, chunk by chunk, as
-    torch.optim.AdamW applies it: the two agree to the last bit in float64 (tests/test_optim.py).
+    torch.optim.AdamW applies it: the two agree to the last bit in float64 (tests/train/test_optim.py).
     On a GPU (fold_decay) the kernel applies the decay itself, as torch.optim.AdamW(fused=True) does (w -= lr *
     decay * w, rounded otherwise than w *= 1 - lr * decay): a chunk is then two calls, its runs with and without
     decay, each run with its own step count; a pass over the master and a kernel per decayed range fewer.
@@ -52,8 +52,8 @@ class FlatAdamW:
 
     STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
     CHUNK = 1 << 20  # elements per kernel call: 4 MiB in float32, the most a mixed-precision step upcasts at once
-    # On a GPU a chunk costs its handful of kernel launches whatever its size: in 1M-element chunks gpt2-124m's
-    # update was 119 x 6 launches, 17 ms of a 59 ms step on an H200. There 16M elements (a 64 MiB upcast).
+    # On a GPU a chunk costs its handful of kernel launches whatever its size, so there chunks are larger: 16M
+    # elements (a 64 MiB upcast; the step times behind it: docs/single-process-speed.md).
     GPU_CHUNK = 1 << 24
 
     @classmethod
@@ -176,8 +176,8 @@ class FlatAdamW:
         """Each chunk of `grad` on the master's device. A GPU's gradient crosses to the host one chunk ahead: the
         copy of chunk k+1 is issued before chunk k is handed over, into the other of two pinned buffers kept for
         the run (chunk k is in one; the other held chunk k-1, already stepped), so it crosses while the host steps
-        chunk k. Copied into fresh pageable memory instead, gpt2-124m's bf16 gradient took 205 ms on an H100,
-        against 5 ms into pinned memory (benchmarks/offload_copies_gpu.py)."""
+        chunk k. Copied into fresh pageable memory instead, the gradient would cross many times slower than into
+        pinned memory (docs/zero.md, offload; benchmarks/offload_copies_gpu.py)."""
         if not self.copies.crosses(grad, self.master.device):
             for a, b in bounds:
                 yield grad[a:b]
@@ -202,7 +202,7 @@ class FlatAdamW:
     def _publish_stage(self, publish_to: torch.Tensor | None) -> torch.Tensor | None:
         """For a master on the host published to a GPU's narrower parameters: a device buffer, one chunk long, each
         chunk crosses into as it is and is rounded from there (copy_converting_on_device's way; one converting copy
-        across the bus is 7x slower). None where a plain copy does."""
+        across the bus is slower, docs/zero.md). None where a plain copy does."""
         if publish_to is None or publish_to.dtype == self.master.dtype or not self.copies.crosses(
                 self.master, publish_to.device):
             return None

@@ -1,5 +1,5 @@
 """A parameter-server run (--ps.servers S): the last S ranks serve, the others train as data-parallel workers whose
-gradient sync and update are a push to the servers and a pull from them (parallel/param_server/param_server.py).
+gradient sync and update are a push to the servers and a pull from them (parallel/param_server/worker.py).
 
 A worker runs the usual loop (loop.py) with its own topology (Topology.as_worker): logging, evaluation, stop
 signals and guards as in any run. A server builds the model only for its layout and starting values, then serves

@@ -45,7 +45,7 @@ class StepTimer:
     def phase(self, name: str):
         """Time the block as `name`; under torch.profiler it shows as "minitrain.<name>" (--train.profile_steps)."""
         begin = self._mark()
-        # A label costs ~4 us a phase even with no profiler running: only under one.
+        # A label costs time at every phase even with no profiler running: only under one.
         label = (torch.profiler.record_function(f"minitrain.{name}") if torch._C._autograd._profiler_enabled()
                  else contextlib.nullcontext())
         try:

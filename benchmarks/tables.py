@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -262,6 +263,57 @@ def throughput(docs: list[dict]) -> list[str]:
                      "ours / plain", "ours ms", "plain ms", "MFU", "plain MFU"], "<<><<>>>>>>>", rows)]
 
 
+def throughput_alternating(docs: list[dict]) -> list[str]:
+    """benchmarks/throughput.py run from two trees by turns, each run a file named
+    throughput_alternating[_gpu]_r<run>_<tree>.json (<tree>: `before-<commit>` or `now`): one row per run, in the
+    order they ran, and each tree's median of the runs' ratios."""
+    rows, ratios = [], {}
+    for doc in sorted(docs, key=lambda d: _alternating_name(d)[0]):
+        run, tree = _alternating_name(doc)[1:]
+        for r in doc["results"]:
+            per_round = [x["ours"] / x["plain"] for x in r["rounds"]]
+            ratios.setdefault(tree, []).append(r["ratio"])
+            rows.append([run, tree, f"{r['preset']}/{r['precision']}", f"{r['tokens_per_s']:,.0f}",
+                         f"{r['plain_tokens_per_s']:,.0f}", fmt_range((r["ratio"], min(per_round), max(per_round)),
+                                                                       "{:.3f}"),
+                         f"{r['step_ms']:.1f}", f"{r['plain_step_ms']:.1f}"])
+    medians = "; ".join(f"{tree} {statistics.median(values):.3f} (of {len(values)} runs)"
+                        for tree, values in ratios.items())
+    return [f"Device: {docs[0]['device']}. Median ours / plain over the runs: {medians}.", "",
+            *_table(["run", "tree", "config", "ours tok/s", "plain tok/s", "ours / plain", "ours ms", "plain ms"],
+                    "><<>>>>>", rows)]
+
+
+def step_costs(docs: list[dict]) -> list[str]:
+    """benchmarks/step_costs.py: the parts of a one-process step besides forward and backward, ms per step."""
+    doc = docs[0]
+    ms = doc["ms"]
+    parts = [("stats.begin", "statistics: `begin` (clocks, collectives so far, memory peaks reset)"),
+             ("stats.issue", "statistics: `issue` (memory figures, the row, the exchange)"),
+             ("stats.param_norm", "statistics: `issue`, of which the parameter norm"),
+             ("stats.pack", "statistics: `issue`, of which packing the row"),
+             ("stats.read", "statistics: `read` (the rows into the record)"),
+             ("stats", "statistics, in all"),
+             ("zero_grad", "gradients zeroed"),
+             ("update", "clip and update"),
+             ("step", "the whole step")]
+    sides = ("every_step", "log_steps", "plain")
+    rows = [[label, *(f"{ms[side][key]:.2f}" if key in ms[side] else "" for side in sides)] for key, label in parts]
+    rows.append(["statistics' share of the step", *(f"{100 * ms[side]['stats_share']:.1f}%" for side in sides[:2]),
+                 ""])
+    heading = (f"Device: {doc['device']}; `{doc['preset']}` ({doc['params']:,} parameters) in float32, medians of "
+               f"{doc['steps']} steps after {doc['warmup']}, the three sides by turns.")
+    return [heading, "",
+            *_table(["part of the step (ms)", "ours, parameter norm every step", "ours, on the log steps only",
+                     "plain loop"], "<>>>", rows)]
+
+
+def _alternating_name(doc: dict) -> tuple[tuple[int, int], str, str]:
+    """(sort key: run, then the tree before the one after it; run; tree) from the file's name (..._r<run>_<tree>)."""
+    run, tree = re.search(r"_r(\d+)_([^_]+)$", Path(doc["path"]).stem).groups()
+    return (int(run), not tree.startswith("before")), run, tree
+
+
 def before_after(docs: list[dict]) -> list[str]:
     doc = docs[0]
     def name(metric: str) -> str:
@@ -473,6 +525,9 @@ TABLES = {
     "torchrun_restarts": ("torchrun_restarts_*.json", torchrun_restarts),
     "throughput": ("throughput.json", throughput),
     "throughput_gpu": ("throughput_gpu*.json", throughput),
+    "throughput_alternating": ("throughput_alternating_r*.json", throughput_alternating),  # two trees by turns
+    "throughput_alternating_gpu": ("throughput_alternating_gpu_r*.json", throughput_alternating),
+    "step_costs": ("step_costs.json", step_costs),
     "gpu_throughput_before": ("gpu_throughput_*.json", throughput),  # an earlier commit, the same session
     "gpu_memory": ("gpu.json", gpu_memory),
     "gpu_timings": ("gpu.json", gpu_timings),

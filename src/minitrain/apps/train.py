@@ -15,7 +15,7 @@ from ..data import corpus_vocab_size
 from ..runtime.launch import check_local_ranks, launch, run_under_torchrun
 from ..runtime.topology import under_torchrun
 from ..train.metrics import clock, perplexity, phase_line, straggler_line
-from ..train.offload import remove_offload_files
+from ..train.offload_files import remove_offload_files
 from ..train.run_config import check_run
 from .out_dir import lock_out_dir, prepare_out_dir, refuse_a_used_out_dir
 

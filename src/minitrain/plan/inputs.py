@@ -28,7 +28,7 @@ class PlanInput:
     activation_checkpointing: str = "none"
     microbatches: int = 1  # pipeline micro-batches per step
     schedule: str = "1f1b"
-    offload: str = "none"  # none | cpu | disk: where the optimizer's master and state live (train/offload.py)
+    offload: str = "none"  # none | cpu | disk: where the optimizer's master and state live (train/offload_files.py)
     ep: int = 1  # expert parallelism (a mixture of experts): each rank holds 1/ep of the experts; divides dp
     servers: int = 0  # parameter servers besides the dp workers (servers.py); the workers hold no optimizer
     staleness: int = 0  # their bound K: what a server holds of gradients waiting for their step

@@ -7,7 +7,7 @@ from __future__ import annotations
 from ..checkpoint.remote import check_location
 from ..config import RunConfig, build_config
 from ..data import check_corpus, check_eval_split, corpus_vocab_size
-from .offload import check_offload_directory
+from .offload_files import check_offload_directory
 from .ps_run import check_servers
 from .tracking import check_available
 

@@ -32,7 +32,7 @@ from ..runtime.topology import Topology
 from .faults import Faults
 from .guards import NonFiniteGuard, SpikeGuard
 from .late_stats import reads_late
-from .offload import offload_directory, offload_store
+from .offload_files import offload_directory, offload_store
 from .optim import flat_adamw_factory, lr_at
 from .precision import autocast, compute_dtype, make_loss_scaler, master_dtype, reduce_dtype
 from .step_record import StepRecord

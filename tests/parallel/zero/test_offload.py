@@ -306,7 +306,7 @@ def test_too_little_space_for_the_state_is_refused_before_the_run(tmp_path, monk
     import shutil
     from collections import namedtuple
 
-    import minitrain.train.offload as offload
+    import minitrain.train.offload_files as offload
 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(offload.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
@@ -373,7 +373,7 @@ def test_the_memory_profile_books_offloaded_state_off_the_device(tmp_path):
 def test_two_runs_given_one_offload_directory_write_apart(tmp_path):
     # A directory of each run's own under --train.offload_dir (named after OUT): one run never truncates another's
     # files. The default stays OUT/offload.
-    from minitrain.train.offload import offload_directory
+    from minitrain.train.offload_files import offload_directory
 
     shared = str(tmp_path / "nvme")
     first, second = (_config(1, 0, "disk", str(tmp_path / name), **{"train.offload_dir": shared}) for name in "ab")

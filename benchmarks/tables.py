@@ -46,6 +46,17 @@ def _percent(stats, digits: int = 0) -> str:
     return f"{median:.{digits}f}% [{low:.{digits}f}-{high:.{digits}f}%]"
 
 
+def _median(cell: str) -> str:
+    """A 'median [min-max]' cell's median, as the cell shows it."""
+    return cell.split(" [")[0]
+
+
+def _and(items) -> str:
+    """'a', 'a and b', 'a, b and c'."""
+    items = list(items)
+    return ", ".join(items[:-1]) + " and " + items[-1] if len(items) > 1 else "".join(items)
+
+
 def _table(header: list[str], align: str, rows: list[list[str]]) -> list[str]:
     """Markdown table lines; align has one '<' (left) or '>' (right) per column."""
     def line(cells):
@@ -96,13 +107,20 @@ def prepare_vs_peers(docs: list[dict]) -> list[str]:
                    "memory ratio"], "<<>><>><", rows)
 
 
-def zero_stages(docs: list[dict]) -> list[str]:
-    peers = {"ddp": "DDP", "zero-redundancy": "ZeroRedundancyOptimizer", "fsdp2-zero2": "FSDP2, no reshard",
-             "fsdp2": "FSDP2"}
-    rows = []
-    # One result file, or one per run of some worlds (gpt2-124m: 2 ranks, then 4): every world in order.
+PEERS = {"ddp": "DDP", "zero-redundancy": "ZeroRedundancyOptimizer", "fsdp2-zero2": "FSDP2, no reshard",
+         "fsdp2": "FSDP2"}
+
+
+def _worlds(docs: list[dict]) -> list[tuple[str, dict]]:
+    """(world, its configurations) from one result file, or one per run of some worlds (gpt2-124m: 2 ranks, then
+    4): every world in order."""
     worlds = {world: configs for doc in docs for world, configs in doc["results"].items()}
-    for world, configs in sorted(worlds.items(), key=lambda item: int(item[0])):
+    return sorted(worlds.items(), key=lambda item: int(item[0]))
+
+
+def zero_stages(docs: list[dict]) -> list[str]:
+    rows = []
+    for world, configs in _worlds(docs):
         for name, entry in configs.items():
             if "peer" not in entry:
                 continue  # a peer's own figures appear in its stage's row
@@ -112,7 +130,7 @@ def zero_stages(docs: list[dict]) -> list[str]:
             label = "ZeRO-0 (data parallel)" if name == "zero0" else f"ZeRO-{name[-1]}"
             rows.append([world, bold.format(label), _ms(entry["step_ms"]), _mib(entry["peak_bytes"]),
                          _mib(entry["model_state_peak_bytes"]),
-                         f"{peers[entry['peer']]} ({_ms(peer['step_ms'])} ms, {_mib(peer['peak_bytes'])})",
+                         f"{PEERS[entry['peer']]} ({_ms(peer['step_ms'])} ms, {_mib(peer['peak_bytes'])})",
                          bold.format(_ratio(entry["time_ratio"])), bold.format(_ratio(entry["memory_ratio"]))])
     return _table(["ranks", "config", "step ms", "peak/rank", "model state peak", "peer", "time vs peer",
                    "peak memory vs peer"], "><>>><>>", rows)
@@ -220,44 +238,59 @@ def torchrun_restarts(docs: list[dict]) -> list[str]:
     return _table(["torchrun rendezvous", "env", *(column(doc["label"]) for doc in docs)], "<<" + ">" * len(docs), rows)
 
 
+def _passed(trials: list[dict]) -> str:
+    return f"{sum(t['passed'] for t in trials)}/{len(trials)}"
+
+
+def _spread(values: list[float]) -> str:
+    values = sorted(values)
+    return fmt_range((values[len(values) // 2], values[0], values[-1]), "{:.1f}") if values else "n/a"
+
+
+def _elastic_seconds(trials: list[dict], key: str) -> str:
+    """The spread of `key` (recovery_s, regrow_s) over the elastic trials that recovered."""
+    return _spread([t[key] for t in trials if "recovery_s" in t])
+
+
 def multinode(docs: list[dict]) -> list[str]:
     doc = docs[0]
     lines = []
     for kind, exact in doc["exactness"].items():
         aborted = sum(bool(r.get("aborted_in_teardown")) for r in exact)
         walls = sorted(r["wall_s"] for r in exact)
-        lines.append(f"- {kind} rendezvous: **{sum(r['passed'] for r in exact)}/{len(exact)}** two-node jobs "
+        lines.append(f"- {kind} rendezvous: **{_passed(exact)}** two-node jobs "
                      f"passed (every agent exit 0, {aborted} aborted in teardown, both final checkpoints "
                      f"byte-equal to one machine's); median wall {walls[len(walls) // 2]:.1f} s a job.")
     lines.append("")
-
-    def spread(values: list[float]) -> str:
-        values = sorted(values)
-        return fmt_range((values[len(values) // 2], values[0], values[-1]), "{:.1f}") if values else "n/a"
-
     rows = []
     for name, trials in doc["elastic"].items():
-        done = [t for t in trials if "recovery_s" in t]
-        worst = max((t["max_abs_diff_vs_uninterrupted"] for t in done), default=float("nan"))
-        rows.append([name, f"`{doc['rdzv_conf'][name]}`" if doc["rdzv_conf"][name] else "",
-                     f"{sum(t['passed'] for t in trials)}/{len(trials)}", spread([t["recovery_s"] for t in done]),
-                     spread([t["regrow_s"] for t in done]), f"{worst:.1e}"])
+        worst = max((t["max_abs_diff_vs_uninterrupted"] for t in trials if "recovery_s" in t), default=float("nan"))
+        rows.append([name, f"`{doc['rdzv_conf'][name]}`" if doc["rdzv_conf"][name] else "", _passed(trials),
+                     _elastic_seconds(trials, "recovery_s"), _elastic_seconds(trials, "regrow_s"), f"{worst:.1e}"])
     return [*lines, *_table(["rendezvous", "--rdzv-conf", "passed", "recovery s", "regrow s",
                              "final vs never resized (max abs)"], "<<>>>>", rows)]
+
+
+def _vs_plain(r: dict) -> str:
+    """One throughput run's ours / plain: its ratio [its rounds' lowest-highest]."""
+    per_round = [x["ours"] / x["plain"] for x in r["rounds"]]
+    return fmt_range((r["ratio"], min(per_round), max(per_round)), "{:.3f}")
+
+
+def _mfu(fraction: float) -> str:
+    return f"{100 * fraction:.1f}%"
 
 
 def throughput(docs: list[dict]) -> list[str]:
     doc = docs[0]
     rows = []
     for r in (r for d in docs for r in d["results"]):
-        ratios = [x["ours"] / x["plain"] for x in r["rounds"]]
         rows.append([r["preset"], r["precision"], str(r["batch_size"]), "yes" if r["compile"] else "no",
                      "late" if r.get("late_stats") else "at once",
                      f"{r['tokens_per_s']:,.0f}",
                      f"{r['plain_tokens_per_s']:,.0f}",
-                     fmt_range((r["ratio"], min(ratios), max(ratios)), "{:.3f}"),
-                     f"{r['step_ms']:.2f}", f"{r['plain_step_ms']:.2f}", f"{100 * r['mfu']:.1f}%",
-                     f"{100 * r['plain_mfu']:.1f}%"])
+                     _vs_plain(r), f"{r['step_ms']:.2f}", f"{r['plain_step_ms']:.2f}", _mfu(r["mfu"]),
+                     _mfu(r["plain_mfu"])])
     return [f"Device: {doc['device']}; MFU peak: {doc['results'][0]['peak_source']}.", "",
             *_table(["preset", "precision", "batch", "compile", "statistics read", "ours tok/s", "plain tok/s",
                      "ours / plain", "ours ms", "plain ms", "MFU", "plain MFU"], "<<><<>>>>>>>", rows)]
@@ -271,12 +304,10 @@ def throughput_alternating(docs: list[dict]) -> list[str]:
     for doc in sorted(docs, key=lambda d: _alternating_name(d)[0]):
         run, tree = _alternating_name(doc)[1:]
         for r in doc["results"]:
-            per_round = [x["ours"] / x["plain"] for x in r["rounds"]]
             ratios.setdefault(tree, []).append(r["ratio"])
             rows.append([run, tree, f"{r['preset']}/{r['precision']}", f"{r['tokens_per_s']:,.0f}",
-                         f"{r['plain_tokens_per_s']:,.0f}", fmt_range((r["ratio"], min(per_round), max(per_round)),
-                                                                       "{:.3f}"),
-                         f"{r['step_ms']:.1f}", f"{r['plain_step_ms']:.1f}"])
+                         f"{r['plain_tokens_per_s']:,.0f}", _vs_plain(r), f"{r['step_ms']:.1f}",
+                         f"{r['plain_step_ms']:.1f}"])
     medians = "; ".join(f"{tree} {statistics.median(values):.3f} (of {len(values)} runs)"
                         for tree, values in ratios.items())
     return [f"Device: {docs[0]['device']}. Median ours / plain over the runs: {medians}.", "",
@@ -458,17 +489,27 @@ def host_adam_vs_deepspeed(docs: list[dict]) -> list[str]:
             *_table(["preset", "threads", "optimizer", "step ms", "vs DeepSpeed", "ulps"], "<><>>>", rows)]
 
 
+PORT_PARTS = ("uninterrupted", "resumed")
+
+
+def _loss_differences(runs: dict, part: str) -> dict[str, float]:
+    """Iteration -> how far apart rank 0's loss under DDP and ported is, in one part of the run, in order."""
+    ddp, ours = runs["ddp"][part]["train"], runs["minitrain"][part]["train"]
+    return {i: abs(ddp[i] - ours[i]) for i in sorted(ddp, key=int)}
+
+
 def nanogpt_port(docs: list[dict]) -> list[str]:
     """Rank 0's loss at every fifth iteration under DDP and ported, and the largest difference at any iteration."""
     runs = docs[0]["runs"]
     rows = []
-    for part in ("uninterrupted", "resumed"):
+    for part in PORT_PARTS:
         ddp, ours = runs["ddp"][part]["train"], runs["minitrain"][part]["train"]
-        steps = sorted(ddp, key=int)
-        differences = [abs(ddp[i] - ours[i]) for i in steps]
-        rows += [[part if i == steps[0] else "", i, f"{ddp[i]:.4f}", f"{ours[i]:.4f}", f"{abs(ddp[i] - ours[i]):.1e}"]
+        differences = _loss_differences(runs, part)
+        steps = list(differences)
+        rows += [[part if i == steps[0] else "", i, f"{ddp[i]:.4f}", f"{ours[i]:.4f}", f"{differences[i]:.1e}"]
                  for i in steps if int(i) % 5 == 0 or i == steps[0]]
-        rows.append(["", f"all {len(steps)} ({steps[0]}-{steps[-1]})", "", "", f"largest {max(differences):.1e}"])
+        rows.append(["", f"all {len(steps)} ({steps[0]}-{steps[-1]})", "", "",
+                     f"largest {max(differences.values()):.1e}"])
     return [f"nanoGPT `{docs[0]['nanogpt']}`; the loss is rank 0's last micro-batch's as nanoGPT prints it, to 4 "
             "decimals (so is the difference).", "",
             *_table(["run", "iteration", "DDP", "minitrain", "difference"], "<>>>>", rows)]
@@ -503,6 +544,92 @@ def learner_path(docs: list[dict]) -> list[str]:
              f"core/, state/ and user_loop/; the others are the runtime (comm and its watch) and the public API."), "",
             *_table(["strategy", "code", "files", "lines in them", "lines executed", "cross-file calls",
                      "of them in parallel/ (files, lines)", "within the target"], "<<>>>>><", rows)]
+
+
+def globs(name: str) -> tuple[str, ...]:
+    """The result-file globs of one table (TABLES, below): its one glob, or its tuple of them."""
+    pattern = TABLES[name][0]
+    return (pattern,) if isinstance(pattern, str) else pattern
+
+
+# README.md's headline rows, in order: the full table each quotes, and the link to the page that holds it.
+HEADLINE = {
+    "throughput_gpu": "[On a GPU](docs/gpu.md#throughput-against-the-plain-pytorch-loop)",
+    "zero_stages_gpt2": "[ZeRO](docs/zero.md#against-pytorchs-ddp-zeroredundancyoptimizer-and-fsdp2)",
+    "prepare_vs_peers": "[Python API](docs/api.md#against-pytorch-on-a-hugging-face-gpt-2)",
+    "nanogpt_port": "[Porting](docs/porting.md#from-ddp-nanogpts-trainpy-in-three-lines)",
+    "ddp_modes": "[Data parallel](docs/data-parallel.md)",
+    "tensor_parallel": "[Tensor parallelism](docs/tensor-parallel.md#checks-and-speed)",
+    "multinode": "[Multiple machines](docs/multi-node.md#a-cluster-on-one-machine-to-prove-it-here)",
+}
+
+
+def _commands(docs: list[dict]) -> str:
+    """The commands that wrote `docs`, each once; a GPU session's without what it ran (after '  # ')."""
+    commands = dict.fromkeys(doc["command"].split("  # ")[0] for doc in docs if "command" in doc)
+    return ", ".join(f"`{command}`" for command in commands)
+
+
+def headline(docs: list[dict]) -> list[str]:
+    """README.md's headline results: one row per table in HEADLINE, its figures that table's cells (ratios without
+    their range), from the same result files by the same helpers, so the two always agree."""
+    of = {name: [doc for doc in docs if any(Path(doc["path"]).match(pattern) for pattern in globs(name))]
+          for name in HEADLINE}
+    rows = {}
+
+    late = {r["compile"]: r for doc in of["throughput_gpu"] for r in doc["results"] if r.get("late_stats")}
+    eager, compiled = late[False], late[True]
+    rows["throughput_gpu"] = (
+        f"one {of['throughput_gpu'][0]['device']}, {eager['preset']} {eager['precision']}, tokens/s against a "
+        "plain PyTorch loop",
+        f"{_median(_vs_plain(eager))}x eager, {_median(_vs_plain(compiled))}x compiled ({_mfu(compiled['mfu'])} MFU)")
+
+    zero3 = {world: configs["zero3"] for world, configs in _worlds(of["zero_stages_gpt2"])}
+    rows["zero_stages_gpt2"] = (
+        f"ZeRO-3 against {_and(dict.fromkeys(PEERS[e['peer']] for e in zero3.values()))}, "
+        f"{of['zero_stages_gpt2'][0]['model']['model.preset']}, {_and(zero3)} ranks",
+        f"{_and(_median(_ratio(e['time_ratio'])) + 'x' for e in zero3.values())} the step time, "
+        f"{_and(_median(_ratio(e['memory_ratio'])) + 'x' for e in zero3.values())} the peak memory")
+
+    doc = of["prepare_vs_peers"][0]
+    ours = {stage: doc["results"][stage] for stage in ("zero0", "zero3")}
+    rows["prepare_vs_peers"] = (
+        f"`prepare` on a Hugging Face GPT-2 against {_and(PEERS[e['peer']] for e in ours.values())}, "
+        f"{doc['world']} ranks",
+        ", ".join(f"ZeRO-{stage[-1]} {_median(_ratio(e['time_ratio']))}x {PEERS[e['peer']]}'s step"
+                  for stage, e in ours.items())
+        + f"; {_and(_median(_ratio(e['memory_ratio'])) + 'x' for e in ours.values())} the peak memory")
+
+    runs = of["nanogpt_port"][0]["runs"]
+    differences = [d for part in PORT_PARTS for d in _loss_differences(runs, part).values()]
+    largest = max(differences)
+    rows["nanogpt_port"] = (
+        "nanoGPT's `train.py` ported in three lines, against it under DDP",
+        f"{'the same loss' if largest == 0 else f'losses at most {largest:.1e} apart'} at all {len(differences)} "
+        f"printed iterations, {_and(PORT_PARTS)}")
+
+    entry = of["ddp_modes"][0]["results"]["compute-bound"]
+    efficiency = {mode: _median(_percent(entry[mode]["scaling_efficiency_2v1"])) for mode in ("bucketed", "torch")}
+    rows["ddp_modes"] = (
+        "bucketed data parallel against PyTorch DDP, compute-bound model",
+        f"{_median(_ratio(entry['bucketed']['ratio_to_torch']))}x the step, {efficiency['bucketed']} 2-vs-1 scaling "
+        f"(PyTorch DDP {efficiency['torch']})")
+
+    tp = sorted(of["tensor_parallel"], key=lambda doc: doc["tp"])
+    rows["tensor_parallel"] = (
+        f"tensor parallel against DTensor, tp {_and(str(doc['tp']) for doc in tp)}",
+        f"{_and(_median(_ratio(doc['minitrain_over_dtensor'])) + 'x' for doc in tp)} the step time")
+
+    doc = of["multinode"][0]
+    rows["multinode"] = (
+        "2 nodes (network namespaces, made as root), then one killed mid-run",
+        "byte-equal to one machine in " + _and(f"{_passed(exact)} jobs ({kind} rendezvous)"
+                                               for kind, exact in doc["exactness"].items())
+        + "; training again " + _and(f"{_elastic_seconds(trials, 'recovery_s')} s ({name})"
+                                     for name, trials in doc["elastic"].items()) + " after the kill")
+
+    return _table(["measured", "result", "full table", "reproduce"], "<<<<",
+                  [[*rows[name], link, _commands(of[name])] for name, link in HEADLINE.items()])
 
 
 # Table name -> (result files, renderer). Benchmarks run at several sizes write one file per size.
@@ -542,14 +669,19 @@ TABLES = {
     "nanogpt_port": ("nanogpt_port.json", nanogpt_port),
     "learner_path": ("learner_path.json", learner_path),
 }
+# A table of figures quoted from others reads their result files: a tuple of globs, each table's in turn.
+TABLES["headline"] = (tuple(pattern for name in HEADLINE for pattern in globs(name)), headline)
 
 
 def load(name: str) -> list[dict]:
-    """The result files of one table, each with its path from the repository root as "path"."""
-    paths = sorted(RESULTS.glob(TABLES[name][0]))
-    if not paths:
-        raise FileNotFoundError(f"no result file {RESULTS.relative_to(ROOT) / TABLES[name][0]}")
-    return [{**json.loads(path.read_text()), "path": path.relative_to(ROOT).as_posix()} for path in paths]
+    """The result files of one table, glob by glob, each with its path from the repository root as "path"."""
+    docs = []
+    for pattern in globs(name):
+        paths = sorted(RESULTS.glob(pattern))
+        if not paths:
+            raise FileNotFoundError(f"no result file {RESULTS.relative_to(ROOT) / pattern}")
+        docs += [{**json.loads(path.read_text()), "path": path.relative_to(ROOT).as_posix()} for path in paths]
+    return docs
 
 
 def render(name: str, indent: str = "") -> str:
@@ -588,8 +720,8 @@ def stale(text: str, file: str = "README.md") -> list[str]:
         if name not in TABLES:
             problems.append(f"{file}: unknown table {name!r} (known: {', '.join(TABLES)})")
         elif body != render(name, indent):
-            problems.append(f"{file}: table {name} differs from {RESULTS.relative_to(ROOT) / TABLES[name][0]};"
-                            f" run python benchmarks/tables.py")
+            sources = ", ".join(str(RESULTS.relative_to(ROOT) / pattern) for pattern in globs(name))
+            problems.append(f"{file}: table {name} differs from {sources}; run python benchmarks/tables.py")
     return problems
 
 

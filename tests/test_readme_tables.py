@@ -1,8 +1,11 @@
 """The benchmark tables of README.md and docs/*.md are what benchmarks/results/*.json give
 (benchmarks/tables.py), never typed by hand."""
 import json
+import re
 import sys
 from pathlib import Path
+
+import pytest
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))  # the benchmarks import each other as top-level modules
@@ -35,7 +38,9 @@ KEYS = {"prepare_vs_peers": TIMED | {"world", "warmup"}, "prepare_vs_peers_w4": 
         "object_store": {"preset", "bytes", "repeats", "format", "results"},
         "zero3_read_guard": {"steps", "repeats", "rows"}, "host_adam_vs_deepspeed": {"steps", "repeats", "rows"},
         "nanogpt_port": {"nanogpt", "port", "runs"},
-        "learner_path": {"results", "picotron", "target", "world_size", "backend", "model", "revision"}}
+        "learner_path": {"results", "picotron", "target", "world_size", "backend", "model", "revision"},
+        # README.md's headline quotes only files of the tables in tables.HEADLINE, checked under their names.
+        "headline": set()}
 # A lent GPU machine runs every GPU benchmark through one script (its results come back from there).
 GPU_SESSION = "OUT=DIR bash tools/gpu_session.sh"
 MACHINE = {"platform", "cpus", "torch", "python"}
@@ -55,18 +60,44 @@ def test_readme_and_docs_tables_equal_what_the_result_files_give():
     assert tables.main(["--check"]) == 0
 
 
-def test_a_figure_edited_by_hand_is_caught():
-    file = _home("zero_stages")
+@pytest.mark.parametrize("name, column, sources", [
+    ("zero_stages", 3, "benchmarks/results/zero_stages.json"),  # the first row's step time, e.g. " 661 "
+    # the first row's result, e.g. " 0.987x eager, ...": a headline figure, from the results of several tables
+    ("headline", 2, "benchmarks/results/throughput_gpu*.json, benchmarks/results/zero_stages_gpt2-124m*.json, "
+                    "benchmarks/results/prepare_vs_peers.json, benchmarks/results/nanogpt_port.json, "
+                    "benchmarks/results/ddp_modes.json, benchmarks/results/tensor_parallel_tp*.json, "
+                    "benchmarks/results/multinode.json")])
+def test_a_figure_edited_by_hand_is_caught(name, column, sources):
+    file = _home(name)
     texts = tables.read_all()
     text = texts[file]
-    block = tables.render("zero_stages")
-    step_ms = block.splitlines()[2].split("|")[3]  # the first row's step time, e.g. " 661 "
-    edited = text.replace(block, block.replace(f"|{step_ms}|", f"| {int(step_ms) + 1} |", 1))
+    block = tables.render(name)
+    cell = block.splitlines()[2].split("|")[column]
+    figure = re.search(r"\d", cell)
+    typed = cell[:figure.start()] + str((int(figure.group()) + 1) % 10) + cell[figure.end():]
+    edited = text.replace(block, block.replace(f"|{cell}|", f"|{typed}|", 1))
     assert edited != text
-    message = f"{file}: table zero_stages differs from benchmarks/results/zero_stages.json; run python benchmarks/tables.py"
+    message = f"{file}: table {name} differs from {sources}; run python benchmarks/tables.py"
     assert tables.stale(edited, file) == [message]
     assert tables.check({**texts, file: edited}) == [message]
     assert tables.generate(edited) == text
+
+
+def test_every_headline_figure_is_one_of_its_full_tables():
+    # A ratio, percentage, count or range in a row's result is written the same in the table that row links to.
+    assert _home("headline") == "README.md"
+    rows = tables.render("headline").splitlines()[2:2 + len(tables.HEADLINE)]
+    checked = 0
+    for name, row in zip(tables.HEADLINE, rows):
+        _, measured, result, link, reproduce, _ = row.split("|")
+        assert link.strip() == tables.HEADLINE[name] and f"({_home(name)}" in link  # the page that holds it
+        full = tables.render(name)
+        for figure in re.findall(r"\d+\.\d+(?: \[[\d.]+-[\d.]+\])?|\d+%|\d+/\d+", result):
+            assert figure in full, (name, figure)
+            checked += 1
+        for command in re.findall(r"`([^`]+)`", reproduce):
+            assert command in full, (name, command)  # its source line's
+    assert checked >= len(tables.HEADLINE)
 
 
 def test_every_table_sits_in_exactly_one_place_and_unknown_names_are_reported():
@@ -85,15 +116,19 @@ def test_every_table_sits_in_exactly_one_place_and_unknown_names_are_reported():
 
 
 def test_every_result_file_belongs_to_a_table_and_has_its_keys():
-    kinds = {}
-    for name, (pattern, _) in tables.TABLES.items():
-        kinds.update({path: name for path in tables.RESULTS.glob(pattern)})
+    kinds = {}  # result file -> the tables that read it
+    for name in tables.TABLES:
+        for pattern in tables.globs(name):
+            for path in tables.RESULTS.glob(pattern):
+                kinds.setdefault(path, []).append(name)
     paths = sorted(tables.RESULTS.glob("*.json"))
     assert paths and set(paths) == set(kinds), "a result file no table reads"
     for path in paths:
         doc = json.loads(path.read_text())
-        missing = KEYS[kinds[path]] - doc.keys()
+        missing = set().union(*(KEYS[kind] for kind in kinds[path])) - doc.keys()
         assert not missing, f"{path.name} lacks {sorted(missing)}"
+        # The headline quotes other tables' files only.
+        assert kinds[path] != ["headline"], path.name
         # Older files recorded neither; a file that records one records both.
         assert ("command" in doc) == ("machine" in doc), path.name
         if "machine" in doc:

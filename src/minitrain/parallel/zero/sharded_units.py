@@ -51,8 +51,6 @@ class ShardedUnits(ShardedStrategy):
         self.reshard_after_forward = reshard_after_forward
         self.stage = 3 if reshard_after_forward else 2
         self.name = f"zero{self.stage}"
-        # A gathered unit is a transient in the memory ledger at ZeRO-3; ZeRO-2 counts them at rest.
-        self.gathered_at_rest = not reshard_after_forward
         super().__init__(model, comm, pcfg, make_optimizer, **kwargs)
         self.prefetch = pcfg.prefetch
         # In full precision the parameter shard *is* the optimizer's master: both would hold the
@@ -149,7 +147,7 @@ class ShardedUnits(ShardedStrategy):
             return
         buffer = self._buffers_whole[i]
         buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
-        if not self.gathered_at_rest:
+        if self.reshard_after_forward:  # a transient at ZeRO-3; ZeRO-2 holds its units at rest (memory_bytes)
             self.ledger.hold("params", buffer)
         self._gathering[i] = self.comm.all_gather_async(buffer, self._param_views[i])
 
@@ -165,7 +163,7 @@ class ShardedUnits(ShardedStrategy):
         if i in self._gathered:
             self._gathered.remove(i)
             buffer = self._buffers_whole[i]
-            if not self.gathered_at_rest:
+            if self.reshard_after_forward:
                 self.ledger.drop("params", buffer)
             buffer.untyped_storage().resize_(0)
 
@@ -305,7 +303,7 @@ class ShardedUnits(ShardedStrategy):
 
     def memory_bytes(self) -> dict[str, int]:
         held = super().memory_bytes()  # the shard (with the optimizer's state)
-        if self.gathered_at_rest:
+        if not self.reshard_after_forward:  # whole between steps
             held["params"] += sum(b.numel() * b.element_size() for b in self._buffers_whole)
         return held
 

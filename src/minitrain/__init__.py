@@ -33,7 +33,16 @@ from .utils.prefetch import Prefetcher
 
 from .version import __version__
 
-__all__ = ["GradScaler", "ModelPlan", "PipelineSplit", "Prefetcher", "PreparedOptimizer", "__version__", "barrier", "cleanup",
+__all__ = ["GradScaler", "ModelPlan", "PipelineSplit", "Prefetcher", "PreparedOptimizer", "TokenShards", "__version__", "barrier", "cleanup",
            "clip_grad_norm_",
            "dp_rank", "dp_world_size", "full_state_dict", "init_distributed", "is_main_process", "is_server",
            "load_checkpoint", "no_sync", "pipeline_step", "prepare", "save_checkpoint", "serve", "wrap_for_ddp"]
+
+
+def __getattr__(name: str):
+    # The data loader for sharded corpora loads when first asked for: `import minitrain` stays the API alone.
+    if name == "TokenShards":
+        from .corpus.token_shards import TokenShards
+
+        return TokenShards
+    raise AttributeError(f"module 'minitrain' has no attribute {name!r}")

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from .corpus import token_files
+from .corpus import sharded, token_files
 from .errors import ConfigError
 from .utils.prefetch import Prefetcher
 
@@ -138,8 +138,11 @@ def load_corpus(cfg: RunConfig) -> np.ndarray:
 
 
 def load_val(cfg: RunConfig) -> np.ndarray | None:
-    """The held-out tokens, or None for a corpus without a held-out split."""
+    """The held-out tokens, or None for a corpus without a held-out split. A sharded corpus gives as many of
+    its first corpus's val shards as --eval-batches reads."""
     d = cfg.data
+    if sharded.is_sharded(d.corpus):
+        return sharded.val_tokens(cfg, cfg.eval.batches * eval_examples_per_batch(cfg) * cfg.model.seq_len + 1)
     if d.corpus == "synthetic":
         return make_corpus(d.corpus_seed, synthetic_val_tokens(cfg), cfg.model.vocab_size, walk=1)
     if d.corpus == "text":
@@ -152,6 +155,8 @@ def load_val(cfg: RunConfig) -> np.ndarray | None:
 
 def corpus_vocab_size(corpus: str) -> int | None:
     """The vocabulary a tokenized corpus was made with (the model takes it unless told otherwise), or None."""
+    if sharded.is_sharded(corpus):
+        return sharded.load_index(corpus.split(",")[0].strip())[1].vocab_size
     if corpus == "text":
         return ByteTokenizer.vocab_size
     if token_files.is_prepared_dir(corpus):
@@ -162,6 +167,23 @@ def corpus_vocab_size(corpus: str) -> int | None:
 def corpus_fingerprint(tokens: np.ndarray) -> str:
     """sha256 of the corpus's tokens as they are trained on: a resume must continue on the same data."""
     return hashlib.sha256(memoryview(np.ascontiguousarray(tokens))).hexdigest()
+
+
+def run_corpus_fingerprint(cfg: RunConfig) -> str:
+    """The configured corpus's fingerprint, as its loader's fingerprint() gives it (a sharded corpus's from its
+    indexes, without reading the shards)."""
+    if sharded.is_sharded(cfg.data.corpus):
+        return sharded.fingerprint(cfg)
+    return corpus_fingerprint(load_corpus(cfg))
+
+
+def make_loader(cfg: RunConfig, rank: int, world_size: int, prefetch: int = 0, pin_memory: bool = False):
+    """The run's training batches for data-parallel rank `rank` of `world_size`: a TokenShards for a sharded
+    corpus, else a ShardedLoader over the corpus's tokens (the same interface)."""
+    if sharded.is_sharded(cfg.data.corpus):
+        return sharded.loader(cfg, rank, world_size, prefetch, pin_memory)
+    return ShardedLoader(load_corpus(cfg), cfg.model.seq_len, cfg.train.batch_size, rank, world_size,
+                         cfg.train.seed, prefetch=prefetch, pin_memory=pin_memory)
 
 
 # Files that hold text, not token ids: `data prepare` turns them into a corpus directory.
@@ -210,17 +232,24 @@ def _bin_facts(path: Path) -> tuple[int, int]:
 
 def num_examples(cfg: RunConfig) -> int:
     """Training examples (windows of seq_len + 1 tokens) in the configured corpus."""
-    return max(0, (_corpus_facts(cfg)[0] - 1) // cfg.model.seq_len)
+    return _examples_and_vocab(cfg)[0]
+
+
+def _examples_and_vocab(cfg: RunConfig) -> tuple[int, int]:
+    """(training examples, the vocabulary the corpus needs); a sharded corpus's windows never cross shards."""
+    if sharded.is_sharded(cfg.data.corpus):
+        return sharded.facts(cfg)
+    n_tokens, vocab = _corpus_facts(cfg)
+    return max(0, (n_tokens - 1) // cfg.model.seq_len), vocab
 
 
 def check_corpus(cfg: RunConfig) -> None:
     """Raise ConfigError unless the corpus exists, fits the vocabulary, and holds
     at least one global batch (batch_size * grad_accum * nproc examples)."""
     d, m, t = cfg.data, cfg.model, cfg.train
-    n_tokens, needed_vocab = _corpus_facts(cfg)
+    examples, needed_vocab = _examples_and_vocab(cfg)
     if m.vocab_size < needed_vocab:
         raise ConfigError(f"corpus '{d.corpus}' needs model.vocab_size >= {needed_vocab}, got {m.vocab_size}")
-    examples = max(0, (n_tokens - 1) // m.seq_len)
     per_step = t.batch_size * t.grad_accum * cfg.dist.nproc
     if examples < per_step:
         raise ConfigError(f"corpus '{d.corpus}' holds {examples} examples of {m.seq_len} tokens but one step "
@@ -234,11 +263,11 @@ def eval_examples_per_batch(cfg: RunConfig) -> int:
 
 def check_eval_split(cfg: RunConfig) -> None:
     """Raise ConfigError unless the corpus has a held-out split holding at least one evaluation batch."""
-    val = load_val(cfg)
-    if val is None:
+    n_val = _val_length(cfg)
+    if n_val is None:
         raise ConfigError(f"--eval-every needs a held-out split and corpus '{cfg.data.corpus}' has none; make one with "
                           "`minitrain data prepare TEXT... --out DIR` (or put a val.bin beside the .bin file)")
-    examples, needed = (len(val) - 1) // cfg.model.seq_len, eval_examples_per_batch(cfg)
+    examples, needed = (n_val - 1) // cfg.model.seq_len, eval_examples_per_batch(cfg)
     if examples < needed:
         raise ConfigError(f"the held-out split of corpus '{cfg.data.corpus}' holds {examples} examples of "
                           f"{cfg.model.seq_len} tokens, one evaluation batch needs batch_size x data-parallel ranks = "
@@ -250,12 +279,19 @@ def eval_note(cfg: RunConfig) -> str | None:
     what there is)."""
     if not cfg.eval.every:
         return None
-    val = load_val(cfg)
-    held = ((len(val) - 1) // cfg.model.seq_len) // eval_examples_per_batch(cfg)
+    held = ((_val_length(cfg) - 1) // cfg.model.seq_len) // eval_examples_per_batch(cfg)
     if held >= cfg.eval.batches:
         return None
     return (f"--eval-batches {cfg.eval.batches} asks for more than the held-out split of corpus '{cfg.data.corpus}' "
             f"holds ({held} batch(es) of {eval_examples_per_batch(cfg)} examples): evaluating on {held}")
+
+
+def _val_length(cfg: RunConfig) -> int | None:
+    """Tokens in the held-out split (None: the corpus has none), without fetching a store's shards."""
+    if sharded.is_sharded(cfg.data.corpus):
+        return sharded.val_token_count(cfg)
+    val = load_val(cfg)
+    return None if val is None else len(val)
 
 
 class EvalBatches:
@@ -302,6 +338,7 @@ class ShardedLoader:
             raise ValueError(f"{self.num_examples} examples cannot fill one global batch of {self.global_batch}")
         self.epoch, self.cursor = 0, 0  # cursor = micro-batches already taken this epoch
         self._order_epoch, self._order = -1, None
+        self._fingerprint: str | None = None
 
     def _shuffled(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(self.num_examples)
@@ -348,6 +385,12 @@ class ShardedLoader:
         if isinstance(self._source, Prefetcher):
             self._source.close()
         self._source = None
+
+    def fingerprint(self) -> str:
+        """sha256 of the tokens (computed once): a resume must continue on the same data."""
+        if self._fingerprint is None:
+            self._fingerprint = corpus_fingerprint(self.tokens)
+        return self._fingerprint
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed,

@@ -68,8 +68,10 @@ def verify(path: str) -> str:
 def _training_state(state: dict) -> str:
     line = f"training state: optimizer steps {state['optimizer_steps']}"
     if "loader" in state:  # a CLI run's
-        line += (f", tokens seen {state['tokens_seen']:,}, loader epoch {state['loader']['epoch']} cursor "
-                 f"{state['loader']['cursor']}")
+        loader = state["loader"]
+        where = (f"epoch {loader['epoch']} cursor {loader['cursor']}" if "cursor" in loader else
+                 f"global batch {loader['batch']}, (epoch, position) of each corpus {loader['positions']}")
+        line += f", tokens seen {state['tokens_seen']:,}, loader {where}"
     return line
 
 

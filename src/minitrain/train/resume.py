@@ -8,7 +8,7 @@ from pathlib import Path
 from .. import checkpoint
 from ..checkpoint import remote
 from ..config import ConfigError, RunConfig, build_config, field_specs
-from ..data import corpus_fingerprint, load_corpus, num_examples
+from ..data import num_examples, run_corpus_fingerprint
 
 
 def resume_path(cfg: RunConfig, warnings: list[str] | None = None) -> Path | None:
@@ -93,7 +93,7 @@ def check_resume(cfg: RunConfig) -> list[str]:
                           f"{cfg.train.stop_at}; ask for a later --stop-at (or 0 to run to --steps)")
     if manifest["step"] >= cfg.train.steps:
         raise ConfigError(f"checkpoint {step_dir} is at step {manifest['step']}; ask for more --steps to continue")
-    ours = corpus_fingerprint(load_corpus(cfg))
+    ours = run_corpus_fingerprint(cfg)
     if manifest["train_state"]["corpus_sha256"] != ours:
         raise ConfigError(f"checkpoint {step_dir} was trained on another corpus (sha256 "
                           f"{manifest['train_state']['corpus_sha256'][:12]}..., this run's {ours[:12]}...); resume "

@@ -23,7 +23,7 @@ import torch
 from .. import checkpoint
 from ..runtime.comm import CollectiveError
 from ..config import RunConfig
-from ..data import EvalBatches, ShardedLoader, corpus_fingerprint, load_corpus, load_val
+from ..data import EvalBatches, load_val, make_loader
 from ..utils.prefetch import to_device
 from ..models import ModelSpec, spec_for
 from ..parallel import Pipeline, cast_parameters, parallelize
@@ -82,9 +82,8 @@ class Trainer:
         # Data is split over data-parallel replicas only (a tensor-parallel group shares its batch), or under
         # expert parallelism over every rank (topo.data).
         self._corpus_sha256: str | None = None  # computed at the first save (train_state)
-        self.loader = ShardedLoader(load_corpus(cfg), cfg.model.seq_len, cfg.train.batch_size,
-                                    topo.data.rank, topo.data.world_size, cfg.train.seed,
-                                    prefetch=cfg.data.prefetch, pin_memory=topo.device.type == "cuda")
+        self.loader = make_loader(cfg, topo.data.rank, topo.data.world_size, prefetch=cfg.data.prefetch,
+                                  pin_memory=topo.device.type == "cuda")
         self.eval_batches = (EvalBatches(load_val(cfg), cfg.model.seq_len, cfg.train.batch_size, topo.data.rank,
                                          topo.data.world_size, cfg.eval.batches) if cfg.eval.every else None)
         self.step = 0  # training steps completed (a skipped step counts: its data was consumed)
@@ -261,7 +260,7 @@ class Trainer:
 
     def train_state(self) -> dict:
         if self._corpus_sha256 is None and self.topo.is_main:  # the manifest's copy is rank 0's
-            self._corpus_sha256 = corpus_fingerprint(self.loader.tokens)
+            self._corpus_sha256 = self.loader.fingerprint()
         return {"step": self.step, "optimizer_steps": self.strategy.optimizer.steps_taken,
                 "corpus_sha256": self._corpus_sha256,
                 "optimizer_scalars": self.strategy.optimizer.scalar_state(),

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from ..config import RunConfig
-from ..data import ShardedLoader, load_corpus
+from ..data import make_loader
 from ..models.minigpt.model import MiniGPT
 from ..train.optim import lr_at
 from ..train.precision import autocast, compute_dtype, reduce_dtype
@@ -85,8 +85,7 @@ class PeerTrainer:
             self.module = fully_shard(self.model, **shard)
             # After fully_shard: it replaces every parameter with a sharded DTensor parameter.
             self.optimizer = torch.optim.AdamW(decay_groups(self.model, t.weight_decay), **adam)
-        self.loader = ShardedLoader(load_corpus(cfg), cfg.model.seq_len, t.batch_size, topo.rank, topo.world_size,
-                                    t.seed, prefetch=cfg.data.prefetch)  # the trainer's data path
+        self.loader = make_loader(cfg, topo.rank, topo.world_size, prefetch=cfg.data.prefetch)  # the trainer's data path
         self.step = 0
 
     def train_step(self) -> float:

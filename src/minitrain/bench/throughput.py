@@ -25,7 +25,7 @@ import torch
 
 from ..config import PRESETS, ConfigError, RunConfig
 from ..train.run_config import run_config
-from ..data import ShardedLoader, load_corpus
+from ..data import make_loader
 from ..utils.prefetch import to_device
 from ..train.metrics import format_table
 from ..models.minigpt.plan import MINIGPT_PLAN
@@ -93,8 +93,7 @@ class PlainLoop:
         kernel = {"fused": True} if device.type in FUSED_DEVICES else {"foreach": True}
         self.optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **kernel)
         # The trainer's data path, as a plain loop with a DataLoader's pinned workers would have it.
-        self.loader = ShardedLoader(load_corpus(cfg), cfg.model.seq_len, t.batch_size, 0, 1, t.seed,
-                                    prefetch=cfg.data.prefetch, pin_memory=device.type == "cuda")
+        self.loader = make_loader(cfg, 0, 1, prefetch=cfg.data.prefetch, pin_memory=device.type == "cuda")
 
     def train_step(self) -> torch.Tensor:
         t, device = self.cfg.train, self.device

@@ -1,131 +1,222 @@
-"""`minitrain data prepare`: text files in, a tokenized corpus directory out (the format of token_files).
+"""`minitrain data prepare`: text in, a sharded corpus out (the format of shard_index), locally or in a store.
 
-Every check that can be made before writing is made before writing: the options, --out, each input's
-existence, encoding and (for .jsonl) every line, and the tokenizer. Then the inputs are read again to train
-the BPE (with --vocab-size) and once more to encode them, so that no input has to fit in memory beside its
-tokens. The output is written into a temporary sibling of --out and renamed to it at the end: --out holds all
-of it or, on any error, nothing.
+Every check that can be made before writing is made before writing: the options, --out, each input's existence,
+encoding and every document in it, and the tokenizer. Then the inputs are read again to train the BPE (with
+--vocab-size), whose tokenizer.json is written into the output before encoding starts, and once more to encode
+them (encode_pool) into shards (shard_writer), one block at a time, each block followed by the journal that
+--resume continues from. index.json comes last: a corpus without it is unfinished, and nothing reads it.
+
+A fresh prepare that fails on its input or its tokenizer removes what it wrote; one that is interrupted, killed or
+cannot write keeps its shards and journal for --resume.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
-import os
-import secrets
-import shutil
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
+import hashlib
+import math
+import sys
 
 import numpy as np
 
-from . import token_files
 from ..errors import ConfigError
-from ..utils.progress import byte_bar
+from . import encode_pool, inputs, prepare_out, token_files
+from .shard_index import FORMAT, INDEX, ShardIndex
+from .shard_writer import JOURNAL, Journal, ShardWriter, difference
 
 TOKENIZER_FILE = "tokenizer.json"
 MAX_VAL_FRACTION = 0.5
-# Documents are encoded in batches (tokenizers spreads a batch over all cores) of at most this many
-# documents or characters, whichever comes first, so a batch's tokens stay small beside the input.
-BATCH_DOCS, BATCH_CHARS = 1024, 1 << 24
+DEFAULT_SHARD_MB = 256
+MIN_SHARD_BYTES = 1024
 
-DESCRIPTION = ("Tokenize text files into a corpus that `minitrain train --corpus DIR` trains on: train a "
-               "byte-level BPE on them (--vocab-size) or use an existing tokenizer (--tokenizer), split the token "
-               "stream into train and val, and write token files nanoGPT-style.")
+DESCRIPTION = ("Tokenize text into a sharded corpus that `minitrain train --corpus DIR|URL` trains on: train a "
+               "byte-level BPE on it (--vocab-size) or use an existing tokenizer (--tokenizer), and write the token "
+               "stream as train and val shards of at most --shard-mb each, to a directory or an s3:// prefix.")
 EPILOG = """\
-Writes into DIR, all of it or, on any error, nothing:
-  train.bin, val.bin  token ids, raw little-endian uint16 (uint32 for more than 65,536 ids);
-                      val.bin is the last --val-fraction of the token stream
-  tokenizer.json      the tokenizer, for Hugging Face `tokenizers` (Tokenizer.from_file) or transformers
-  meta.json           vocab_size, dtype, token counts, eot_id, and the inputs with their sizes
+Inputs: a text file is one document; each line of a .jsonl file is one, and each row of a .parquet file
+(pip install 'minitrain[data]'), their text in --text-field. A directory is walked recursively in name order,
+taking its .txt, .md, .text, .rst, .jsonl and .parquet files; a glob ('data/**/*.jsonl', quoted) is expanded
+here, in name order. Every document ends with <|endoftext|> (when the tokenizer has that token). A trained BPE
+holds all 256 bytes, so any text encodes, and decoding gives it back exactly.
 
-Each text file is one document; each line of a .jsonl file is one, its text in --text-field. Every document
-ends with <|endoftext|> (when the tokenizer has that token). A trained BPE holds all 256 bytes, so any text
-encodes, and decoding gives it back exactly.
+Writes into DIR (or the store prefix):
+  train-00000.bin, ...  token ids, raw little-endian uint16 (uint32 for more than 65,536 ids), at most
+  val-00000.bin, ...    --shard-mb each. The token stream is cut into blocks of --shard-mb; the last
+                        --val-fraction of each block is its val shard, the rest its train shard
+  tokenizer.json        the tokenizer, for Hugging Face `tokenizers` (Tokenizer.from_file) or transformers
+  index.json            written last: vocab_size, dtype, eot_id, val_fraction, shard_bytes, the inputs, and
+                        each shard's split, token count and sha256. Without it the corpus is unfinished.
+  prepare.json          while it runs only: the journal --resume continues from (removed at the end)
+
+The shards are the same bytes whatever --workers is, and whatever interruptions --resume went through.
 
 Examples:
   minitrain data prepare src/minitrain/corpora/field_notes.txt --vocab-size 512 --out data/notes
   minitrain train --corpus data/notes --steps 200 --out runs/notes
   minitrain data prepare posts.jsonl --text-field body --tokenizer data/notes/tokenizer.json --out data/posts
                                              # the same tokenizer, so the same ids as data/notes
+  minitrain data prepare crawl/ 'more/*.parquet' --vocab-size 32768 --workers 8 --out s3://bucket/crawl
+  minitrain data prepare crawl/ 'more/*.parquet' --vocab-size 32768 --workers 8 --out s3://bucket/crawl --resume
+                                             # after a Ctrl-C or a crash: continues from the last shard
 """
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Add `data prepare` to the `minitrain` subcommands `sub`; returns the `data` parser."""
-    data = sub.add_parser("data", help="tokenize text files into a corpus directory",
-                          description="Turn text into the token files `minitrain train --corpus DIR` reads.")
+    data = sub.add_parser("data", help="tokenize text into a sharded corpus",
+                          description="Turn text into the token shards `minitrain train --corpus DIR` reads.")
     # type(data) is the CLI's one-line-error parser class, without importing the CLI (which imports this module).
     actions = data.add_subparsers(dest="data", required=True, parser_class=type(data), metavar="ACTION")
-    prepare = actions.add_parser("prepare", help="text files -> train.bin, val.bin, tokenizer.json, meta.json",
+    prepare = actions.add_parser("prepare", help="text -> train/val shards, tokenizer.json, index.json",
                                  description=DESCRIPTION, epilog=EPILOG,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     prepare.add_argument("inputs", nargs="+", metavar="INPUT",
-                         help="UTF-8 text files, one document each, or .jsonl files, one document a line")
-    prepare.add_argument("--out", required=True, metavar="DIR", help="the directory to create (absent or empty)")
+                         help="text files (one document each), .jsonl or .parquet files (one document a line or "
+                              "row), directories of them, or quoted globs")
+    prepare.add_argument("--out", required=True, metavar="DIR|URL",
+                         help="the directory or store prefix (s3://bucket/prefix) to write; absent or empty, or "
+                              "holding an unfinished prepare with --resume")
     prepare.add_argument("--vocab-size", type=int, metavar="N",
                          help="train a byte-level BPE of N ids on the inputs (at least 257: 256 bytes + <|endoftext|>)")
     prepare.add_argument("--tokenizer", metavar="PATH", help="use this tokenizer.json instead of training one")
     prepare.add_argument("--val-fraction", type=float, default=0.1, metavar="F",
-                         help=f"the share of tokens held out as val.bin, in (0, {MAX_VAL_FRACTION}] (default 0.1)")
+                         help=f"the share of each block held out as val, in (0, {MAX_VAL_FRACTION}] (default 0.1)")
     prepare.add_argument("--text-field", default="text", metavar="NAME",
-                         help="the field of each .jsonl object that holds its text (default text)")
+                         help="the .jsonl field or .parquet column that holds the text (default text)")
+    prepare.add_argument("--shard-mb", type=float, default=DEFAULT_SHARD_MB, metavar="N",
+                         help=f"the most MiB (2**20 bytes) a shard holds, fractions allowed (default {DEFAULT_SHARD_MB})")
+    prepare.add_argument("--workers", type=int, default=1, metavar="W",
+                         help="tokenize in W processes, one core each (default 1)")
+    prepare.add_argument("--resume", action="store_true",
+                         help="continue the unfinished prepare in --out (same arguments) from its last shard")
     return data
-
-
-@dataclass
-class Source:
-    """One input file, as meta.json lists it."""
-
-    path: str  # as the user spelt it
-    jsonl: bool
-    bytes: int
-    documents: int = 0
-    text_bytes: int = 0  # UTF-8 bytes of document text (a .jsonl file's JSON syntax not counted)
 
 
 def run(args) -> int:
     """Carry out `minitrain data prepare`; ConfigError (one line) for bad input. Returns the exit code, 0."""
+    _check_options(args)
+    out = prepare_out.open_out(args.out)
+    try:
+        return _prepare(args, out)
+    finally:
+        out.close()
+
+
+def _prepare(args, out) -> int:
     # `tokenizers` is imported by this command only, not by every `minitrain` command.
     from . import tokenizer as tokenizers_glue
 
-    _check_options(args)
-    out = _check_out(args.out)
-    sources = [_check_input(name) for name in args.inputs]
-    tok = tokenizers_glue.load_tokenizer(args.tokenizer) if args.tokenizer else None
-    _survey(sources, args.text_field)
-    if tok is None:
-        tok = tokenizers_glue.train_bpe(_documents(sources, args.text_field, "training BPE"), args.vocab_size,
-                                        text_bytes=sum(s.text_bytes for s in sources))
-    vocab = tokenizers_glue.vocab_size(tok)
-    if vocab > tokenizers_glue.MAX_VOCAB:
-        raise ConfigError(f"tokenizer {args.tokenizer} has {vocab} ids; at most {tokenizers_glue.MAX_VOCAB} fit a "
-                          "token file")
-    dtype, eot = token_files.dtype_for(vocab), tokenizers_glue.eot_id(tok)
-
-    with _staging(out) as tmp:
-        stream = tmp / "tokens.tmp"
-        total = _encode_to(stream, tok, _documents(sources, args.text_field, "encoding"), eot, dtype)
-        n_train, n_val = _split_sizes(total, args.val_fraction)
-        _split_file(stream, n_train, dtype, tmp)
-        tok.save(str(tmp / TOKENIZER_FILE))
-        meta = _meta(vocab, dtype, n_train, n_val, args.val_fraction, eot, sources)
-        (tmp / token_files.META).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-    documents = meta["documents"]
-    print(f"wrote {args.out}: {n_train:,} train + {n_val:,} val tokens from {documents:,} "
-          f"document{'s' * (documents != 1)}, vocab {vocab:,}, {dtype.name}; tokenizer "
-          f"{Path(args.out) / TOKENIZER_FILE}")
+    journal = _check_out(out, args.resume)
+    sources = inputs.expand(args.inputs)
+    if any(s.kind == inputs.PARQUET for s in sources):
+        inputs.import_pyarrow_parquet()
+    given = tokenizers_glue.load_tokenizer(args.tokenizer) if args.tokenizer else None
+    shard_bytes = int(args.shard_mb * 2**20)
+    fingerprint = {"inputs": [[s.path, s.bytes] for s in sources], "vocab_size": args.vocab_size,
+                   "tokenizer": _file_sha256(args.tokenizer) if args.tokenizer else None,
+                   "shard_bytes": shard_bytes, "val_fraction": args.val_fraction, "text_field": args.text_field}
+    if journal is not None:
+        _check_resumable(out, journal, fingerprint)
+    inputs.survey(sources, args.text_field)
+    resumable = journal is not None  # whether the output holds a journal, so that a failure may keep it
+    written = [TOKENIZER_FILE, JOURNAL]  # what a failed fresh prepare removes, shards added as they are written
+    try:
+        if journal is None:
+            tok = given or tokenizers_glue.train_bpe(inputs.documents(sources, args.text_field, "training BPE"),
+                                                     args.vocab_size, text_bytes=sum(s.text_bytes for s in sources))
+            _check_vocab(tokenizers_glue.vocab_size(tok), args.tokenizer)
+            tokenizer_json = tok.to_str(pretty=True).encode("utf-8")
+            journal = Journal(fingerprint, hashlib.sha256(tokenizer_json).hexdigest())
+            out.create()
+            out.write_bytes(TOKENIZER_FILE, tokenizer_json)
+            out.write_bytes(JOURNAL, journal.to_json().encode("utf-8"))
+            resumable = True
+        # Every process encodes with the file the corpus ships, this one too.
+        tok = tokenizers_glue.load_tokenizer(out.local_path(TOKENIZER_FILE))
+        vocab = tokenizers_glue.vocab_size(tok)
+        dtype, eot = token_files.dtype_for(vocab), tokenizers_glue.eot_id(tok)
+        block = shard_bytes // dtype.itemsize
+        written += [s.name for s in journal.shards]
+        _check_journal_shards(out, journal, dtype, block)
+        _encode_and_write(args, out, journal, sources, written, eot, dtype, block)
+        n_train, n_val = _check_split(journal)
+        meta = {"format": FORMAT, "vocab_size": vocab, "dtype": dtype.name, "eot_id": eot, "tokenizer": TOKENIZER_FILE,
+                "val_fraction": args.val_fraction, "shard_bytes": shard_bytes,
+                "documents": sum(s.documents for s in sources),
+                "sources": [{"path": s.path, "bytes": s.bytes, "documents": s.documents} for s in sources]}
+        out.write_bytes(INDEX, ShardIndex(out.where, meta, tuple(journal.shards)).to_json().encode("utf-8"))
+    except prepare_out.WriteError as e:
+        if not resumable:
+            out.discard(written)
+            raise
+        raise prepare_out.WriteError(f"{e}; what is written is kept: add --resume once that is fixed") from None
+    except ConfigError:
+        if not args.resume:  # it would fail again the same way: a resume has nothing to gain from the shards
+            out.discard([*written, INDEX])
+        raise
+    except KeyboardInterrupt:
+        if resumable:
+            print(f"minitrain data: the shards written so far are kept in {args.out}; add --resume to the same "
+                  "command to continue", file=sys.stderr)
+        raise
+    out.remove(JOURNAL)
+    documents, shards = meta["documents"], len(journal.shards)
+    print(f"wrote {args.out}: {n_train:,} train + {n_val:,} val tokens in {shards:,} shard{'s' * (shards != 1)} "
+          f"from {documents:,} document{'s' * (documents != 1)}, vocab {vocab:,}, {dtype.name}; tokenizer "
+          f"{out.location(TOKENIZER_FILE)}")
     return 0
 
 
-def _meta(vocab: int, dtype: np.dtype, n_train: int, n_val: int, val_fraction: float, eot: int | None,
-          sources: list[Source]) -> dict:
-    """meta.json's content (token_files.META_KEYS lists its keys and types)."""
-    return {"format": token_files.FORMAT, "vocab_size": vocab, "dtype": dtype.name, "train_tokens": n_train,
-            "val_tokens": n_val, "val_fraction": val_fraction, "tokenizer": TOKENIZER_FILE, "eot_id": eot,
-            "documents": sum(s.documents for s in sources),
-            "sources": [{"path": s.path, "bytes": s.bytes, "documents": s.documents} for s in sources]}
+def _encode_and_write(args, out, journal: Journal, sources, written: list[str], eot: int | None,
+                      dtype: np.dtype, block: int) -> None:
+    """Encode every document the journal has not consumed into shards, rewriting the journal after each block."""
+    writer = ShardWriter(out, dtype, block, args.val_fraction, first_block=journal.blocks)
+    consumed, drop = journal.documents, journal.offset  # drop: tokens of the next document already written
+    documents = inputs.documents(sources, args.text_field, "encoding", skip=journal.documents)
+    try:
+        for flat, lengths in encode_pool.encoded(documents, str(out.local_path(TOKENIZER_FILE)), eot, dtype,
+                                                 args.workers):
+            ends, at = np.cumsum(lengths), 0
+            if drop:
+                if not len(lengths) or lengths[0] < drop:
+                    raise ConfigError("the inputs no longer hold what the interrupted prepare wrote; start again "
+                                      "in an empty --out")
+                at, drop = drop, 0
+            while at < len(flat):
+                take = min(writer.room, len(flat) - at)
+                writer.add(flat[at:at + take])
+                at += take
+                if writer.room == 0:
+                    _block_done(out, journal, writer.end_block(), written, writer.block,
+                                consumed, ends, at)
+            consumed += len(lengths)
+        if writer.filled:
+            shards = writer.end_block()
+            journal.shards += shards
+            written += [s.name for s in shards]
+    finally:
+        writer.close()
+
+
+def _block_done(out, journal: Journal, shards, written: list[str], blocks: int, consumed: int,
+                ends: np.ndarray, at: int) -> None:
+    """Record a published block in the journal: the documents it finished, and the tokens of the next it holds."""
+    whole = int(np.searchsorted(ends, at, side="right"))  # documents of this batch that end at or before `at`
+    journal.shards += shards
+    written += [s.name for s in shards]
+    journal.blocks, journal.documents = blocks, consumed + whole
+    journal.offset = at - (int(ends[whole - 1]) if whole else 0)
+    out.write_bytes(JOURNAL, journal.to_json().encode("utf-8"))
+
+
+def _check_split(journal: Journal) -> tuple[int, int]:
+    """(train, val) token counts; each split needs an (input, target) pair."""
+    n_train = sum(s.tokens for s in journal.shards if s.split == "train")
+    n_val = sum(s.tokens for s in journal.shards if s.split == "val")
+    if min(n_train, n_val) < token_files.MIN_SPLIT_TOKENS:
+        fix = "more text or a larger --val-fraction" if n_val < token_files.MIN_SPLIT_TOKENS else "more text"
+        raise ConfigError(f"the inputs make {n_train + n_val} tokens: {n_train} for train and {n_val} for val, and "
+                          f"each needs at least {token_files.MIN_SPLIT_TOKENS}; give {fix}")
+    return n_train, n_val
 
 
 # ---- checks made before anything is written ------------------------------------------------------------
@@ -141,187 +232,68 @@ def _check_options(args) -> None:
         check_vocab_size(args.vocab_size)
     if not 0 < args.val_fraction <= MAX_VAL_FRACTION:  # also false for nan
         raise ConfigError(f"--val-fraction must lie in (0, {MAX_VAL_FRACTION}], got {args.val_fraction}")
-    seen: set[str] = set()
-    for name in args.inputs:  # the same text twice would put the val split's text in train too
-        key = os.path.realpath(name)
-        if key in seen:
-            raise ConfigError(f"{name} is given twice; each input once (a repeat would leak the val split into train)")
-        seen.add(key)
+    if not (math.isfinite(args.shard_mb) and args.shard_mb * 2**20 >= MIN_SHARD_BYTES):
+        raise ConfigError(f"--shard-mb must be at least {MIN_SHARD_BYTES / 2**20:.6g} ({MIN_SHARD_BYTES} bytes), "
+                          f"got {args.shard_mb}")
+    if args.workers < 1:
+        raise ConfigError(f"--workers must be at least 1, got {args.workers}")
 
 
-def _check_out(name: str) -> Path:
-    # abspath, not resolve: it spells out "." and ".." for the sibling's name without following symlinks.
-    out = Path(os.path.abspath(name))
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {name} is a file; choose another --out")
-    if out.is_dir() and any(out.iterdir()):
-        raise ConfigError(f"--out {name} already exists and is not empty; choose another --out or delete it")
-    return out
+def _check_vocab(vocab: int, path: str | None) -> None:
+    from .tokenizer import MAX_VOCAB
+
+    if vocab > MAX_VOCAB:
+        raise ConfigError(f"tokenizer {path} has {vocab} ids; at most {MAX_VOCAB} fit a token file")
 
 
-def _check_input(name: str) -> Source:
-    path = Path(name)
-    if path.is_dir():
-        raise ConfigError(f"input {name} is a directory; give the files in it (e.g. {path / '*.txt'})")
-    if not path.is_file():
-        raise ConfigError(f"input {name} does not exist")
-    if not os.access(path, os.R_OK):
-        raise ConfigError(f"input {name} is not readable")
-    return Source(path=name, jsonl=path.suffix.lower() == ".jsonl", bytes=path.stat().st_size)
+def _check_out(out, resume: bool) -> Journal | None:
+    """The journal to continue from (with --resume), or None for a fresh prepare into an absent or empty --out."""
+    names = out.names()
+    if INDEX in names:
+        raise ConfigError(f"--out {out.where} already holds a finished corpus ({INDEX})"
+                          + ("; nothing to resume" if resume else "; choose another --out or delete it"))
+    if resume:
+        data = out.read_bytes(JOURNAL) if JOURNAL in names else None
+        if data is None:
+            raise ConfigError(f"--resume: --out {out.where} holds no unfinished prepare (no {JOURNAL}); leave out "
+                              "--resume to start one")
+        return Journal.parse(data, out.location(JOURNAL))
+    if JOURNAL in names:
+        raise ConfigError(f"--out {out.where} holds an unfinished prepare ({JOURNAL}); add --resume to continue it "
+                          "with the same arguments, or choose another --out")
+    if names:
+        raise ConfigError(f"--out {out.where} already exists and is not empty; choose another --out or delete it")
+    return None
 
 
-def _survey(sources: list[Source], field: str) -> None:
-    """Read every input once, checking every document, and count the documents and their text."""
-    with _progress(sources, "checking") as bar:
-        for source in sources:
-            for text, size in _read_documents(source, field):
-                source.documents += 1
-                source.text_bytes += len(text.encode("utf-8"))
-                bar.update(size)
-            if source.text_bytes == 0:
-                inside = f' (no line has a non-empty "{field}")' if source.documents else ""
-                raise ConfigError(f"input {source.path} holds no text{inside}; give files with text in them")
+def _check_resumable(out, journal: Journal, fingerprint: dict) -> None:
+    """--resume continues only the same prepare: the same inputs, tokenizer and options, its files intact."""
+    changed = difference(fingerprint, journal.fingerprint)
+    if changed:
+        raise ConfigError(f"--resume with other arguments than the unfinished prepare in {out.where}: {changed}; give "
+                          "the same ones, or start again in an empty --out")
+    tokenizer_json = out.read_bytes(TOKENIZER_FILE)
+    if tokenizer_json is None or hashlib.sha256(tokenizer_json).hexdigest() != journal.tokenizer_sha256:
+        raise ConfigError(f"{out.location(TOKENIZER_FILE)} is missing or changed since the prepare began; start "
+                          "again in an empty --out")
+    out.remove_temporaries()
 
 
-# ---- reading ---------------------------------------------------------------------------------------------
+def _check_journal_shards(out, journal: Journal, dtype: np.dtype, block: int) -> None:
+    if sum(s.tokens for s in journal.shards) != journal.blocks * block:
+        raise ConfigError(f"{out.location(JOURNAL)} does not add up ({journal.blocks} blocks of {block} tokens); "
+                          "start again in an empty --out")
+    for shard in journal.shards:
+        size = out.size(shard.name)
+        if size != shard.tokens * dtype.itemsize:
+            raise ConfigError(f"{out.location(shard.name)}, which the journal lists, is "
+                              f"{'missing' if size is None else f'{size} bytes, not {shard.tokens * dtype.itemsize}'}"
+                              "; start again in an empty --out")
 
 
-def _read_documents(source: Source, field: str) -> Iterator[tuple[str, int]]:
-    """(text, bytes of the file it took) for each document in `source`; ConfigError at the first bad one."""
-    if source.jsonl:
-        yield from _read_jsonl(source.path, field)
-        return
-    raw = Path(source.path).read_bytes()  # bytes, so that no newline translation alters the text
-    try:
-        yield raw.decode("utf-8"), len(raw)
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"input {source.path} is not UTF-8 text (byte {e.start} is invalid); convert it to "
-                          "UTF-8 first") from None
-
-
-JSON_TYPES = {dict: "an object", list: "an array", int: "a number", float: "a number", bool: "true or false",
-              type(None): "null"}
-
-
-def _read_jsonl(name: str, field: str) -> Iterator[tuple[str, int]]:
-    with open(name, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            where = f"{name}:{lineno}"
-            try:
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # a byte-order mark may open a file
-            except UnicodeDecodeError as e:
-                raise ConfigError(f"{where}: not UTF-8 text (byte {e.start} of the line is invalid)") from None
-            if not line.strip():
-                continue  # blank lines, such as a final empty one, hold no document
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{where}: not JSON ({e.msg}); each line of a .jsonl file is one JSON "
-                                  "object") from None
-            if not isinstance(record, dict) or field not in record:
-                raise ConfigError(f'{where}: no "{field}" field; name the field that holds the text with '
-                                  "--text-field")
-            text = record[field]
-            if not isinstance(text, str):
-                raise ConfigError(f'{where}: "{field}" is {JSON_TYPES.get(type(text), "not text")}, not a string')
-            yield text, len(raw)
-
-
-def _progress(sources: list[Source], desc: str):
-    """A bar over the inputs' bytes (progress.byte_bar: on a terminal only, so logs stay clean)."""
-    return byte_bar(sum(s.bytes for s in sources), desc, always=True)
-
-
-def _documents(sources: list[Source], field: str, desc: str) -> Iterator[str]:
-    """Every document's text, in input order, with a progress bar."""
-    with _progress(sources, desc) as bar:
-        for source in sources:
-            for text, size in _read_documents(source, field):
-                yield text
-                bar.update(size)
-
-
-# ---- writing ---------------------------------------------------------------------------------------------
-
-
-def _encode_to(path: Path, tok, documents: Iterator[str], eot: int | None, dtype: np.dtype) -> int:
-    """Append each document's ids, then `eot`, to `path`; returns how many ids were written."""
-    written, batch, chars = 0, [], 0
-    with open(path, "wb") as f:
-        for text in documents:
-            batch.append(text)
-            chars += len(text)
-            if len(batch) >= BATCH_DOCS or chars >= BATCH_CHARS:
-                written += _write_batch(f, tok, batch, eot, dtype)
-                batch, chars = [], 0
-        written += _write_batch(f, tok, batch, eot, dtype)
-    return written
-
-
-def _write_batch(f, tok, texts: list[str], eot: int | None, dtype: np.dtype) -> int:
-    from .tokenizer import encode_batch
-
-    try:
-        encoded = encode_batch(tok, texts)
-    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception, e.g. WordLevel without [UNK]
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ConfigError(f"the tokenizer cannot encode the input: {reason}") from None
-    end = [] if eot is None else [eot]
-    flat = [np.asarray(ids + end, dtype=np.int64) for ids in encoded]
-    return token_files.write_split(f, np.concatenate(flat) if flat else np.empty(0, np.int64), dtype)
-
-
-def _split_sizes(total: int, val_fraction: float) -> tuple[int, int]:
-    """(train, val) token counts: val is round(total x val_fraction), and each needs an (input, target) pair."""
-    n_val = round(total * val_fraction)
-    n_train = total - n_val
-    if min(n_train, n_val) < token_files.MIN_SPLIT_TOKENS:
-        fix = "more text or a larger --val-fraction" if n_val < token_files.MIN_SPLIT_TOKENS else "more text"
-        raise ConfigError(f"the inputs make {total} tokens: {n_train} for train and {n_val} for val, and each "
-                          f"needs at least {token_files.MIN_SPLIT_TOKENS}; give {fix}")
-    return n_train, n_val
-
-
-def _split_file(stream: Path, n_train: int, dtype: np.dtype, directory: Path) -> None:
-    """Cut the token stream into val.bin (its tail, copied) and train.bin (the stream itself, truncated and
-    renamed), so the tokens are on disk once plus the val share, never twice."""
-    tail = np.memmap(stream, dtype=dtype, mode="r", offset=n_train * dtype.itemsize)
-    token_files.write_split(token_files.split_path(directory, "val"), tail, dtype)
-    del tail  # unmap before truncating the file under it
-    os.truncate(stream, n_train * dtype.itemsize)
-    os.rename(stream, token_files.split_path(directory, "train"))
-
-
-def _make_parents(directory: Path, made: list[Path]) -> None:
-    """mkdir -p `directory`, appending each directory to `made` as it is made (outermost first), so that a
-    failure half way still knows what to remove."""
-    missing = []
-    while not directory.exists():
-        missing.append(directory)
-        directory = directory.parent
-    for d in reversed(missing):
-        d.mkdir()
-        made.append(d)
-
-
-@contextlib.contextmanager
-def _staging(out: Path) -> Iterator[Path]:
-    """A temporary sibling of `out` to write into, renamed to `out` when the block succeeds. On any error it is
-    removed, with the parent directories made for it, and an OSError becomes a one-line ConfigError."""
-    made: list[Path] = []
-    tmp = None
-    try:
-        _make_parents(out.parent, made)
-        tmp = out.with_name(f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-        tmp.mkdir()  # not mkdtemp: its 0700 would become --out's mode; mkdir gives the umask's, as for any folder
-        yield tmp
-        os.rename(tmp, out)  # replaces an empty directory; fails if --out filled up meanwhile
-    except BaseException as e:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        for d in reversed(made):
-            with contextlib.suppress(OSError):
-                d.rmdir()
-        if isinstance(e, OSError):
-            raise ConfigError(f"cannot write {out}: {e}") from None
-        raise
+def _file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()

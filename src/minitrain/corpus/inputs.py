@@ -3,7 +3,8 @@
 An INPUT is a file, a directory (walked recursively in name order, taking the files whose suffix is known) or a
 glob (expanded here, in name order, so that the shell's locale and its limit on arguments play no part). A text
 file is one document; each line of a .jsonl file is one, its text in --text-field; so is each row of a .parquet
-file's --text-field column, read a record batch at a time so that no input has to fit in memory.
+file's --text-field column, read a record batch at a time so that no input has to fit in memory. A document that
+cannot be read (not UTF-8, not JSON, no text field) is a one-line ConfigError naming its file and line or row.
 """
 from __future__ import annotations
 
@@ -94,17 +95,22 @@ def _source(name: str) -> Source:
 
 
 def survey(sources: list[Source], field: str) -> None:
-    """Read every input once, checking every document, and count the documents and their text."""
+    """Read every input once, checking every document, and count the documents and their text (what a BPE
+    training needs to know before it starts)."""
     with progress(sources, "checking") as bar:
         for source in sources:
+            source.documents = source.text_bytes = 0
             for text, size in read_documents(source, field):
                 source.documents += 1
                 source.text_bytes += len(text.encode("utf-8"))
                 bar.update(size)
             if source.text_bytes == 0:
-                inside = f' (no {"row" if source.kind == PARQUET else "line"} has a non-empty "{field}")' \
-                    if source.documents else ""
-                raise ConfigError(f"input {source.path} holds no text{inside}; give files with text in them")
+                raise _no_text(source, field)
+
+
+def _no_text(source: Source, field: str) -> ConfigError:
+    inside = f' (no {"row" if source.kind == PARQUET else "line"} has a non-empty "{field}")' if source.documents else ""
+    return ConfigError(f"input {source.path} holds no text{inside}; give files with text in them")
 
 
 def progress(sources: list[Source], desc: str):
@@ -113,20 +119,21 @@ def progress(sources: list[Source], desc: str):
 
 
 def documents(sources: list[Source], field: str, desc: str, skip: int = 0) -> Iterator[str]:
-    """Every document's text, in input order, with a progress bar; the first `skip` documents are passed over
-    (whole inputs by the survey's counts, unread; the rest read but not returned)."""
+    """Every document's text, in input order, with a progress bar, counting each source's documents as it goes
+    (ConfigError for a source without text). The first `skip` documents are read and counted, not returned."""
     with progress(sources, desc) as bar:
         for source in sources:
-            if skip >= source.documents:
-                skip -= source.documents
-                bar.update(source.bytes)
-                continue
+            source.documents, has_text = 0, False
             for text, size in read_documents(source, field):
+                source.documents += 1
+                has_text = has_text or bool(text)
                 if skip:
                     skip -= 1
                 else:
                     yield text
                 bar.update(size)
+            if not has_text:
+                raise _no_text(source, field)
 
 
 def read_documents(source: Source, field: str) -> Iterator[tuple[str, int]]:

@@ -1,13 +1,14 @@
 """`minitrain data prepare`: text in, a sharded corpus out (the format of shard_index), locally or in a store.
 
-Every check that can be made before writing is made before writing: the options, --out, each input's existence,
-encoding and every document in it, and the tokenizer. Then the inputs are read again to train the BPE (with
---vocab-size), whose tokenizer.json is written into the output before encoding starts, and once more to encode
-them (encode_pool) into shards (shard_writer), one block at a time, each block followed by the journal that
---resume continues from. index.json comes last: a corpus without it is unfinished, and nothing reads it.
+The checks that need no pass over the inputs come before anything is written: the options, --out, each input's
+existence, and the tokenizer. Then the inputs are read once, each document checked as it is read, and encoded
+(encode_pool) into shards (shard_writer), one block at a time, each block followed by the journal that --resume
+continues from. With --vocab-size they are read twice before that: to check and count the text, then to train the
+BPE, whose tokenizer.json is written into the output before encoding starts. index.json comes last: a corpus
+without it is unfinished, and nothing reads it.
 
-A fresh prepare that fails on its input or its tokenizer removes what it wrote; one that is interrupted, killed or
-cannot write keeps its shards and journal for --resume.
+A fresh prepare that fails on its input or its tokenizer (a bad line found late included) removes what it wrote;
+one that is interrupted, killed or cannot write keeps its shards and journal for --resume.
 """
 from __future__ import annotations
 
@@ -116,11 +117,12 @@ def _prepare(args, out) -> int:
                    "shard_bytes": shard_bytes, "val_fraction": args.val_fraction, "text_field": args.text_field}
     if journal is not None:
         _check_resumable(out, journal, fingerprint)
-    inputs.survey(sources, args.text_field)
     resumable = journal is not None  # whether the output holds a journal, so that a failure may keep it
     written = [TOKENIZER_FILE, JOURNAL]  # what a failed fresh prepare removes, shards added as they are written
     try:
         if journal is None:
+            if given is None:  # the trainer sizes its tables by the text: a pass to count it (and check it) first
+                inputs.survey(sources, args.text_field)
             tok = given or tokenizers_glue.train_bpe(inputs.documents(sources, args.text_field, "training BPE"),
                                                      args.vocab_size, text_bytes=sum(s.text_bytes for s in sources))
             _check_vocab(tokenizers_glue.vocab_size(tok), args.tokenizer)

@@ -137,7 +137,8 @@ def test_parquet_input(tmp_path, capsys, notes_tokenizer):
     assert index.meta["sources"] == [{"path": str(tmp_path / "docs.parquet"),
                                       "bytes": (tmp_path / "docs.parquet").stat().st_size, "documents": len(docs)}]
     for split in ("train", "val"):  # the same documents, the same tokens
-        assert [s.sha256 for s in index.split(split)] == [s.sha256 for s in read_corpus(tmp_path / "same")[0].split(split)]
+        same = read_corpus(tmp_path / "same")[0]
+        assert [s.sha256 for s in index.split(split)] == [s.sha256 for s in same.split(split)]
 
 
 @pytest.mark.parametrize("case", ["missing column", "int column", "null", "not parquet", "no pyarrow"])
@@ -188,7 +189,7 @@ def test_directory_and_glob_inputs(tmp_path, capsys, notes_tokenizer):
     assert documents_of(tok, stream_of(out), index.meta["eot_id"]) == [
         "a row", "another row", "markdown text", "deep text", "line one", "line two"]
 
-    # A glob is expanded by prepare, in name order, whatever the shell would have done; a directory it matches is walked.
+    # A glob is expanded by prepare, in name order, whatever the shell would have done; a directory matched is walked.
     code, _, err = prepare(capsys, str(tree / "**" / "*.txt"), str(tree / "c.*"), "--tokenizer", notes_tokenizer,
                                 "--val-fraction", 0.5, "--out", tmp_path / "glob")
     assert code == 0, err

@@ -109,7 +109,8 @@ def survey(sources: list[Source], field: str) -> None:
 
 
 def _no_text(source: Source, field: str) -> ConfigError:
-    inside = f' (no {"row" if source.kind == PARQUET else "line"} has a non-empty "{field}")' if source.documents else ""
+    unit = "row" if source.kind == PARQUET else "line"
+    inside = f' (no {unit} has a non-empty "{field}")' if source.documents else ""
     return ConfigError(f"input {source.path} holds no text{inside}; give files with text in them")
 
 

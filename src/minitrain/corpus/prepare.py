@@ -84,7 +84,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     prepare.add_argument("--text-field", default="text", metavar="NAME",
                          help="the .jsonl field or .parquet column that holds the text (default text)")
     prepare.add_argument("--shard-mb", type=float, default=DEFAULT_SHARD_MB, metavar="N",
-                         help=f"the most MiB (2**20 bytes) a shard holds, fractions allowed (default {DEFAULT_SHARD_MB})")
+                         help="the most MiB (2**20 bytes) a shard holds, fractions allowed "
+                              f"(default {DEFAULT_SHARD_MB})")
     prepare.add_argument("--workers", type=int, default=1, metavar="W",
                          help="tokenize in W processes, one core each (default 1)")
     prepare.add_argument("--resume", action="store_true",

@@ -19,8 +19,8 @@ class DataConfig:
     cache_dir: str = opt("", "where shards fetched from a store are kept on this machine (default OUT/data_cache)")
     cache_mb: float = opt(0.0, "at most this many MB of fetched shards in the cache, least recently used out; 0 = "
                           "two shuffle blocks of each corpus (the block read and the next, fetched ahead)")
-    store_timeout_s: float = opt(300.0, "a store that does not answer is retried with backoff for this long before "
-                                 "the run stops (exit 2; resume once it is back)")
+    store_timeout_s: float = opt(240.0, "a store that does not answer is retried with backoff for this long before "
+                                 "the run stops (exit 2; resume once it is back); less than --dist.timeout_s")
     synthetic_tokens: int = opt(65536, "length of the synthetic corpus in tokens")
     corpus_seed: int = opt(0, "seed that generates the synthetic corpus (the data order uses train.seed)")
     prefetch: int = opt(2, "batches a background thread makes ahead while the step runs (pinned for a GPU's "

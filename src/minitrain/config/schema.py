@@ -77,6 +77,10 @@ def _check_run(cfg: RunConfig) -> None:
     check_fault(cfg.fault, cfg.dist.nproc)
     check_seed("--seed", t.seed)
     check_data(cfg.data)
+    if cfg.data.store_timeout_s >= cfg.dist.timeout_s:  # a rank waiting for data holds the others in a collective
+        raise ConfigError(f"--data.store_timeout_s {cfg.data.store_timeout_s:g} must be less than --dist.timeout_s "
+                          f"{cfg.dist.timeout_s:g}: the other ranks wait for a rank waiting for its data, and the "
+                          "process group would time out first")
     if not cfg.out.strip():
         raise ConfigError("--out is empty; name the directory the run writes to (e.g. --out runs/mine)")
     check_eval(cfg.eval)

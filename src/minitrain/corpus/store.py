@@ -17,7 +17,7 @@ from ..utils.object_store import CLIENT_ERRORS, FINAL, is_url, remote_store
 
 FIRST_BACKOFF_S = 0.5  # the wait after the first failed try, doubled after each further one ...
 MAX_BACKOFF_S = 10.0  # ... up to this, so a store that comes back is noticed within it
-STORE_TIMEOUT_S = 300.0  # how long a read keeps retrying an unreachable store before the run stops
+STORE_TIMEOUT_S = 240.0  # how long a read keeps retrying an unreachable store before the run stops
 
 
 class DataError(ConfigError):

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ..version import __version__
-from ..corpus import token_files
+from ..corpus import sharded, token_files
 from ..config import RunConfig
 from ..runtime.topology import Topology
 
@@ -77,6 +77,12 @@ def copy_tokenizer(corpus: str, target: Path) -> bool:
 
         tmp = target.with_name(target.name + ".tmp")
         byte_level_tokenizer().save(str(tmp))
+        os.replace(tmp, target)
+        return True
+    if sharded.is_sharded(corpus):  # a mixture's corpora share a vocabulary: the first one's tokenizer
+        store, index = sharded.load_index(corpus.split(",")[0].strip())
+        tmp = target.with_name(target.name + ".tmp")
+        tmp.write_bytes(store.read(index.meta["tokenizer"]))
         os.replace(tmp, target)
         return True
     if token_files.is_prepared_dir(corpus):

@@ -9,9 +9,10 @@ import pytest
 from tokenizers import Tokenizer, pre_tokenizers
 
 from minitrain.apps.cli import main
-from minitrain.corpus.tokenizer import EOT, byte_level_tokenizer, encode
+from minitrain.corpus.tokenizer import EOT, byte_level_tokenizer, encode, encode_batch
 from tests.helpers.prepared_corpus import (
     CORPUS,
+    TRICKY,
     documents_of,
     notes_bpe,
     paragraphs,
@@ -197,6 +198,20 @@ def test_directory_and_glob_inputs(tmp_path, capsys, notes_tokenizer):
         str(tree / "b" / "deeper" / "z.txt"), str(tree / "c.jsonl")]
     code, _, err = prepare(capsys, tree, str(tree / "c.*"), "--tokenizer", notes_tokenizer, "--out", tmp_path / "twice")
     assert code == 2 and f"{tree / 'c.jsonl'} (from {tree} and {tree / 'c.*'}) is given twice" in err
+
+
+def test_encode_texts_gives_the_ids_of_encode_batch(tmp_path):
+    from minitrain.corpus import encode_pool
+
+    notes_bpe().save(str(tmp_path / "tok.json"))
+    tok = encode_pool.load(str(tmp_path / "tok.json"))
+    texts = [*TRICKY, "x" * 1000 + " then words", *paragraphs(seed=5, count=5)]  # long runs are cut in pieces
+    flat, lengths = encode_pool.encode_texts(tok, texts, 7, np.dtype("<u2"))
+    expected = [[*ids, 7] for ids in encode_batch(notes_bpe(), texts)]
+    assert lengths.tolist() == [len(ids) for ids in expected] and flat.dtype == np.dtype("<u2")
+    assert flat.tolist() == [i for ids in expected for i in ids]
+    flat, lengths = encode_pool.encode_texts(tok, ["", "ab"], None, np.dtype("<u4"))
+    assert lengths.tolist() == [0, 2] and flat.dtype == np.dtype("<u4")
 
 
 def test_data_prepare_help_teaches(capsys):

@@ -25,15 +25,7 @@ from minitrain.corpus.tokenizer import (
     vocab_size,
 )
 from minitrain.errors import ConfigError
-from tests.helpers.prepared_corpus import CORPUS, notes_bpe
-
-# Text that breaks a round trip when a tokenizer adds a prefix space, trims, normalizes or drops unknowns.
-TRICKY = ["", " ", "  two leading", "trailing  ", "a  b   c", "\n\nnew\nlines\n", "\ttabs\t\t", "\r\n crlf \r\n",
-          "héllo wörld", "漢字かな交じり文", "emoji 🎉👩‍👩‍👧 flag 🇳🇿", "nul\x00 del\x7f c1\x85", f"a literal {EOT} in text",
-          "nbsp\u00a0line sep\u2028zero width\u200b", "Å (one code point) vs Å (two)", "ﬁ ligature, ① circled",
-          "\ufeffbyte-order mark", "  \n \t "]
-
-
+from tests.helpers.prepared_corpus import CORPUS, TRICKY, notes_bpe
 
 # ---- tokenizers ------------------------------------------------------------------------------------------
 

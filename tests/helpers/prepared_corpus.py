@@ -20,9 +20,15 @@ from minitrain.corpus.shard_index import (
     shard_name,
 )
 from minitrain.corpus.shard_writer import JOURNAL
-from minitrain.corpus.tokenizer import decode, train_bpe
+from minitrain.corpus.tokenizer import EOT, decode, train_bpe
 
 CORPUS = Path(minitrain.__file__).parent / "corpora" / "field_notes.txt"
+
+# Text that breaks a round trip when a tokenizer adds a prefix space, trims, normalizes or drops unknowns.
+TRICKY = ["", " ", "  two leading", "trailing  ", "a  b   c", "\n\nnew\nlines\n", "\ttabs\t\t", "\r\n crlf \r\n",
+          "héllo wörld", "漢字かな交じり文", "emoji 🎉👩‍👩‍👧 flag 🇳🇿", "nul\x00 del\x7f c1\x85", f"a literal {EOT} in text",
+          "nbsp\u00a0line sep\u2028zero width\u200b", "Å (one code point) vs Å (two)", "ﬁ ligature, ① circled",
+          "\ufeffbyte-order mark", "  \n \t "]
 
 
 @functools.cache

@@ -44,21 +44,36 @@ def batches(documents: Iterable[str]) -> Iterator[list[str]]:
 
 
 def encode_texts(tok, texts: list[str], eot: int | None, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """(every document's ids followed by `eot`, laid end to end as `dtype`; each document's count of them)."""
-    from .tokenizer import encode_batch
+    """(every document's ids followed by `eot`, laid end to end as `dtype`; each document's count of them).
 
+    The ids of tokenizer.encode_batch, made without its list of ids per document: each document in
+    bounded_pieces, encoded without character offsets (encode_batch_fast, where `tokenizers` has it: the same
+    ids), laid end to end by numpy. `tok` as load() gives it."""
+    from .tokenizer import bounded_pieces
+
+    cut = [bounded_pieces(text) for text in texts]
+    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
     try:
-        encoded = encode_batch(tok, texts)
+        encodings = encode([piece for pieces in cut for piece in pieces], add_special_tokens=False)
     except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception, e.g. WordLevel without [UNK]
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ConfigError(f"the tokenizer cannot encode the input: {reason}") from None
+    pieces = iter([encoding.ids for encoding in encodings])
+    documents = [list(itertools.islice(pieces, len(parts))) for parts in cut]
     end = () if eot is None else (eot,)
-    lengths = np.fromiter((len(ids) + len(end) for ids in encoded), dtype=np.int64, count=len(encoded))
-    flat = np.fromiter(itertools.chain.from_iterable(itertools.chain(ids, end) for ids in encoded), dtype=np.int64,
-                       count=int(lengths.sum()))
+    lengths = np.fromiter((sum(map(len, ids)) + len(end) for ids in documents), dtype=np.int64, count=len(documents))
+    flat = np.fromiter(itertools.chain.from_iterable(itertools.chain(*ids, end) for ids in documents),
+                       dtype=np.int64, count=int(lengths.sum()))
     if flat.size and (flat.min() < 0 or flat.max() > np.iinfo(dtype).max):
         raise ConfigError(f"the tokenizer gives id {int(flat.max())}, beyond what {dtype.name} holds")
     return flat.astype(dtype), lengths
+
+
+def load(tokenizer_path: str):
+    """The tokenizer, set to encode document text as plain text (tokenizer.py says why)."""
+    from .tokenizer import _plain_text, load_tokenizer
+
+    return _plain_text(load_tokenizer(tokenizer_path))
 
 
 @contextlib.contextmanager
@@ -79,9 +94,7 @@ def encoded(documents: Iterable[str], tokenizer_path: str, eot: int | None, dtyp
             workers: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """encode_texts() of each batch of `documents`, in order, by `workers` processes (1: this one)."""
     if workers == 1:
-        from .tokenizer import load_tokenizer
-
-        tok = load_tokenizer(tokenizer_path)
+        tok = load(tokenizer_path)
         with _environment(ONE_THREAD):  # `tokenizers` reads it at each call: one thread here too
             for texts in batches(documents):
                 yield encode_texts(tok, texts, eot, dtype)
@@ -111,9 +124,7 @@ def _start_worker(tokenizer_path: str, eot: int | None, dtype: str) -> None:
     os.environ.update(ONE_THREAD)  # before `tokenizers` starts its thread pool
     # Ctrl-C reaches the whole process group: the parent alone handles it, by shutting the pool down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from .tokenizer import load_tokenizer
-
-    _WORKER.update(tok=load_tokenizer(tokenizer_path), eot=eot, dtype=np.dtype(dtype))
+    _WORKER.update(tok=load(tokenizer_path), eot=eot, dtype=np.dtype(dtype))
 
 
 def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:

@@ -62,6 +62,11 @@ def test_epochs_draw_other_orders_from_the_seed_alone(tmp_path):
     first = [a.example(0, p) for p in range(a.num_examples)]
     assert first == [b.example(0, p) for p in range(b.num_examples)]
     assert first != [a.example(1, p) for p in range(a.num_examples)]
+    loader = TokenShards(str(tmp_path), T, 1, seed=5, prefetch=0)  # and the loader goes on into epoch 1's order
+    epochs = [[loader.next_batch()[0] for _ in range(loader.num_examples)] for _ in range(2)]
+    assert loader.state_dict()["positions"] == [[2, 0]]
+    assert any(not torch.equal(x, y) for x, y in zip(*epochs))
+    assert sorted(x.flatten().tolist() for x in epochs[0]) == sorted(x.flatten().tolist() for x in epochs[1])
 
 
 def test_a_mixture_draws_each_example_by_the_weights_and_keeps_each_corpus_in_its_order(tmp_path):

@@ -305,14 +305,15 @@ def test_refusals_exit_2_with_one_line_and_write_nothing(tmp_path, capsys, case)
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no --out, parent or temporary file
 
 
-def test_a_tokenizer_that_cannot_encode_removes_what_it_wrote(tmp_path, capsys):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_tokenizer_that_cannot_encode_removes_what_it_wrote(tmp_path, capsys, workers):
     from tokenizers import models
 
     tok = Tokenizer(models.WordLevel({"known": 0}))  # no [UNK]: any other word fails to encode
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "words.json"))
     code, _, err = prepare(capsys, _write(tmp_path, "a.txt", "known unknown"), "--tokenizer", tmp_path / "words.json",
-                           "--out", tmp_path / "o")
+                           "--workers", workers, "--out", tmp_path / "o")
     assert code == 2 and err.count("\n") == 1 and "the tokenizer cannot encode the input" in err
     assert not (tmp_path / "o").exists()
 

@@ -70,12 +70,28 @@ def test_resume_after_an_interruption_writes_what_an_uninterrupted_prepare_write
     same_files(tmp_path / "whole", tmp_path / "cut")
 
 
-def test_a_killed_prepare_resumes_to_the_same_bytes(tmp_path, capsys, notes_tokenizer):
-    args = [str(a) for a in corpus_args(tmp_path, notes_tokenizer, count=6000, shard_mb=0.02)]
-    assert prepare(capsys, *args, "--out", tmp_path / "whole")[0] == 0
+def _children(pid: int) -> list[int]:
+    """The processes `pid` started (Linux's /proc; none where it is missing)."""
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"  # a zombie has ended
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("victim", ["prepare", "a worker"])
+def test_a_killed_prepare_resumes_to_the_same_bytes(tmp_path, capsys, notes_tokenizer, victim):
+    args = [str(a) for a in corpus_args(tmp_path, notes_tokenizer, count=10000, shard_mb=0.02)]
+    assert prepare(capsys, *args, "--workers", 2, "--out", tmp_path / "whole")[0] == 0
     cut, journal = tmp_path / "cut", tmp_path / "cut" / JOURNAL
-    process = subprocess.Popen([sys.executable, "-m", "minitrain", "data", "prepare", *args, "--out", str(cut)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    process = subprocess.Popen([sys.executable, "-m", "minitrain", "data", "prepare", *args, "--workers", "2",
+                                "--out", str(cut)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and process.poll() is None:  # until the journal lists a shard
@@ -86,13 +102,26 @@ def test_a_killed_prepare_resumes_to_the_same_bytes(tmp_path, capsys, notes_toke
                 pass
             time.sleep(0.005)
         assert process.poll() is None, "the prepare ended before it could be killed: give it more input"
-        os.kill(process.pid, signal.SIGKILL)
+        children = _children(process.pid)
+        if victim == "prepare":
+            os.kill(process.pid, signal.SIGKILL)
+        else:
+            worker = next(c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes())
+            os.kill(worker, signal.SIGKILL)
+            _, err = process.communicate(timeout=60)
+            assert process.returncode == 2 and err.count("\n") == 1, err
+            assert "a tokenizing worker process died (killed, or out of memory); what is written is kept: add " \
+                   "--resume" in err
     finally:
         process.kill()
-        process.wait()
+        process.communicate()
     assert not (cut / INDEX).exists() and json.loads(journal.read_text())["shards"]
+    deadline = time.monotonic() + 30
+    while any(map(_alive, children)) and time.monotonic() < deadline:  # orphaned, they leave on their own
+        time.sleep(0.05)
+    assert not any(map(_alive, children))
     # --workers shapes no byte of the output: a resume may change it.
-    code, _, err = prepare(capsys, *args, "--out", cut, "--resume", "--workers", 2)
+    code, _, err = prepare(capsys, *args, "--out", cut, "--resume", "--workers", 1)
     assert code == 0, err
     same_files(tmp_path / "whole", cut)
 

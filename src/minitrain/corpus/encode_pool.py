@@ -5,19 +5,18 @@ with the very file the corpus ships, and runs `tokenizers` on one thread: W work
 go out in batches and come back in the order they went, at most IN_FLIGHT_PER_WORKER batches a worker outstanding:
 the input is read no faster than it is encoded, so memory stays bounded for input of any size (Pool.imap's feeder
 thread would read the whole input ahead). Workers are spawned, not forked: `tokenizers`' thread pool (used by the
-BPE training before) does not survive a fork.
+BPE training before) does not survive a fork. The results are the same bytes whatever the number of workers.
 """
 from __future__ import annotations
 
 import contextlib
 import itertools
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
-from collections import deque
+import threading
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
 
@@ -28,6 +27,10 @@ from ..errors import ConfigError
 BATCH_DOCS, BATCH_CHARS = 256, 1 << 20
 IN_FLIGHT_PER_WORKER = 2
 ONE_THREAD = {"RAYON_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+class WorkerDied(ConfigError):
+    """A worker ended before its work: like an interruption, what was written stays for --resume."""
 
 
 def batches(documents: Iterable[str]) -> Iterator[list[str]]:
@@ -99,33 +102,94 @@ def encoded(documents: Iterable[str], tokenizer_path: str, eot: int | None, dtyp
             for texts in batches(documents):
                 yield encode_texts(tok, texts, eot, dtype)
         return
-    context = multiprocessing.get_context("spawn")
-    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker,
-                               initargs=(tokenizer_path, eot, dtype.str))
-    pending: deque = deque()
-    try:
-        for texts in batches(documents):
-            pending.append(pool.submit(_encode_in_worker, texts))
-            if len(pending) >= IN_FLIGHT_PER_WORKER * workers:
-                yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
-    except BrokenProcessPool:
-        raise ConfigError("a tokenizing worker process died (killed, or out of memory); add --resume to continue "
-                          "from the last shard written") from None
-    finally:
-        pool.shutdown(wait=not pending, cancel_futures=True)
+    yield from _Workers(tokenizer_path, eot, dtype, workers).encode(batches(documents))
 
 
-_WORKER: dict = {}
+class _Workers:
+    """W spawned processes taking (number, texts) from one queue, each answering (number, ids, lengths), or
+    (number, None, error), on a pipe of its own. Not a ProcessPoolExecutor: its workers, which import torch with
+    minitrain, go through the interpreter's slow teardown, and one that a kill of this process catches half way
+    through reading a task waits for the rest of it forever. These leave with os._exit, and when this process is
+    gone; and the pipe of a worker that dies reads as closed here, even half way through its answer."""
+
+    def __init__(self, tokenizer_path: str, eot: int | None, dtype: np.dtype, workers: int):
+        context = multiprocessing.get_context("spawn")
+        self.tasks = context.Queue()
+        self.limit = IN_FLIGHT_PER_WORKER * workers
+        self.processes, self.answers = [], []
+        for k in range(workers):
+            answers, answer = context.Pipe(duplex=False)
+            process = context.Process(target=_work, daemon=True, name=f"minitrain-encode-{k}",
+                                      args=(tokenizer_path, eot, dtype.str, self.tasks, answer))
+            process.start()
+            answer.close()  # the worker's end: only the worker holds it, so its death closes the pipe
+            self.processes.append(process)
+            self.answers.append(answers)
+
+    def encode(self, batches: Iterator[list[str]]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        sent = taken = 0
+        arrived: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        finished = False
+        try:
+            for texts in batches:
+                self.tasks.put((sent, texts))
+                sent += 1
+                if sent - taken >= self.limit:
+                    yield self._take(taken, arrived)
+                    taken += 1
+            while taken < sent:
+                yield self._take(taken, arrived)
+                taken += 1
+            finished = True
+        finally:
+            self._stop(finished)
+
+    def _take(self, number: int, arrived: dict) -> tuple[np.ndarray, np.ndarray]:
+        """Batch `number`'s result (those that overtake it wait in `arrived`)."""
+        while number not in arrived:
+            for answers in multiprocessing.connection.wait(self.answers):
+                try:
+                    done, ids, lengths = answers.recv()
+                except (EOFError, OSError):  # OSError: the pipe closed half way through an answer
+                    raise WorkerDied("a tokenizing worker process died (killed, or out of memory)") from None
+                if ids is None:
+                    raise ConfigError(lengths)
+                arrived[done] = ids, lengths
+        return arrived.pop(number)
+
+    def _stop(self, finished: bool) -> None:
+        if finished:  # each worker leaves at its end-of-work mark
+            for _ in self.processes:
+                self.tasks.put(None)
+        else:  # an error or Ctrl-C here: what the workers do is of no use any more
+            self.tasks.cancel_join_thread()
+            for process in self.processes:
+                process.terminate()
+        for process in self.processes:
+            process.join()
+        for answers in self.answers:
+            answers.close()
+        self.tasks.close()
 
 
-def _start_worker(tokenizer_path: str, eot: int | None, dtype: str) -> None:
+def _work(tokenizer_path: str, eot: int | None, dtype: str, tasks, answer) -> None:
+    """A worker's life: encode batches until the end-of-work mark, or until the parent is gone."""
+    threading.Thread(target=_leave_with_parent, daemon=True).start()
     os.environ.update(ONE_THREAD)  # before `tokenizers` starts its thread pool
-    # Ctrl-C reaches the whole process group: the parent alone handles it, by shutting the pool down.
+    # Ctrl-C reaches the whole process group: the parent alone handles it, by stopping the workers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _WORKER.update(tok=load(tokenizer_path), eot=eot, dtype=np.dtype(dtype))
+    tok, dtype = load(tokenizer_path), np.dtype(dtype)
+    while (task := tasks.get()) is not None:
+        number, texts = task
+        try:
+            answer.send((number, *encode_texts(tok, texts, eot, dtype)))
+        except ConfigError as e:
+            answer.send((number, None, str(e)))
+    answer.close()
+    os._exit(0)
 
 
-def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    return encode_texts(_WORKER["tok"], texts, _WORKER["eot"], _WORKER["dtype"])
+def _leave_with_parent() -> None:
+    """A killed parent leaves its workers no one to work for: they end with it, wherever they are."""
+    multiprocessing.parent_process().join()
+    os._exit(1)

@@ -147,7 +147,7 @@ def _prepare(args, out) -> int:
                 "documents": sum(s.documents for s in sources),
                 "sources": [{"path": s.path, "bytes": s.bytes, "documents": s.documents} for s in sources]}
         out.write_bytes(INDEX, ShardIndex(out.where, meta, tuple(journal.shards)).to_json().encode("utf-8"))
-    except prepare_out.WriteError as e:
+    except (prepare_out.WriteError, encode_pool.WorkerDied) as e:
         if not resumable:
             out.discard(written)
             raise

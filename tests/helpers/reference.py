@@ -101,7 +101,8 @@ def plain_run(cfg: RunConfig, steps: int | None = None, loss_scale: float | None
             continue
         ids = torch.from_numpy(step_examples(num_examples, t.batch_size * data_parallel, t.grad_accum, t.seed, step))
         window = tokens[ids[:, None] * seq + torch.arange(seq + 1)]
-        loss, aux = _loss_and_aux(model, window, t.batch_size * data_parallel, data_parallel, cfg.model.moe_experts)
+        loss, aux = _loss_and_aux(model, window, t.batch_size * data_parallel, data_parallel, cfg.model.moe_experts,
+                                  cfg.model.moe_balance)
         optimizer.zero_grad()
         ((loss + aux) * loss_scale if loss_scale else loss + aux).backward()
         if loss_scale:
@@ -136,15 +137,19 @@ def plain_run(cfg: RunConfig, steps: int | None = None, loss_scale: float | None
     return out
 
 
-def _loss_and_aux(model, window: torch.Tensor, micro_global: int, data_parallel: int, experts: int):
+def _loss_and_aux(model, window: torch.Tensor, micro_global: int, data_parallel: int, experts: int,
+                  balance: str = "global"):
     """(the mean token cross-entropy, the auxiliary losses) of a step's examples. A dense model takes the whole
-    batch at once. A mixture of experts' load-balancing loss depends on which tokens are routed together, so each
-    rank's share of each micro-batch (position p of a micro-batch goes to rank p % ranks, data.py) is a forward
-    of its own, as the ranks compute it, and the losses are the mean over those shares."""
+    batch at once. A mixture of experts' load-balancing loss depends on which tokens are routed together: under
+    moe_balance "global" all of a micro-batch's, one forward each; under "rank" each rank's share of each
+    micro-batch (position p of a micro-batch goes to rank p % ranks, data.py) is a forward of its own, as the
+    ranks compute it. The losses are the mean over those forwards."""
     if not experts:
         logits = model(window[:, :-1])
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), window[:, 1:].reshape(-1)), 0.0
-    shares = [micro[r::data_parallel] for micro in window.split(micro_global) for r in range(data_parallel)]
+    micros = window.split(micro_global)
+    shares = list(micros) if balance == "global" else \
+        [micro[r::data_parallel] for micro in micros for r in range(data_parallel)]
     loss, aux = 0.0, 0.0
     for share in shares:
         logits = model(share[:, :-1])

@@ -30,6 +30,9 @@ class ModelConfig:
                                      "token order, the rest dropped (counted)")
     moe_aux_loss_coef: float = opt(0.01, "weight of the load-balancing loss (Switch/GShard: experts x sum of "
                                    "token fraction x mean router probability; 1 when balanced)")
+    moe_balance: str = opt("global", "global: the balancing loss's token fractions f_e counted over the whole "
+                           "global batch (an all-reduce of E numbers per MoE layer), so N ranks train as one process "
+                           "| rank: over each rank's own tokens (Megatron-LM's and DeepSpeed's default)")
     moe_z_loss_coef: float = opt(0.0, "weight of the router z-loss (ST-MoE: mean squared log-sum-exp of the "
                                  "router logits), 0 to leave it out")
 
@@ -78,6 +81,7 @@ def _check_experts(m: ModelConfig) -> None:
     if not 1 <= m.moe_top_k <= m.moe_experts:
         raise ConfigError(f"model.moe_top_k={m.moe_top_k} must lie in [1, model.moe_experts={m.moe_experts}]: "
                           "each token goes to that many different experts")
+    require_choice("model.moe_balance", m.moe_balance, ("global", "rank"))
     if m.moe_capacity_factor < 0:
         raise ConfigError(f"model.moe_capacity_factor must be >= 0 (0: dropless), got {m.moe_capacity_factor}")
     for name in ("moe_aux_loss_coef", "moe_z_loss_coef"):

@@ -11,7 +11,7 @@ from .recompute import apply_activation_checkpointing
 from .compiled import compile_blocks
 from ..runtime.topology import Topology
 from .core.config import ParallelConfig
-from .expert_parallel.experts import shard_experts
+from .expert_parallel.experts import balance_over_the_batch, shard_experts
 from .data_parallel.data_parallel import BucketedDataParallel, NaiveDataParallel, TorchDataParallel
 from .core.strategy import FlatStrategy, OptimizerFactory
 from .core.flat_parameters import WholeModel
@@ -40,7 +40,8 @@ def parallelize(model: nn.Module, topo: Topology, pcfg: ParallelConfig, make_opt
     2. pipeline parallel (the plan's split): it deletes the (already sliced) modules other stages run,
        so that nothing after it, above all the data-parallel strategy, holds or syncs their parameters;
     2b. expert parallelism (topo.ep): each rank keeps its share of every mixture-of-experts layer's experts,
-       marked as slices of the whole tensors (expert_parallel/experts.py);
+       marked as slices of the whole tensors (expert_parallel/experts.py), and every such layer learns which
+       ranks split the batch, for a balancing loss over all of their tokens;
     3. compiling each block's forward (compile=True; compiled.py), then activation checkpointing: it
        wraps module calls from outside and must wrap the final modules, compiled, while keeping their
        hooks, which ZeRO-3 installs next;
@@ -65,6 +66,7 @@ def parallelize(model: nn.Module, topo: Topology, pcfg: ParallelConfig, make_opt
     if topo.ep.world_size > 1:  # each rank keeps its share of every expert layer's experts, as slices
         shard_experts(model, topo.ep, ep_plan)
         whole.slices = tensor_parallel_slices(model)
+    balance_over_the_batch(model, topo.data)
     if compile:
         compile_blocks(model, plan)
     apply_activation_checkpointing(model, activation_checkpointing, plan)

@@ -140,38 +140,40 @@ def test_activation_checkpointing_counts_the_load_once_and_changes_no_gradient()
 STEPS = 4
 
 
-def _config(world: int, zero: int, accum: int = 1, capacity: float = 0.0):
+def _config(world: int, zero: int, accum: int = 1, capacity: float = 0.0, balance: str = "global"):
     from minitrain.train.run_config import run_config
 
     return run_config(cli_values={
         "model.moe_experts": E, "model.moe_top_k": K, "model.moe_aux_loss_coef": 0.05, "model.moe_z_loss_coef": 0.001,
-        "model.moe_capacity_factor": capacity,
+        "model.moe_capacity_factor": capacity, "model.moe_balance": balance,
         "train.zero": zero, "train.dtype": "float64", "train.steps": STEPS, "train.batch_size": 2,
         "train.grad_accum": accum, "dist.nproc": world, "train.lr": 1e-2, "train.log_every": 0,
         "train.grad_clip": 1.5})
 
 
-def _train(topo, accum):
+def _train(topo, accum, balance):
     from minitrain.train.trainer import Trainer
 
     got = {}
     for zero in (0, 1, 2, 3):
-        with Trainer(_config(topo.world_size, zero, accum), topo) as trainer:
+        with Trainer(_config(topo.world_size, zero, accum, balance=balance), topo) as trainer:
             records = [trainer.train_step() for _ in range(STEPS)]
             got[zero] = {"losses": [r.loss for r in records], "grad_norms": [r.grad_norm for r in records],
                          "params": trainer.strategy.full_params(), "load": [r.expert_load for r in records]}
     return got
 
 
-@pytest.mark.parametrize("world,accum", [(2, 1), (2, 2)])
-def test_data_parallel_and_zero_train_a_mixture_of_experts_as_one_process_does(world, accum):
-    # Each rank's balancing loss is over its own tokens (as Megatron and DeepSpeed compute it): the reference
-    # computes it per rank share too, in one process, with torch.optim.AdamW (tests/helpers/reference.py).
-    ref = plain_run(_config(world, 0, accum), STEPS)
-    ranks = run_ranks(_train, world, accum)
+@pytest.mark.parametrize("world,accum,balance", [(2, 1, "global"), (2, 2, "global"), (2, 1, "rank")])
+def test_data_parallel_and_zero_train_a_mixture_of_experts_as_one_process_does(world, accum, balance):
+    # global: the balancing loss over each micro-batch's tokens on every rank, so the reference is one process
+    # on the whole micro-batch. rank: each rank's over its own tokens (as Megatron and DeepSpeed compute it by
+    # default), so the reference computes it per rank share, in one process. Both with torch.optim.AdamW
+    # (tests/helpers/reference.py).
+    ref = plain_run(_config(world, 0, accum, balance=balance), STEPS)
+    ranks = run_ranks(_train, world, accum, balance)
     for zero in (0, 1, 2, 3):
         ours = ranks[0][zero]
-        assert_close_to(ref, 1e-12, f"MoE ZeRO-{zero} at {world} ranks, accumulation {accum}",
+        assert_close_to(ref, 1e-12, f"MoE ({balance} balance) ZeRO-{zero} at {world} ranks, accumulation {accum}",
                         losses=ours["losses"], grad_norms=ours["grad_norms"], params=ours["params"])
         # The load is every rank's: all slots of the step, per layer, counted once.
         tokens = 2 * 16 * world * accum

@@ -18,7 +18,12 @@ Routing, step by step, in an order that does not depend on where the experts run
 Two losses keep the router honest, added to the model's loss (MiniGPT.output) with their coefficients:
 - load balancing (Switch Transformer, Fedus et al. 2021; GShard): E * sum_e f_e * P_e, where f_e is the fraction
   of slots routed to expert e (before any drop) and P_e the mean router probability of e. It is 1 when both are
-  uniform and grows as the router favours a few experts;
+  uniform and grows as the router favours a few experts. Over which tokens (`moe_balance`): `rank` counts f_e and
+  P_e over this rank's tokens, so the loss depends on how the batch is split; `global` (once `balance_over` names
+  the ranks that split the batch) sums the E counts over them first, an all-reduce of E + 1 numbers (it runs
+  again when activation checkpointing replays the forward, as the experts' all-to-alls do). f_e carries no
+  gradient and each rank's share of the batch is the same size, so each rank's E * sum_e f_e * P_e(rank), averaged
+  over the ranks as the gradients are, is the loss over the whole batch: N ranks train as one process;
 - z-loss (ST-MoE, Zoph et al. 2022): the mean over tokens of logsumexp(logits)^2, keeping the logits small.
 
 The layer also counts, per training forward, the slots each expert received and the slots dropped, which the
@@ -55,6 +60,8 @@ class MoEMLP(nn.Module):
         E, D, Fd = cfg.moe_experts, cfg.d_model, cfg.ffn_dim
         self.experts, self.top_k, self.capacity_factor = E, cfg.moe_top_k, cfg.moe_capacity_factor
         self.aux_coef, self.z_coef = cfg.moe_aux_loss_coef, cfg.moe_z_loss_coef
+        self.balance = cfg.moe_balance
+        self.balance_comm = None  # the ranks whose tokens f_e counts over (balance_over); None: this rank's
         self.router = nn.Linear(D, E, bias=False)
         self.up = nn.Parameter(torch.empty(E, Fd, D))
         self.up_bias = nn.Parameter(torch.zeros(E, Fd))
@@ -87,7 +94,8 @@ class MoEMLP(nn.Module):
         outputs = computed.new_zeros(N * k, shape[-1])
         outputs[kept_order] = computed
         mixed = (outputs.view(N, k, -1) * weights.to(outputs.dtype).unsqueeze(-1)).sum(dim=1)
-        self.aux_loss = self._aux_losses(logits, probs, counts, N)
+        # Only a forward that will be differentiated needs them (an evaluation's would wait on the other ranks).
+        self.aux_loss = self._aux_losses(logits, probs, counts, N) if torch.is_grad_enabled() else None
         if self.training and not in_backward():  # a training forward's load, once (not evaluation's, not a replay)
             self.load = [a + b for a, b in zip(self.load, counts.tolist())]
             self.dropped += float(N * k - kept_order.numel())
@@ -117,8 +125,16 @@ class MoEMLP(nn.Module):
         position = torch.arange(sorted_experts.numel(), device=counts.device) - starts[sorted_experts]
         return position < capacity
 
+    def balance_over(self, comm) -> None:
+        """Count the balancing loss's f_e over the tokens of `comm`'s ranks (the ranks that each read their own
+        share of the batch), under moe_balance "global"; under "rank", or a group of one, over this rank's."""
+        self.balance_comm = comm if self.balance == "global" and comm.world_size > 1 else None
+
     def _aux_losses(self, logits: torch.Tensor, probs: torch.Tensor, counts: torch.Tensor, N: int) -> torch.Tensor:
-        fraction = counts.to(probs.dtype) / (N * self.top_k)  # f_e: routed slots (no gradient)
+        routed = torch.cat([counts, counts.new_tensor([N * self.top_k])]).to(torch.float64)
+        if self.aux_coef and self.balance_comm is not None:
+            self.balance_comm.all_reduce_sum(routed)  # every rank's counts, and slots, as one batch's
+        fraction = (routed[:-1] / routed[-1]).to(probs.dtype)  # f_e: routed slots (no gradient)
         balance = self.experts * (fraction * probs.mean(dim=0)).sum()
         loss = self.aux_coef * balance
         if self.z_coef:

@@ -121,6 +121,14 @@ def _keep_own_experts(module: torch.nn.Module, names, experts: int, comm: Comm) 
         setattr(module, name, param)
 
 
+def balance_over_the_batch(model: torch.nn.Module, data: Comm) -> None:
+    """Tell each mixture-of-experts layer that balances its routing (MiniGPT's: `balance_over`) which ranks split
+    the batch: under moe_balance "global" it counts the balancing loss's token fractions over all of them."""
+    for layer in model.modules():
+        if routes_its_own_tokens(layer) and hasattr(layer, "balance_over"):
+            layer.balance_over(data)
+
+
 def routes_its_own_tokens(module: torch.nn.Module) -> bool:
     """A layer that routes its tokens itself, hands the rows to run_experts and names its per-expert tensors
     (expert_weights, expert first): MiniGPT's MoEMLP."""

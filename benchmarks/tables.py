@@ -68,7 +68,7 @@ def _table(header: list[str], align: str, rows: list[list[str]]) -> list[str]:
 
 def _machine(machine: dict) -> str:
     words = {"cpus": "{} CPUs", "torch": "torch {}", "transformers": "transformers {}", "deepspeed": "DeepSpeed {}",
-             "python": "Python {}"}
+             "tokenizers": "tokenizers {}", "python": "Python {}"}
     return ", ".join(words.get(key, "{}").format(value) for key, value in machine.items())
 
 
@@ -395,6 +395,24 @@ def data_prefetch(docs: list[dict]) -> list[str]:
                     "<<>>>>", rows)]
 
 
+def prepare_throughput(docs: list[dict]) -> list[str]:
+    doc = docs[0]
+    rows = [[f"`{side}`" if side.startswith("prepare") else f"plain `{side.split()[1]}`",
+             fmt_range([x / 1e6 for x in e["tokens_per_s"]], "{:.2f}"), fmt_range(e["seconds"], "{:.1f}"),
+             _ratio(e["per_worker_vs_plain"], side == "plain encode_batch"),
+             _ratio(e["per_worker_vs_fast"], side == "plain encode_batch_fast"),
+             _ratio(e["vs_workers_1"]) if "vs_workers_1" in e else "",
+             fmt_range(e["startup_s"], "{:.2f}") if "startup_s" in e else ""]
+            for side, e in doc["results"].items()]
+    return [f"{doc['text_mib']:g} MiB of `.jsonl` ({doc['documents']:,} documents, {doc['tokens'] / 1e6:.1f} M "
+            f"tokens of a {doc['vocab_size']:,}-id BPE), batches of {doc['batch_docs']} documents. Each side in a "
+            "process of its own, timed from after its imports; `prepare` whole: its workers' start-up, reading, "
+            "writing and hashing the shards included (its start-up alone, the same command on one document, in the "
+            f"last column). Median [min-max] of {doc['repeats']} repeats, the sides by turns.", "",
+            *_table(["side", "M tokens/s", "seconds", "per worker vs plain `encode_batch`",
+                     "per worker vs plain `encode_batch_fast`", "vs `--workers 1`", "start-up s"], "<>>>>>>", rows)]
+
+
 def gpu_memory(docs: list[dict]) -> list[str]:
     doc = docs[0]
     rows = [[str(r["zero"]), r["activation_checkpointing"], f"{r['predicted_bytes'] / 2**30:.2f} GiB",
@@ -644,6 +662,7 @@ TABLES = {
     "experts": ("experts.json", experts),
     "param_server": ("param_server.json", param_server),
     "data_prefetch": ("data_prefetch.json", data_prefetch),
+    "prepare_throughput": ("prepare_throughput.json", prepare_throughput),
     "tensor_parallel": ("tensor_parallel_tp*.json", tensor_parallel),
     "tensor_parallel_llama": ("tensor_parallel_llama_tp*.json", tensor_parallel),
     "pipeline": ("pipeline_pp*_m*.json", pipeline),

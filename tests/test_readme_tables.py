@@ -21,6 +21,8 @@ KEYS = {"prepare_vs_peers": TIMED | {"world", "warmup"}, "prepare_vs_peers_w4": 
         "experts": TIMED | {"warmup", "batch", "experts", "top_k"},
         "param_server": {"results", "steps", "slow_s", "repeats", "workers", "model", "val_batches"},
         "data_prefetch": {"results", "steps", "repeats", "depth", "trainer", "user_model", "user_batch"},
+        "prepare_throughput": {"results", "repeats", "format", "text_mib", "documents", "tokens", "vocab_size",
+                               "batch_docs"},
         "tensor_parallel": TIMED | {"tp", "minitrain_over_dtensor"},
         "tensor_parallel_llama": TIMED | {"tp", "minitrain_over_dtensor", "model"},
         "pipeline": TIMED | {"pp", "microbatches", "minitrain_over_torch"},

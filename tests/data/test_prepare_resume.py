@@ -189,6 +189,9 @@ def test_s3_output_holds_the_same_shards(tmp_path, capsys, notes_tokenizer):
         assert all(sha256_of(stored[s.name]) == s.sha256 for s in index.shards)
         code, _, err = prepare(capsys, *args, "--out", "s3://prepared/corpus/v1")
         assert code == 2 and "already holds a finished corpus" in err
+        code, _, err = prepare(capsys, *args, "--out", "s3://no-such-bucket/corpus")
+        assert code == 2 and err.count("\n") == 1
+        assert "writing tokenizer.json to s3://no-such-bucket/corpus failed: FileNotFoundError" in err
 
 
 def test_a_resume_reuses_the_trained_tokenizer(tmp_path, capsys, monkeypatch):

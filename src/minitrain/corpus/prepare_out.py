@@ -148,7 +148,10 @@ class StoreOut:
         return f"{self.root}/{name}"
 
     def _retried(self, what: str, fn, error: type[Exception] = WriteError):
-        return object_store.retried(f"{what} {self.where}", fn, error=error)
+        try:
+            return object_store.retried(f"{what} {self.where}", fn, error=error)
+        except object_store.FINAL as e:  # the store's answer (no such bucket, no permission): no retry mends it
+            raise error(f"{what} {self.where} failed: {type(e).__name__}: {e}") from None
 
     def names(self) -> list[str]:
         def listing():
@@ -200,8 +203,10 @@ class StoreOut:
         return self._retried(f"reading the size of {name} in", info, ConfigError)
 
     def remove(self, name: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self._retried(f"removing {name} from", lambda: self.fs.rm_file(self._path(name)))
+        def remove():
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(self._path(name))
+        self._retried(f"removing {name} from", remove)
 
     def remove_temporaries(self) -> None:
         pass  # they live in this prepare's own temporary directory

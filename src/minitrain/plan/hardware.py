@@ -35,7 +35,7 @@ class Hardware:
 
 
 def _links(alpha_s: float, beta_Bps: float) -> dict[str, Link]:
-    return {op: Link(alpha_s, beta_Bps) for op in ("all_reduce", "all_gather", "reduce_scatter", "send")}
+    return {op: Link(alpha_s, beta_Bps) for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")}
 
 
 # Datasheet peaks (dense); bus bandwidths are what NCCL's tests reach in practice, below the links' nominal rates.
@@ -66,6 +66,7 @@ def cpu_here(comm_json: str | Path) -> Hardware:
         raise ConfigError(f"cannot read {path} as `minitrain bench comm` output: {e}") from None
     links = {op: Link(r["alpha_s"], r["beta_Bps"]) for op, r in ops.items()}
     links.setdefault("send", links.get("broadcast", links["all_reduce"]))
+    links.setdefault("all_to_all", links["all_gather"])  # a comm.json from before bench comm measured it
     memory = 0.0
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemTotal:"):

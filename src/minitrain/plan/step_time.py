@@ -74,6 +74,33 @@ def communication(inp: PlanInput) -> list[dict]:
         if inp.pp > 1:  # one activation forward and one gradient backward per micro-batch and stage boundary
             rows.append(_row("pipeline send/recv", hw.inter if world > hw.gpus_per_node else hw.intra, "send", 1.0,
                              act, 2 * micro))
+    if inp.model and inp.model.moe_experts:
+        rows += expert_rows(inp, dp_links, elem)
+    return rows
+
+
+def expert_rows(inp: PlanInput, links: dict[str, Link], elem: int) -> list[dict]:
+    """A mixture of experts' traffic per step and rank, every block's MLP a MoE layer. Expert parallelism, per
+    layer and forward (parallel/expert_parallel/experts.py): the E row counts, then the routed rows out to their
+    experts' ranks and back, all-to-all; backward the two row exchanges reversed. The global balancing loss
+    (models/minigpt/moe.py): an all_reduce of E + 1 numbers per layer and forward over the ranks that split the
+    batch. Activation checkpointing replays each forward in backward, with its collectives. The rows leaving a
+    rank are (ep - 1) / ep of those it routes, as when the router spreads them evenly."""
+    m = inp.model
+    forwards = inp.grad_accum * max(1, inp.microbatches) * (2 if inp.activation_checkpointing != "none" else 1)
+    backwards = inp.grad_accum * max(1, inp.microbatches)
+    layers = math.ceil(m.n_layer / inp.pp)
+    rows = []
+    if inp.ep > 1:
+        away = (inp.ep - 1) / inp.ep
+        routed = elem * inp.micro_batch * m.seq_len * m.moe_top_k * m.d_model
+        rows.append(_row("expert all_to_all (row counts)", links, "all_to_all", away, 8 * m.moe_experts,
+                         layers * forwards))
+        rows.append(_row("expert all_to_all (routed rows)", links, "all_to_all", away, routed,
+                         layers * (2 * forwards + 2 * backwards)))
+    if m.moe_balance == "global" and m.moe_aux_loss_coef and inp.dp > 1:
+        rows.append(_row("MoE balance all_reduce (expert counts)", links, "all_reduce", 2 * (inp.dp - 1) / inp.dp,
+                         8 * (m.moe_experts + 1), layers * forwards))
     return rows
 
 

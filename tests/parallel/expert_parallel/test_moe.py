@@ -3,6 +3,7 @@ the auxiliary losses in the gradient and not in the logged loss, load counted on
 checkpointing, and data parallel / ZeRO 0-3 equal to plain PyTorch in one process."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -556,3 +557,37 @@ def test_a_mixtral_saved_with_its_experts_split_loads_whole_on_one_rank(tmp_path
     assert step == 2 and saved.keys() == loaded.keys()
     assert all(torch.equal(saved[k], loaded[k]) for k in saved)
     assert_bit_equal(loaded_opt["state"], saved_opt["state"], "Adam state")
+
+
+def _collectives(topo, ep, balance, recompute):
+    """(all_to_all calls and bytes on the ep group, all_reduce calls on the ranks that split the batch) over
+    STEPS steps."""
+    from minitrain.train.trainer import Trainer
+
+    cfg = _config(topo.world_size, 0, balance=balance)
+    cfg.dist.ep, cfg.train.activation_checkpointing = ep, recompute
+    with Trainer(cfg, topo) as trainer:
+        for _ in range(STEPS):
+            trainer.train_step()
+        t = trainer.topo
+        a2a = t.ep.stats.get("all_to_all")
+        reduces = t.data.stats.get("all_reduce")
+        return ((a2a.calls, a2a.bytes) if a2a else (0, 0)), (reduces.calls if reduces else 0), cfg.model
+
+
+@pytest.mark.parametrize("recompute", ["none", "block"])
+def test_the_plan_counts_the_all_to_alls_and_the_balance_all_reduces_a_step_sends(recompute):
+    from minitrain import plan
+
+    (a2a, reduces, model), = run_ranks(_collectives, 2, 2, "global", recompute)[:1]
+    _, reduces_rank, _ = run_ranks(_collectives, 2, 2, "rank", recompute)[0]
+    rows = {r["what"]: r for r in plan.plan(plan.PlanInput(model=model, params=0, micro_batch=2, dp=2, ep=2,
+                                                           activation_checkpointing=recompute))["communication"]}
+    counts, routed = rows["expert all_to_all (row counts)"], rows["expert all_to_all (routed rows)"]
+    assert a2a[0] == STEPS * (counts["calls"] + routed["calls"])
+    # The counts' bytes are exact; the rows' are what the router sent (half of them leave at ep 2 when even).
+    assert a2a[1] >= STEPS * counts["bytes"] / 0.5
+    assert reduces - reduces_rank == STEPS * rows["MoE balance all_reduce (expert counts)"]["calls"]
+    assert "MoE balance all_reduce (expert counts)" not in {
+        r["what"] for r in plan.plan(plan.PlanInput(model=dataclasses.replace(model, moe_balance="rank"), params=0,
+                                                    micro_batch=2, dp=2, ep=2))["communication"]}

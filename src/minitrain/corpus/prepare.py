@@ -160,6 +160,8 @@ def _prepare(args, out) -> int:
         if resumable:
             print(f"minitrain data: the shards written so far are kept in {args.out}; add --resume to the same "
                   "command to continue", file=sys.stderr)
+        else:  # before the journal: nothing to resume from
+            out.discard(written)
         raise
     out.remove(JOURNAL)
     documents, shards = meta["documents"], len(journal.shards)

@@ -155,16 +155,20 @@ class TokenShards:
 
     def batches_from(self, batch: int, positions: list[tuple[int, int]]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's batches from that position on, without end (what a prefetch thread runs)."""
-        seen_blocks: set[tuple[int, int, int]] = set()
+        current: dict[int, tuple[int, int]] = {}  # each corpus's block being read
+        opened: dict[tuple[int, int], np.memmap] = {}  # its shards, mapped once
         while True:
             slots, positions = self._advance(batch, positions)
             rows = []
             for k, epoch, p in slots[self.rank::self.world_size]:
                 block, shard, window = self.orders[k].example(epoch, p)
-                if (k, epoch, block) not in seen_blocks:  # entering a block: ask for the next one's shards
-                    seen_blocks.add((k, epoch, block))
+                if current.get(k) != (epoch, block):  # entering a block: ask for the next one's shards
+                    current[k] = (epoch, block)
+                    opened = {key: m for key, m in opened.items() if key[0] != k}
                     self._announce(k, epoch, block)
-                tokens = self.caches[k].open(self.orders[k].shards[shard])
+                if (k, shard) not in opened:
+                    opened[(k, shard)] = self.caches[k].open(self.orders[k].shards[shard])
+                tokens = opened[(k, shard)]
                 start = window * self.seq_len
                 rows.append(np.asarray(tokens[start:start + self.seq_len + 1], dtype=np.int64))
             batch += 1

@@ -200,16 +200,19 @@ def _corpus_facts(cfg: RunConfig) -> tuple[int, int]:
     if d.corpus == "text":
         return len(text_corpus()), ByteTokenizer.vocab_size
     path = Path(d.corpus)
+    if path.is_dir() and not token_files.is_prepared_dir(path):  # neither index.json (sharded.py) nor meta.json
+        sharded.load_index(str(path))  # DataError, one line: not a corpus, or a prepare that did not finish
     if path.is_dir():
-        meta = token_files.read_meta(path)  # ConfigError, one line, for a directory that is not a corpus
+        meta = token_files.read_meta(path)  # ConfigError, one line, for a directory that is not a sound corpus
         token_files.check_ids(path)
         return int(meta["train_tokens"]), int(meta["vocab_size"])
     if not path.is_file():
         raise ConfigError(f"corpus '{d.corpus}' is neither 'synthetic', 'text', a directory from `minitrain data "
                           "prepare` nor an existing .bin file")
-    if token_files.is_prepared_dir(path.parent):
-        raise ConfigError(f"{path} belongs to a corpus directory ({path.parent / token_files.META} beside it says "
-                          f"how to read it): pass --corpus {path.parent}")
+    if token_files.is_prepared_dir(path.parent) or sharded.is_sharded(str(path.parent)):
+        beside = "index.json" if sharded.is_sharded(str(path.parent)) else token_files.META
+        raise ConfigError(f"{path} belongs to a corpus directory ({path.parent / beside} beside it says how to read "
+                          f"it): pass --corpus {path.parent}")
     if path.suffix.lower() in TEXT_SUFFIXES:
         raise ConfigError(f"corpus {path} is text, not token ids: tokenize it first with `minitrain data prepare "
                           f"{path} --vocab-size 4096 --out data/mine`, then pass --corpus data/mine")

@@ -51,7 +51,7 @@ def test_validation_beats_the_unigram_entropy_and_is_reported(trained):
     evaluated = [s for s in steps if s["val_loss"] is not None]
     assert [s["step"] for s in evaluated] == [20, 40, 60]
     assert all(s["val_ppl"] == pytest.approx(math.exp(s["val_loss"]), rel=1e-12) for s in evaluated)
-    val = np.fromfile(root / "notes" / "val.bin", dtype=np.uint16)
+    val = np.concatenate([np.fromfile(path, dtype=np.uint16) for path in sorted((root / "notes").glob("val-*.bin"))])
     p = np.bincount(val) / len(val)
     unigram = float(-(p[p > 0] * np.log(p[p > 0])).sum())  # what a model that ignores context could reach
     best = min(evaluated, key=lambda s: s["val_loss"])
@@ -236,21 +236,25 @@ def _corpus_copy(trained, tmp_path, name: str) -> Path:
 
 
 def test_a_damaged_corpus_directory_is_refused_before_anything_is_written(trained, tmp_path, capsys):
-    small = _corpus_copy(trained, tmp_path, "small-vocab")
-    meta = json.loads((small / "meta.json").read_text())
-    (small / "meta.json").write_text(json.dumps({**meta, "vocab_size": 100}))  # the files hold ids up to 511
-    _one_line_error(capsys, ["train", "--corpus", str(small), "--out", str(tmp_path / "r1")],
-                    "beyond the vocabulary of 100")
-    outside = _corpus_copy(trained, tmp_path, "outside")
-    (outside / "meta.json").write_text(json.dumps({**meta, "tokenizer": "../../etc/hostname"}))
-    _one_line_error(capsys, ["train", "--corpus", str(outside), "--out", str(tmp_path / "r2")],
-                    "must name a file in the corpus directory itself")
+    unfinished = _corpus_copy(trained, tmp_path, "unfinished")
+    (unfinished / "index.json").unlink()  # what a prepare cut short leaves
+    _one_line_error(capsys, ["train", "--corpus", str(unfinished), "--out", str(tmp_path / "r2")],
+                    "holds no index.json")
     missing = _corpus_copy(trained, tmp_path, "missing")
-    (missing / "tokenizer.json").unlink()
+    (missing / "train-00000.bin").unlink()
     _one_line_error(capsys, ["train", "--corpus", str(missing), "--out", str(tmp_path / "r3")], "is missing")
-    _one_line_error(capsys, ["train", "--corpus", str(missing / "train.bin"), "--out", str(tmp_path / "r4")],
-                    f"pass --corpus {missing}")  # its dtype is in meta.json: never read a split as a bare .bin
-    assert not any((tmp_path / f"r{i}").exists() for i in range(1, 5))
+    _one_line_error(capsys, ["train", "--corpus", str(missing / "val-00000.bin"), "--out", str(tmp_path / "r4")],
+                    f"pass --corpus {missing}")  # its dtype is in index.json: never read a shard as a bare .bin
+    assert not any((tmp_path / f"r{i}").exists() for i in range(2, 5))
+
+
+def test_a_shard_with_ids_past_the_index_vocabulary_stops_the_run_at_its_first_batch(trained, tmp_path, capsys):
+    small = _corpus_copy(trained, tmp_path, "small-vocab")
+    index = json.loads((small / "index.json").read_text())
+    (small / "index.json").write_text(json.dumps({**index, "vocab_size": 300}) + "\n")  # uint16 still; ids to 511
+    _one_line_error(capsys, ["train", "--corpus", str(small), "--out", str(tmp_path / "r1"), "--steps", "4",
+                             "--ckpt.every_steps", "1"], "beyond the vocabulary of 300 that index.json states")
+    assert not list((tmp_path / "r1").glob("checkpoints/step-*"))  # nothing saved after it
 
 
 def test_a_resumed_run_remembers_its_best_validation_loss(tmp_path):

@@ -3,7 +3,8 @@
 A local corpus's shards are read where they lie; a store's are copied into a cache directory first, holding at
 most cache_bytes of them, the least recently used evicted first. Either way a shard is checked before this
 process first reads it: its size against the index (a truncated file is fetched again from a store, refused on
-a local disk) and its sha256 (an altered shard stops the run, naming it). Shards the loader is using or is
+a local disk), its sha256 (an altered shard stops the run, naming it) and its largest id against the index's
+vocabulary (an id past the model's embedding would fail deep inside a rank). Shards the loader is using or is
 about to use (`keep`) are never evicted.
 
 Ranks of one machine may share the cache directory: a shard arrives under a temporary name and is renamed
@@ -64,6 +65,7 @@ class ShardCache:
                 self._verify_local(shard)
             else:
                 self._arrive(shard)
+            self._check_ids(shard)
             self.verified.add(shard.name)
 
     def _lock(self, name: str) -> threading.Lock:
@@ -82,6 +84,12 @@ class ShardCache:
         if _sha256(path) != shard.sha256:
             raise DataError(f"{self.store.describe(shard.name)} does not match its sha256 in index.json: the shard "
                             "was altered; restore it or prepare the corpus again")
+
+    def _check_ids(self, shard: Shard) -> None:
+        top = int(np.memmap(self.path(shard), dtype=self.dtype, mode="r", shape=(shard.tokens,)).max())
+        if top >= self.index.vocab_size:
+            raise DataError(f"{self.store.describe(shard.name)} holds token id {top}, beyond the vocabulary of "
+                            f"{self.index.vocab_size} that index.json states; prepare the corpus again")
 
     def _arrive(self, shard: Shard) -> None:
         """A cached copy is reused when whole and sound; otherwise the shard is fetched again."""

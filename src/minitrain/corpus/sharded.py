@@ -35,12 +35,28 @@ def indexes(cfg: RunConfig) -> list[ShardIndex]:
         if not is_url(location) and not (Path(location) / INDEX).is_file():
             raise DataError(f"--corpus {location}: a mixture's corpora are each a directory or store prefix from "
                             f"`minitrain data prepare` (with {INDEX}); this one has none")
-        out.append(load_index(location, cfg.data.store_timeout_s)[1])
+        store, index = load_index(location, cfg.data.store_timeout_s)
+        check_present(store, index)
+        out.append(index)
     vocabs = {i.vocab_size for i in out}
     if len(vocabs) > 1:
         raise DataError(f"the corpora of --corpus {cfg.data.corpus} have different vocabularies "
                         f"({', '.join(str(i.vocab_size) for i in out)}); prepare them with one --tokenizer")
     return out
+
+
+def check_present(store, index: ShardIndex) -> None:
+    """Every shard the index lists is there at its size (a listing, before the run: a missing or cut shard is
+    named before anything is written; the sha256 is checked when a shard is first read)."""
+    sizes = store.sizes()
+    for shard in index.shards:
+        if shard.name not in sizes:
+            raise DataError(f"{store.describe(shard.name)} is missing: the corpus's index.json lists it; restore it "
+                            "or prepare the corpus again")
+        if sizes[shard.name] != shard.nbytes(index.dtype):
+            raise DataError(f"{store.describe(shard.name)} has {sizes[shard.name]} bytes, the index says "
+                            f"{shard.nbytes(index.dtype)}: a truncated or replaced shard; restore it or prepare the "
+                            "corpus again")
 
 
 def examples(index: ShardIndex, split: str, seq_len: int) -> int:

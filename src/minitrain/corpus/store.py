@@ -8,6 +8,7 @@ HDFS client (which needs libhdfs) is not present.
 from __future__ import annotations
 
 import errno
+import os
 import sys
 import time
 from pathlib import Path
@@ -56,6 +57,16 @@ class CorpusStore:
     def fetch(self, name: str, path: Path) -> None:
         """The object `name` into the local file `path` (which the caller then verifies)."""
         self._patiently(name, lambda: self.fs.get_file(f"{self.root}/{name}", str(path)))
+
+    def sizes(self) -> dict[str, int]:
+        """Every object's size in bytes, by name (one listing for a store)."""
+        if not self.remote:
+            try:
+                return {e.name: e.stat().st_size for e in os.scandir(self.root) if e.is_file()}
+            except OSError as e:
+                raise DataError(f"cannot list {self.location}: {_reason(e)}") from None
+        listing = self._patiently("", lambda: self.fs.ls(self.root, detail=True, refresh=True))
+        return {entry["name"].rsplit("/", 1)[-1]: int(entry.get("size") or 0) for entry in listing}
 
     def _patiently(self, name: str, fn):
         """fn() until the store answers: transient failures retried with capped backoff until timeout_s."""

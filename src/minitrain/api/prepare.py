@@ -100,6 +100,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFn, *,
     check_server_settings(servers, staleness, session.topo.world_size, session.topo.backend, precision,
                           {"zero": zero, "tp": tp, "pp": pp, "ep": ep, "offload": offload, "dp": dp})
     _check_degrees(session.topo.world_size, tp, tp_plan, pp, pp_split)
+    _check_experts_alone(model, tp, pp)
     plan = _with_tp_plan(model, plan, tp, tp_plan)
     split = _pipeline_split(model, pp, pp_split, microbatches, schedule)
     if split is not None:
@@ -293,6 +294,15 @@ def _pipeline_split(model: nn.Module, pp: int, pp_split, microbatches: int, sche
                          "the head on the last); untie them (e.g. tie_word_embeddings=False) to pipeline this model")
     check_pieces(model, split, check_split(model, split, pp))  # the pieces must compute what the model's forward does
     return split
+
+
+def _check_experts_alone(model: nn.Module, tp: int, pp: int) -> None:
+    """A mixture of experts trains with data parallelism, ZeRO and ep only (docs/moe.md says why)."""
+    routing = next((m for m in model.modules() if routes_its_own_tokens(m)), None)
+    if routing is not None and (tp > 1 or pp > 1):
+        raise ValueError(f"tp={tp}, pp={pp} with {type(routing).__name__}, a mixture of experts: tensor "
+                         "parallelism does not split its 3-D expert weights, and a pipeline stage before the last "
+                         "would drop its layers' balancing loss; use data parallelism, ZeRO and ep")
 
 
 def _expert_layers(model: nn.Module, ep: int, ep_plan, tp: int, pp: int, world: int) -> list[nn.Module]:

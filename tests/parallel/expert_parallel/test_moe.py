@@ -427,7 +427,9 @@ def _refusals(topo):
     said = []
     for model, kwargs in ((make_model("llama"), {"ep": 2}), (_mixtral(), {"ep": 2, "ep_plan": {"*.experts": "rowwise"}}),
                           (_mixtral(), {"ep": 3, "ep_plan": "auto"}), (make_model("llama"), {"ep": 2, "ep_plan": "auto"}),
-                          (_mixtral(), {"ep": 2, "ep_plan": {"model.layers.*.nothing": "experts"}})):
+                          (_mixtral(), {"ep": 2, "ep_plan": {"model.layers.*.nothing": "experts"}}),
+                          (_model(), {"tp": 2, "tp_plan": {"blocks.*.attn.qkv": "colwise"}}),
+                          (_model(), {"pp": 2, "pp_split": minitrain.PipelineSplit(["blocks"])})):
         try:
             minitrain.prepare(model, OPTIMIZERS["adamw"], **kwargs)
             said.append(None)
@@ -443,6 +445,9 @@ def test_expert_parallelism_refuses_what_it_cannot_split_saying_why():
     assert "ep_plan styles are 'experts'" in said[1]
     assert "ep=3 does not divide the world size 2" in said[2]
     assert "ships none (config.base_model_ep_plan names no experts)" in said[3]
+    # A MiniGPT-MoE without ep: tensor and pipeline parallelism are refused too, saying why (docs/moe.md).
+    assert "tp=2, pp=1 with MoEMLP, a mixture of experts" in said[5] and "balancing loss" in said[5]
+    assert "tp=1, pp=2 with MoEMLP" in said[6]
     assert "ep_plan matches no module" in said[4]
 
 

@@ -164,7 +164,7 @@ class _Workers:
         else:  # an error or Ctrl-C here: what the workers do is of no use any more
             self.tasks.cancel_join_thread()
             for process in self.processes:
-                process.terminate()
+                process.kill()  # not SIGTERM: a process started from one that ignores it would ignore it too
         for process in self.processes:
             process.join()
         for answers in self.answers:

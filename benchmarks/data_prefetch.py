@@ -4,7 +4,7 @@ Two loops, each timed with batches made in the step (prefetch 0) and by the pref
 alternating order per repeat, one process, one torch thread:
 
 - **prepared corpus**: `minitrain train`'s step (the Trainer, small preset) on a corpus written by `minitrain
-  data prepare` (memory-mapped token files). The step profiler's `data` phase, per step.
+  data prepare` (memory-mapped token shards, through TokenShards). The step profiler's `data` phase, per step.
 - **tokenised on the fly**: a user's loop through the API (`minitrain.prepare`, torch.optim.AdamW) whose batches
   come from raw text as it trains: each example a document drawn at random, tokenised whole (the `tokenizers`
   BPE `minitrain data prepare` trains, fitted here on the shipped text) and a random window cut from it, so

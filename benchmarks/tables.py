@@ -413,6 +413,47 @@ def prepare_throughput(docs: list[dict]) -> list[str]:
                      "per worker vs plain `encode_batch_fast`", "vs `--workers 1`", "start-up s"], "<>>>>>>", rows)]
 
 
+def shard_loader(docs: list[dict]) -> list[str]:
+    doc = docs[0]
+    res = doc["results"]
+    rows = [[place, fmt_range([x / 1e6 for x in e["loader_tokens_per_s"]], "{:.2f}"),
+             fmt_range([x / 1e3 for x in e["step_tokens_per_s"]], "{:.1f}"),
+             f"{statistics_median(e['loader_tokens_per_s']) / statistics_median(e['step_tokens_per_s']):,.0f}x",
+             _ms(e["step_ms"]), _ratio(res["store_over_local_step"], place == "local") if place == "store" else "1.00",
+             f"{e['cache_bytes_max'][0] / 2**20:.2f} MiB" if place == "store" else "none (read in place)",
+             fmt_range(e["rss_growth_mb"], "{:.1f}") + " MiB"]
+            for place, e in ((p, res[p]) for p in ("local", "store"))]
+    return [f"The loader alone: one epoch of a {doc['loader_corpus_bytes'] / 2**20:.0f} MiB corpus ({doc['shards']} "
+            f"shards) through a {doc['loader_cache_bytes'] / 2**20:.2f} MiB cache (from the store; a local corpus is "
+            f"read in place), batches of {doc['ranks']} x {doc['batch_per_rank']} sequences of {doc['seq_len']}. The "
+            f"step: `--preset small --nproc {doc['ranks']}` on {doc['step_shard_bytes'] // 1024} KiB shards, fetched all "
+            f"through the {doc['steps']} timed steps. Median [min-max] of {doc['repeats']} repeats, local and store by "
+            "turns; the S3 server (moto) a process of its own on this machine.", "",
+            *_table(["corpus", "loader M tokens/s", "step k tokens/s", "loader / step", "step ms", "step vs local",
+                     "cache at most", "resident memory added"], "<>>>>>>>", rows)]
+
+
+def statistics_median(stats) -> float:
+    return stats[0]  # [median, min, max]
+
+
+def moe_balance(docs: list[dict]) -> list[str]:
+    doc = docs[0]
+    m = doc["model"]
+    rows = [[balance, fmt_range(e["val_loss"], "{:.4f}"), fmt_range(e["train_loss"], "{:.4f}"),
+             fmt_range(e["imbalance"], "{:.3f}")] for balance, e in doc["results"].items() if isinstance(e, dict)]
+    per_seed = ", ".join(f"{float(v['global']['val_loss']) - float(v['rank']['val_loss']):+.3f}"
+                         for v in doc["per_seed"].values())
+    return [f"MiniGPT {m['model.n_layer']} layers, d_model {m['model.d_model']}, {m['model.moe_experts']} experts "
+            f"top {m['model.moe_top_k']}, on the shipped prose (byte-level), {m['dist.nproc']} ranks x "
+            f"{m['train.batch_size']} sequences of {m['model.seq_len']}, {doc['steps']} steps, the same tokens for "
+            f"both; median [min-max] over seeds {', '.join(map(str, doc['seeds']))} (held-out loss global - rank "
+            f"per seed: {per_seed}). Imbalance: the busiest expert's slots over the mean, per layer and step, "
+            "averaged over the last quarter of the steps.", "",
+            *_table(["--model.moe_balance", "held-out loss", "training loss (last quarter)", "expert imbalance"],
+                    "<>>>", rows)]
+
+
 def gpu_memory(docs: list[dict]) -> list[str]:
     doc = docs[0]
     rows = [[str(r["zero"]), r["activation_checkpointing"], f"{r['predicted_bytes'] / 2**30:.2f} GiB",
@@ -663,6 +704,8 @@ TABLES = {
     "param_server": ("param_server.json", param_server),
     "data_prefetch": ("data_prefetch.json", data_prefetch),
     "prepare_throughput": ("prepare_throughput.json", prepare_throughput),
+    "shard_loader": ("shard_loader.json", shard_loader),
+    "moe_balance": ("moe_balance.json", moe_balance),
     "tensor_parallel": ("tensor_parallel_tp*.json", tensor_parallel),
     "tensor_parallel_llama": ("tensor_parallel_llama_tp*.json", tensor_parallel),
     "pipeline": ("pipeline_pp*_m*.json", pipeline),

@@ -232,3 +232,23 @@ def test_a_directory_without_an_index_is_not_read(tmp_path):
     (tmp_path / "index.json").unlink()
     with pytest.raises(DataError, match="holds no index.json.*--resume"):
         load_index(str(tmp_path))
+
+
+def test_a_store_timeout_the_process_group_would_outlast_is_refused_before_the_run(tmp_path):
+    from tests.helpers.dist import run_main
+
+    with s3_server("corpora7") as fs:
+        write_corpus("s3://corpora7/c", [300, 300], fs=fs)
+        proc = run_main("train", "--corpus", "s3://corpora7/c", "--data.store_timeout_s", "300", "--out",
+                        str(tmp_path / "r"))
+    assert proc.returncode == 2 and "must be less than --dist.timeout_s 300" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "r").exists()
+
+
+def test_no_credentials_is_an_answer_not_an_outage(monkeypatch):
+    monkeypatch.setattr(store_module, "FIRST_BACKOFF_S", 10.0)  # a retry would show as a long wait
+    store = CorpusStore("s3://anything/c", timeout_s=60)
+    error = type("NoCredentialsError", (Exception,), {})("Unable to locate credentials")
+    monkeypatch.setattr(store.fs, "cat_file", lambda *a, **k: (_ for _ in ()).throw(error))
+    with pytest.raises(DataError, match="cannot read s3://anything/c/index.json: NoCredentialsError"):
+        store.read("index.json")

@@ -19,8 +19,9 @@ class DataConfig:
     cache_dir: str = opt("", "where shards fetched from a store are kept on this machine (default OUT/data_cache)")
     cache_mb: float = opt(0.0, "at most this many MB of fetched shards in the cache, least recently used out; 0 = "
                           "two shuffle blocks of each corpus (the block read and the next, fetched ahead)")
-    store_timeout_s: float = opt(240.0, "a store that does not answer is retried with backoff for this long before "
-                                 "the run stops (exit 2; resume once it is back); less than --dist.timeout_s")
+    store_timeout_s: float = opt(0.0, "a store that does not answer is retried with backoff for this long before "
+                                 "the run stops (exit 2; resume once it is back); less than --dist.timeout_s, which "
+                                 "the other ranks wait in a collective meanwhile; 0 = 80% of it")
     synthetic_tokens: int = opt(65536, "length of the synthetic corpus in tokens")
     corpus_seed: int = opt(0, "seed that generates the synthetic corpus (the data order uses train.seed)")
     prefetch: int = opt(2, "batches a background thread makes ahead while the step runs (pinned for a GPU's "
@@ -43,12 +44,17 @@ def weight_list(d: DataConfig) -> list[float] | None:
                           f"{d.weights!r}") from None
 
 
+def store_timeout_s(d: DataConfig, pg_timeout_s: float) -> float:
+    """How long a read from a store is retried: --data.store_timeout_s, or 80% of the process group's timeout (a
+    rank waiting for its data holds the others in their next collective)."""
+    return d.store_timeout_s or 0.8 * pg_timeout_s
+
+
 def check_data(d: DataConfig) -> None:
     check_seed("--data.corpus_seed", d.corpus_seed)
     require_non_negative("data.prefetch", d.prefetch)
     require_non_negative("data.cache_mb", d.cache_mb)
-    if not d.store_timeout_s > 0:
-        raise ConfigError(f"--data.store_timeout_s must be > 0, got {d.store_timeout_s}")
+    require_non_negative("data.store_timeout_s", d.store_timeout_s)
     corpora, weights = corpus_list(d), weight_list(d)
     if any(not c for c in corpora):
         raise ConfigError(f"--corpus {d.corpus!r} has an empty name between its commas")

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..config.data import corpus_list, weight_list
+from ..config.data import corpus_list, store_timeout_s, weight_list
 from ..utils.object_store import is_url
 from .shard_cache import ShardCache
 from .shard_index import INDEX, ShardIndex
@@ -19,6 +19,10 @@ if TYPE_CHECKING:
     from ..config import RunConfig
 
 CACHE_DIR = "data_cache"  # under OUT unless --data.cache_dir says otherwise
+
+
+def _timeout(cfg: RunConfig) -> float:
+    return store_timeout_s(cfg.data, cfg.dist.timeout_s)
 
 
 def is_sharded(corpus: str) -> bool:
@@ -35,7 +39,7 @@ def indexes(cfg: RunConfig) -> list[ShardIndex]:
         if not is_url(location) and not (Path(location) / INDEX).is_file():
             raise DataError(f"--corpus {location}: a mixture's corpora are each a directory or store prefix from "
                             f"`minitrain data prepare` (with {INDEX}); this one has none")
-        store, index = load_index(location, cfg.data.store_timeout_s)
+        store, index = load_index(location, _timeout(cfg))
         check_present(store, index)
         out.append(index)
     vocabs = {i.vocab_size for i in out}
@@ -86,7 +90,7 @@ def loader(cfg: RunConfig, rank: int, world_size: int, prefetch: int, pin_memory
     d = cfg.data
     return TokenShards(corpus_list(d), cfg.model.seq_len, cfg.train.batch_size, rank=rank, world_size=world_size,
                        seed=cfg.train.seed, weights=weight_list(d), cache_dir=cache_dir(cfg),
-                       cache_mb=d.cache_mb or None, prefetch=prefetch, store_timeout_s=d.store_timeout_s,
+                       cache_mb=d.cache_mb or None, prefetch=prefetch, store_timeout_s=_timeout(cfg),
                        pin_memory=pin_memory)
 
 
@@ -94,7 +98,7 @@ def val_tokens(cfg: RunConfig, needed: int | None = None) -> np.ndarray:
     """The first corpus's held-out tokens: its val shards in order, concatenated, only as many shards as reach
     `needed` tokens (all of them when None); fetched through the cache for a store."""
     location = corpus_list(cfg.data)[0]
-    store, index = load_index(location, cfg.data.store_timeout_s)
+    store, index = load_index(location, _timeout(cfg))
     shards, total = [], 0
     for shard in index.split("val"):
         if needed is not None and total >= needed:
@@ -106,5 +110,5 @@ def val_tokens(cfg: RunConfig, needed: int | None = None) -> np.ndarray:
 
 
 def val_token_count(cfg: RunConfig) -> int:
-    index = load_index(corpus_list(cfg.data)[0], cfg.data.store_timeout_s)[1]
+    index = load_index(corpus_list(cfg.data)[0], _timeout(cfg))[1]
     return sum(s.tokens for s in index.split("val"))

@@ -95,9 +95,16 @@ def _missing(what: str) -> str:
     return f"{what} is missing: the corpus's index.json lists it; restore it or prepare the corpus again"
 
 
+# What a store's client raises for a request retrying cannot mend (botocore's names): no credentials, no region, a
+# malformed request.
+REFUSALS = ("NoCredentialsError", "PartialCredentialsError", "NoRegionError", "ParamValidationError",
+            "InvalidBucketName")
+
+
 def _transient(error: BaseException) -> bool:
-    """Worth retrying: not an answer (FINAL: missing, forbidden) and not a refusal (a full disk, a bad request)."""
-    if isinstance(error, FINAL):
+    """Worth retrying: not an answer (FINAL: missing, forbidden) and not a refusal (a full disk, a bad request,
+    no credentials)."""
+    if isinstance(error, FINAL) or type(error).__name__ in REFUSALS:
         return False
     return not isinstance(error, OSError) or error.errno not in CLIENT_ERRORS
 

@@ -4,15 +4,12 @@ the store holds; tampered objects refused; transient failures retried, then name
 prefixes of one bucket kept apart; a re-save of a step; bad locations refused at startup."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -23,6 +20,7 @@ from minitrain import checkpoint
 from minitrain.checkpoint import remote
 
 from tests.helpers.dist import run_cli, run_main
+from tests.helpers.cable import Cable
 from tests.helpers.s3_server import s3_server
 
 pytestmark = pytest.mark.slow
@@ -135,40 +133,6 @@ def test_transient_failures_are_retried_then_fail_naming_the_object(s3, tmp_path
     assert remote.committed_steps(url) == [2]  # the committed checkpoint is as it was, and loads
     monkeypatch.setattr(s3, "put_file", real_put)
     assert checkpoint.verify(remote.fetch(url, 2, tmp_path / "again"))[1]["step"] == 2
-
-
-class Cable:
-    """A TCP relay to the server that can be pulled: while `down`, every connection is closed as it is made; with
-    `slow`, every chunk sent to the server waits that many seconds (an upload in flight for a while)."""
-
-    def __init__(self, target_port: int):
-        self.target, self.down, self.slow = ("127.0.0.1", target_port), False, 0.0
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            client, _ = self.listener.accept()
-            if self.down:
-                client.close()
-                continue
-            upstream = socket.create_connection(self.target)
-            for a, b, delayed in ((client, upstream, True), (upstream, client, False)):
-                threading.Thread(target=self._pipe, args=(a, b, delayed), daemon=True).start()
-
-    def _pipe(self, source, sink, delayed: bool) -> None:
-        try:
-            while data := source.recv(65536):
-                if delayed and self.slow:
-                    time.sleep(self.slow)
-                sink.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for end in (source, sink):
-                with contextlib.suppress(OSError):
-                    end.shutdown(socket.SHUT_RDWR)
 
 
 def _latest_named(url: str) -> int | None:

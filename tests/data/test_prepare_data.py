@@ -24,14 +24,6 @@ from tests.helpers.prepared_corpus import (
 )
 
 
-@pytest.fixture(scope="module")
-def notes_tokenizer(tmp_path_factory) -> Path:
-    """notes_bpe() as a tokenizer.json: --tokenizer spares the tests a BPE training each."""
-    path = tmp_path_factory.mktemp("tokenizer") / "notes.json"
-    notes_bpe().save(str(path))
-    return path
-
-
 def test_prepare_the_shipped_corpus(tmp_path, capsys):
     out = tmp_path / "data" / "notes"  # parent directories are made
     code, stdout, err = prepare(capsys, CORPUS, "--vocab-size", 512, "--out", out)

@@ -15,7 +15,6 @@ from minitrain.corpus.shard_writer import JOURNAL, ShardWriter
 from minitrain.corpus.tokenizer import byte_level_tokenizer
 from tests.helpers.prepared_corpus import (
     corpus_args,
-    notes_bpe,
     paragraphs,
     prepare,
     read_corpus,
@@ -23,14 +22,6 @@ from tests.helpers.prepared_corpus import (
     write_jsonl,
 )
 from tests.helpers.s3_server import s3_server
-
-
-@pytest.fixture(scope="module")
-def notes_tokenizer(tmp_path_factory) -> Path:
-    """notes_bpe() as a tokenizer.json: --tokenizer spares the tests a BPE training each."""
-    path = tmp_path_factory.mktemp("tokenizer") / "notes.json"
-    notes_bpe().save(str(path))
-    return path
 
 
 def test_workers_give_the_same_bytes(tmp_path, capsys, notes_tokenizer):

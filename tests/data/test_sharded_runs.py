@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from tests.helpers.cuttable_link import CuttableLink
+from tests.helpers.cable import Cable
 from tests.helpers.dist import DEFAULT_TIMEOUT_S, run_cli
 from tests.helpers.multinode import shards
 from tests.helpers.s3_server import s3_server
@@ -65,7 +65,7 @@ def test_a_store_down_in_the_middle_of_a_run_is_waited_for_and_the_run_ends_as_t
         write_corpus("s3://outage/c", [161] * 24, val=[100], fs=fs)
         clean = run_cli(*args, "--out", str(tmp_path / "clean"))
         assert clean.returncode == 0, clean.stderr
-        link = CuttableLink(int(os.environ["AWS_ENDPOINT_URL"].rsplit(":", 1)[1]))
+        link = Cable(int(os.environ["AWS_ENDPOINT_URL"].rsplit(":", 1)[1]))
         env = {**os.environ, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{link.port}"}
         proc = subprocess.Popen([sys.executable, "-m", "minitrain", *args, "--out", str(tmp_path / "outage")],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,

@@ -186,8 +186,8 @@ def make_loader(cfg: RunConfig, rank: int, world_size: int, prefetch: int = 0, p
                          cfg.train.seed, prefetch=prefetch, pin_memory=pin_memory)
 
 
-# Files that hold text, not token ids: `data prepare` turns them into a corpus directory.
-TEXT_SUFFIXES = (".txt", ".md", ".jsonl", ".json", ".csv", ".tsv", ".html", ".xml")
+# Files that hold text (or a table of it), not token ids: `data prepare` turns them into a corpus directory.
+TEXT_SUFFIXES = (".txt", ".md", ".jsonl", ".json", ".csv", ".tsv", ".html", ".xml", ".parquet")
 
 
 def _corpus_facts(cfg: RunConfig) -> tuple[int, int]:

@@ -252,3 +252,29 @@ def test_no_credentials_is_an_answer_not_an_outage(monkeypatch):
     monkeypatch.setattr(store.fs, "cat_file", lambda *a, **k: (_ for _ in ()).throw(error))
     with pytest.raises(DataError, match="cannot read s3://anything/c/index.json: NoCredentialsError"):
         store.read("index.json")
+
+
+def test_a_mixture_of_two_tokenizers_is_refused_and_batches_are_contiguous(tmp_path):
+    write_corpus(tmp_path / "a", [400] * 2)
+    write_corpus(tmp_path / "b", [400] * 2, seed=1)
+    x, y = TokenShards([str(tmp_path / "a"), str(tmp_path / "b")], T, 4, weights=[1, 1], prefetch=0).next_batch()
+    assert x.is_contiguous() and y.is_contiguous()  # a model's targets.view(-1) works on them
+    (tmp_path / "b" / "tokenizer.json").write_text('{"another": "tokenizer"}')  # the same vocabulary size, other ids
+    with pytest.raises(DataError, match="prepared with another tokenizer than"):
+        TokenShards([str(tmp_path / "a"), str(tmp_path / "b")], T, 4, weights=[1, 1])
+
+
+def test_train_help_lists_the_data_settings():
+    from tests.helpers.dist import run_main
+
+    proc = run_main("train", "--help")
+    assert proc.returncode == 0 and "--data.store_timeout_s" in proc.stdout and "--data.weights" in proc.stdout
+
+
+def test_a_bucket_that_does_not_exist_is_named(tmp_path):
+    with s3_server("corpora8") as fs:
+        write_corpus("s3://corpora8/c", [300, 300], fs=fs)
+        with pytest.raises(DataError, match="the bucket corpora9 does not exist"):
+            load_index("s3://corpora9/c")
+        with pytest.raises(DataError, match="holds no index.json"):
+            load_index("s3://corpora8/elsewhere")

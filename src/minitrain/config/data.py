@@ -21,7 +21,7 @@ class DataConfig:
                           "two shuffle blocks of each corpus (the block read and the next, fetched ahead)")
     store_timeout_s: float = opt(0.0, "a store that does not answer is retried with backoff for this long before "
                                  "the run stops (exit 2; resume once it is back); less than --dist.timeout_s, which "
-                                 "the other ranks wait in a collective meanwhile; 0 = 80% of it")
+                                 "the other ranks wait in a collective meanwhile; 0 = 0.8 x --dist.timeout_s")
     synthetic_tokens: int = opt(65536, "length of the synthetic corpus in tokens")
     corpus_seed: int = opt(0, "seed that generates the synthetic corpus (the data order uses train.seed)")
     prefetch: int = opt(2, "batches a background thread makes ahead while the step runs (pinned for a GPU's "

@@ -13,7 +13,7 @@ from ..utils.object_store import is_url
 from .shard_cache import ShardCache
 from .shard_index import INDEX, ShardIndex
 from .store import DataError
-from .token_shards import TokenShards, load_index, mixture_fingerprint
+from .token_shards import TokenShards, check_one_tokenizer, load_index, mixture_fingerprint
 
 if TYPE_CHECKING:
     from ..config import RunConfig
@@ -34,7 +34,7 @@ def is_sharded(corpus: str) -> bool:
 
 def indexes(cfg: RunConfig) -> list[ShardIndex]:
     """Each corpus's checked index, read from where it lies (one request to a store); DataError otherwise."""
-    out = []
+    out, loaded = [], []
     for location in corpus_list(cfg.data):
         if not is_url(location) and not (Path(location) / INDEX).is_file():
             raise DataError(f"--corpus {location}: a mixture's corpora are each a directory or store prefix from "
@@ -42,6 +42,8 @@ def indexes(cfg: RunConfig) -> list[ShardIndex]:
         store, index = load_index(location, _timeout(cfg))
         check_present(store, index)
         out.append(index)
+        loaded.append((store, index))
+    check_one_tokenizer(corpus_list(cfg.data), loaded)
     vocabs = {i.vocab_size for i in out}
     if len(vocabs) > 1:
         raise DataError(f"the corpora of --corpus {cfg.data.corpus} have different vocabularies "

@@ -44,6 +44,10 @@ def load_index(location: str, timeout_s: float = STORE_TIMEOUT_S) -> tuple[Corpu
     except DataError as e:
         if "is missing" not in str(e):
             raise
+        bucket = store.root.split("/")[0]
+        if store.remote and not store.fs.exists(bucket):
+            raise DataError(f"{location}: the bucket {bucket} does not exist (or these credentials do not see it); "
+                            "check the name in --corpus") from None
         raise DataError(f"{location} holds no {INDEX}: not a corpus from `minitrain data prepare`, or one whose "
                         "prepare did not finish (run it again with --resume)") from None
     return store, parse_index(text, location)
@@ -124,6 +128,7 @@ class TokenShards:
         for loc, order in zip(locations, self.orders):
             if order.num_examples == 0:
                 raise DataError(f"{loc} holds no {split} example of {seq_len + 1} tokens in any shard")
+        check_one_tokenizer(locations, loaded)
         remote = [index for store, index in loaded if store.remote]
         budget = default_cache_bytes(remote, shuffle_block) if not cache_mb else int(cache_mb * 2**20)
         check_cache_budget(budget, remote, shuffle_block)
@@ -173,7 +178,7 @@ class TokenShards:
                 rows.append(np.asarray(tokens[start:start + self.seq_len + 1], dtype=np.int64))
             batch += 1
             window = torch.from_numpy(np.stack(rows))
-            yield window[:, :-1], window[:, 1:]
+            yield window[:, :-1].contiguous(), window[:, 1:].contiguous()  # a model may .view() them
 
     def _announce(self, k: int, epoch: int, block: int) -> None:
         """The shards of this block are in use, and the next block's are fetched in the background."""
@@ -208,6 +213,11 @@ class TokenShards:
         if self._fetcher is not None:
             self._fetcher.close()
         self._source = self._fetcher = None
+
+    @property
+    def vocab_size(self) -> int:
+        """The vocabulary the corpora's ids come from (index.json's): the model's embedding needs at least it."""
+        return self.indexes[0].vocab_size
 
     def fingerprint(self) -> str:
         return mixture_fingerprint(self.indexes, self.weights.tolist())
@@ -252,6 +262,18 @@ class BlockFetcher:
 
     def close(self) -> None:
         self._queue.put(None)
+
+
+def check_one_tokenizer(locations: list[str], loaded: list) -> None:
+    """A mixture's corpora were made with one tokenizer (the same tokenizer.json bytes): ids of two tokenizers
+    mean different text however alike their vocabulary sizes."""
+    if len(loaded) < 2:
+        return
+    digests = [hashlib.sha256(store.read(index.meta["tokenizer"])).hexdigest() for store, index in loaded]
+    if len(set(digests)) > 1:
+        other = next(loc for loc, d in zip(locations, digests) if d != digests[0])
+        raise DataError(f"{other} was prepared with another tokenizer than {locations[0]} (their tokenizer.json "
+                        "differ): prepare every corpus of a mixture with one --tokenizer")
 
 
 def mixture_fingerprint(indexes: list[ShardIndex], weights: list[float] | None) -> str:

@@ -13,7 +13,7 @@ from ..utils.object_store import is_url
 from .shard_cache import ShardCache
 from .shard_index import INDEX, ShardIndex
 from .store import DataError
-from .token_shards import TokenShards, check_one_tokenizer, load_index, mixture_fingerprint
+from .token_shards import TokenShards, check_one_tokenizer, load_index, mixture_fingerprint, windows_in
 
 if TYPE_CHECKING:
     from ..config import RunConfig
@@ -67,7 +67,7 @@ def check_present(store, index: ShardIndex) -> None:
 
 def examples(index: ShardIndex, split: str, seq_len: int) -> int:
     """Windows of seq_len + 1 tokens in a split's shards (windows never cross shards)."""
-    return sum((s.tokens - 1) // seq_len for s in index.split(split) if s.tokens > seq_len)
+    return sum(windows_in(s, seq_len) for s in index.split(split))
 
 
 def facts(cfg: RunConfig) -> tuple[int, int]:

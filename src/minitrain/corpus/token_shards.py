@@ -53,12 +53,17 @@ def load_index(location: str, timeout_s: float = STORE_TIMEOUT_S) -> tuple[Corpu
     return store, parse_index(text, location)
 
 
+def windows_in(shard, seq_len: int) -> int:
+    """Examples (windows of seq_len + 1 tokens) in a shard: windows never cross shards."""
+    return max(0, (shard.tokens - 1) // seq_len)
+
+
 class CorpusOrder:
     """One corpus's examples in the order epoch e visits them: position p of epoch e -> (shard, window)."""
 
     def __init__(self, index: ShardIndex, split: str, seq_len: int, seed: int, corpus: int, shuffle_block: int):
         self.shards = [s for s in index.split(split) if s.tokens > seq_len]  # shards holding one window at least
-        self.windows = np.array([(s.tokens - 1) // seq_len for s in self.shards], dtype=np.int64)
+        self.windows = np.array([windows_in(s, seq_len) for s in self.shards], dtype=np.int64)
         self.num_examples = int(self.windows.sum())
         self.seed, self.corpus, self.block = seed, corpus, shuffle_block
         self._blocks: dict[int, tuple] = {}  # the last epochs' blocks, and the last blocks' orders (two of each:

@@ -9,6 +9,7 @@ Bring your own model, optimizer and loop (see api/__init__.py):
 
 from .api import (
                   GradScaler,
+                  MoEStats,
                   PipelineSplit,
                   PreparedOptimizer,
                   barrier,
@@ -21,6 +22,7 @@ from .api import (
                   is_main_process,
                   is_server,
                   load_checkpoint,
+                  moe_stats,
                   no_sync,
                   pipeline_step,
                   prepare,
@@ -33,10 +35,11 @@ from .utils.prefetch import Prefetcher
 
 from .version import __version__
 
-__all__ = ["GradScaler", "ModelPlan", "PipelineSplit", "Prefetcher", "PreparedOptimizer", "TokenShards", "__version__", "barrier", "cleanup",
-           "clip_grad_norm_",
+__all__ = ["GradScaler", "ModelPlan", "MoEStats", "PipelineSplit", "Prefetcher", "PreparedOptimizer", "TokenShards",
+           "__version__", "barrier", "cleanup", "clip_grad_norm_",
            "dp_rank", "dp_world_size", "full_state_dict", "init_distributed", "is_main_process", "is_server",
-           "load_checkpoint", "no_sync", "pipeline_step", "prepare", "save_checkpoint", "serve", "wrap_for_ddp"]
+           "load_checkpoint", "moe_stats", "no_sync", "pipeline_step", "prepare", "save_checkpoint", "serve",
+           "wrap_for_ddp"]
 
 
 def __getattr__(name: str):

@@ -33,6 +33,29 @@ def make_model(kind: str, seed: int = 0):
     return model
 
 
+def tiny_moe(seed: int = 0, kind: str = "mixtral", **options):
+    """A tiny Hugging Face mixture of experts in float64: Mixtral, or OLMoE (whose experts module has the same
+    layout, named by its own base_model_ep_plan). options: more config fields (output_router_logits=True, say)."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    shape = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, max_position_embeddings=8, num_experts_per_tok=2, bos_token_id=0,
+                 eos_token_id=0)
+    if kind == "olmoe":
+        cfg = transformers.OlmoeConfig(**shape, **options, num_experts=4, pad_token_id=0)
+        make = transformers.OlmoeForCausalLM
+    else:
+        cfg = transformers.MixtralConfig(**shape, **options, num_local_experts=4, router_jitter_noise=0.0)
+        make = transformers.MixtralForCausalLM
+    cfg._experts_implementation = "eager"  # its per-expert loop: the grouped matmul has no float64
+    model = make(cfg)
+    for p in model.parameters():
+        p.data = p.data.double()
+    return model
+
+
 def frozen_parameter(model) -> torch.nn.Parameter:
     return model.transformer.ln_f.weight if hasattr(model, "transformer") else model.model.norm.weight
 

@@ -53,6 +53,8 @@ class ReferenceRun:
     grad_norms: list[float] = field(default_factory=list)  # global norm of the unscaled gradient, before clipping
     param_norms: list[float] = field(default_factory=list)  # after each step
     lrs: list[float] = field(default_factory=list)
+    # A mixture of experts: the router's auxiliary losses per step (the mean over its forwards, as StepRecord's)
+    router_losses: list[float] = field(default_factory=list)
     clipped: list[bool] = field(default_factory=list)
     skipped: list[bool] = field(default_factory=list)  # fp16: the scaled gradient overflowed
     scales: list[float] = field(default_factory=list)  # fp16: the loss scale each step used
@@ -113,6 +115,8 @@ def plain_run(cfg: RunConfig, steps: int | None = None, loss_scale: float | None
         norm = float(torch.nn.utils.clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else math.inf,
                                                     foreach=False))
         out.losses.append(loss.item())
+        if cfg.model.moe_experts:
+            out.router_losses.append(float(aux.detach()))
         out.grad_norms.append(norm)
         out.lrs.append(lr)
         out.clipped.append(0 < t.grad_clip < norm)
@@ -158,11 +162,12 @@ def _loss_and_aux(model, window: torch.Tensor, micro_global: int, data_parallel:
     return loss, aux
 
 
-def worst_differences(ref: ReferenceRun, *, losses=None, grad_norms=None, param_norms=None,
+def worst_differences(ref: ReferenceRun, *, losses=None, grad_norms=None, param_norms=None, router_losses=None,
                       params=None) -> dict[str, float]:
     """The largest |ours - reference| of each quantity given (per-step lists, or the final flat parameters)."""
     out = {}
-    for name, ours in (("losses", losses), ("grad_norms", grad_norms), ("param_norms", param_norms)):
+    for name, ours in (("losses", losses), ("grad_norms", grad_norms), ("param_norms", param_norms),
+                       ("router_losses", router_losses)):
         if ours is not None:
             theirs = getattr(ref, name)
             assert len(ours) == len(theirs), f"{name}: {len(ours)} steps against the reference's {len(theirs)}"

@@ -9,9 +9,11 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from minitrain.models import spec_for
 from minitrain.models.spec import ModelSpec
+from minitrain.parallel.expert_parallel.load import ExpertLoad
 from minitrain.runtime.topology import Topology
 from minitrain.train import step_statistics
 from minitrain.train import trainer as trainer_module
@@ -69,22 +71,23 @@ class CountedLayer:
 
     experts = 2
 
-    def __init__(self, load: list[float], dropped: float):
-        self.load, self.dropped, self.taken = load, dropped, 0
+    def __init__(self, load: list[float], dropped: float, router_loss: float):
+        self.load, self.dropped, self.router_loss, self.taken = load, dropped, router_loss, 0
 
-    def take_load(self) -> tuple[list[float], float]:
+    def take_load(self) -> ExpertLoad:
         self.taken += 1
-        return self.load, self.dropped
+        return ExpertLoad(self.load, self.dropped, torch.tensor(2 * self.router_loss), forwards=2)
 
 
 def test_an_expert_load_comes_through_the_model_spec():
     cfg = _config()
-    layers = [CountedLayer([1.0, 2.0], 0.5), CountedLayer([3.0, 0.0], 1.0)]
+    layers = [CountedLayer([1.0, 2.0], 0.5, 0.25), CountedLayer([3.0, 0.0], 1.0, 0.125)]
     minigpt = spec_for(cfg.model)
     spec = ModelSpec("counted", minigpt.build, minigpt.plan, expert_layers=lambda model: layers)
     with Trainer(cfg, Topology.single(), spec) as trainer:
         records = [trainer.train_step() for _ in range(2)]
     assert [r.expert_load for r in records] == [[[1.0, 2.0, 0.5], [3.0, 0.0, 1.0]]] * 2
+    assert [r.router_loss for r in records] == [0.375] * 2  # the layers' sum, per forward
     assert [layer.taken for layer in layers] == [2, 2]  # taken once a step
 
 

@@ -24,7 +24,8 @@ shards, a ZeRO-3 evaluation) first check that every rank came (runtime/arrival.p
 each rank's line rather than hang or pair with another collective.
 
 The package, one job per file: session.py (init_distributed, cleanup, which rank is which), prepare.py,
-steps.py (no_sync, clip_grad_norm_, pipeline_step), optimizer.py (what prepare returns as the optimizer),
+steps.py (no_sync, clip_grad_norm_, pipeline_step), moe_stats.py (a mixture of experts' load and router loss),
+optimizer.py (what prepare returns as the optimizer),
 checkpoints.py (save, load, full_state_dict), scaler.py (fp16's GradScaler), servers.py (prepare(servers=...)),
 user_optimizer.py (an optimizer made before prepare), ddp_idioms.py (DDP's and FSDP2's methods on the model).
 """
@@ -33,6 +34,7 @@ from __future__ import annotations
 from ..parallel.pipeline_parallel.split import PipelineSplit
 from .checkpoints import full_state_dict, load_checkpoint, save_checkpoint
 from .optimizer import PreparedOptimizer
+from .moe_stats import MoEStats, moe_stats
 from .prepare import prepare
 from .scaler import GradScaler
 from .servers import is_server, serve
@@ -49,6 +51,7 @@ from .steps import clip_grad_norm_, no_sync, pipeline_step
 
 __all__ = [
     "GradScaler",
+    "MoEStats",
     "PipelineSplit",
     "PreparedOptimizer",
     "barrier",
@@ -61,6 +64,7 @@ __all__ = [
     "is_main_process",
     "is_server",
     "load_checkpoint",
+    "moe_stats",
     "no_sync",
     "pipeline_step",
     "prepare",

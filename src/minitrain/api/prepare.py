@@ -13,6 +13,7 @@ from torch import nn
 from ..parallel import ModelPlan, cast_parameters, parallelize
 from ..parallel.core.config import ParallelConfig
 from ..parallel.expert_parallel.experts import HuggingFaceExperts, hugging_face_experts, routes_its_own_tokens
+from .moe_stats import moe_counters
 from ..parallel.core.loss_scale import COMPUTE_DTYPES
 from ..parallel.core.offload import OffloadStore
 from ..parallel.pipeline_parallel.split import PipelineSplit, Stage, check_pieces, check_split, cross_stage_ties, split_model
@@ -109,6 +110,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFn, *,
     if offload not in ("none", "cpu", "disk"):
         raise ValueError(f"offload must be none, cpu or disk, got {offload!r}")
     experts = _expert_layers(model, ep, ep_plan, tp, pp, session.topo.world_size)
+    counters = moe_counters(model, ep_plan)  # before any rank splits the experts
     if offload == "disk" and not offload_dir:
         raise ValueError("offload='disk' needs offload_dir: the directory for this rank's state files")
     groups = _named_groups(model, param_groups)
@@ -168,7 +170,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFn, *,
     names = [group_names for group_names, _ in groups]
     state = Prepared(strategy, settings, layout, pipeline, stage, groups=names,
                      hooks=hooks + refuse_batch_statistics(model, layout.dp.world_size), offload=store,
-                     user_class=type(model))
+                     user_class=type(model), moe=counters)
+    state.hooks.extend(counters.handles if counters else [])
     if tp > 1 and split is None:  # a tensor-parallel group must be fed alike: checked at each step
         state.hooks.append(model.register_forward_pre_hook(
             lambda _m, args, kwargs: note_feed(state, (args, kwargs)), with_kwargs=True))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import weakref
+from typing import TYPE_CHECKING
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +22,9 @@ from ..parallel.pipeline_parallel.executor import Pipeline
 from ..runtime.arrival import arrive
 from ..runtime.comm import Comm
 from ..runtime.topology import Topology, under_torchrun
+
+if TYPE_CHECKING:
+    from .moe_stats import MoECounters
 
 
 @dataclass(eq=False)
@@ -45,6 +49,7 @@ class Prepared:
     user_class: type | None = None  # the model's own class, given back by close() (ddp_idioms.py)
     sync_requested: bool = True  # DDP's require_backward_grad_sync, as the user last set it (ddp_idioms.py)
     unsynced: contextlib.ExitStack | None = None  # the strategy's no_sync, entered because of it
+    moe: MoECounters | None = None  # a mixture of experts: what moe_stats reads (moe_stats.py)
 
     def close(self) -> None:
         """Every hook prepare and the strategy put on the model, removed; offload files removed. A parameter-server

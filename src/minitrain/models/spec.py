@@ -11,6 +11,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..parallel.core.model_plan import ModelPlan
+from ..parallel.expert_parallel.load import ExpertLoad
 
 
 class CountsExpertLoad(Protocol):
@@ -18,8 +19,8 @@ class CountsExpertLoad(Protocol):
 
     experts: int  # how many experts it routes to
 
-    def take_load(self) -> tuple[list[float], float]:
-        """(slots each expert received, slots dropped over capacity) since the last call; the counts start over."""
+    def take_load(self) -> ExpertLoad:
+        """What it counted since the last call; the counts start over."""
 
 
 def no_expert_layers(model: nn.Module) -> list[CountsExpertLoad]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -32,6 +33,11 @@ from .core.model_plan import matches
 from .core.units import repeated_blocks
 
 MODES = ("none", "block", "selective")
+
+
+def in_backward() -> bool:
+    """True while autograd runs a backward pass: a forward now is activation checkpointing's recomputation."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _recomputed(fn):

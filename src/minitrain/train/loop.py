@@ -407,7 +407,7 @@ def progress_line(r: StepRecord, total: int, eta_s: float | None = None) -> str:
     else:
         skipped = "  SKIPPED (NaN/Inf gradients, parameters unchanged)" if r.skipped else ""
     bubble = "" if r.pipeline is None else f"  bubble {max(r.pipeline['bubble']):.0%}"
-    bubble += "" if r.expert_load is None else f"  {expert_load_text(r.expert_load)}"
+    bubble += "" if r.expert_load is None else f"  {expert_load_text(r.expert_load)} router loss {r.router_loss:.4g}"
     val = "" if r.val_loss is None else f"  val {r.val_loss:.4f} (ppl {perplexity(r.val_loss)})"
     elapsed = "" if r.elapsed_s is None else f"  {clock(r.elapsed_s)}"
     eta = "" if eta_s is None else f" eta {clock(eta_s)}"

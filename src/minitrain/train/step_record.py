@@ -50,3 +50,6 @@ class StepRecord:
     # A mixture of experts: per MoE layer, the slots each expert received this step over every rank (token x
     # choice pairs), then the slots dropped over capacity; None for a dense model.
     expert_load: list[list[float]] | None = None
+    # ...and the router's auxiliary losses (balancing and z-loss, coefficients applied: what they add to the
+    # gradient's loss), summed over the layers, the mean over micro-batches and ranks; None for a dense model.
+    router_loss: float | None = None

@@ -196,9 +196,7 @@ class StepStatistics:
             bubble=measured.get("bubble", 0.0), in_flight=measured.get("peak_in_flight", 0),
             at_rest=[held[k] for k in MEMORY_KINDS], peak=[peak[k] for k in PEAK_KINDS],
             stop_signal=requests.stop_signal(), save_written=requests.save_written(),
-            save_clock=requests.clock_reading(), busy_s=busy,
-            expert_load=[v for layer in self.expert_layers for load, dropped in [layer.take_load()]
-                         for v in (*load, dropped)])
+            save_clock=requests.clock_reading(), busy_s=busy, **self._take_expert_load())
         rows = self.topo.step_peers.gather_rows_on_device(mine.pack(self.topo.device))
         copied = None
         if rows.device.type == "cuda":
@@ -250,6 +248,7 @@ class StepStatistics:
             phases_s=self._phases(watch.timer, elapsed),
             busy_s_per_rank=[r.busy_s for r in rows],
             expert_load=self._expert_load(rows),
+            router_loss=sum(r.router_loss for r in rows) / len(rows) if self.expert_layers else None,
         )
         return record, Agreed.of(rows)
 
@@ -264,6 +263,12 @@ class StepStatistics:
             self._device_busy = sum(phases[k] or 0.0 for k in ("data", "forward", "backward", "forward_backward",
                                                                 "optimizer"))
         return phases
+
+    def _take_expert_load(self) -> dict:
+        """This rank's RankStats fields of its MoE layers' counts since the last step (the counts start over)."""
+        counted = [layer.take_load() for layer in self.expert_layers]
+        return {"router_loss": sum((c.mean_router_loss() for c in counted), 0.0),
+                "expert_load": [v for c in counted for v in (*c.load, c.dropped)]}
 
     def _expert_load(self, rows: list[RankStats]) -> list[list[float]] | None:
         """Per expert layer, the slots each expert received over every rank this step, then the slots dropped."""

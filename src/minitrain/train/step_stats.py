@@ -41,6 +41,9 @@ class RankStats:
     # (rank 0's decides; the count tells a reading taken before a save from one taken after it).
     save_clock: float
     busy_s: float  # this rank's busy seconds in the step (trainer.py: a straggler's is the largest)
+    # A mixture of experts: the router's auxiliary losses as the gradient carries them, summed over the MoE layers,
+    # per micro-batch (0 for a dense model)
+    router_loss: float | torch.Tensor = 0.0
     # A mixture of experts: per MoE layer, the slots each expert received on this rank and the slots dropped
     # (E + 1 values a layer); empty for a dense model. Last: it takes the rest of the row.
     expert_load: list[float] = dataclasses.field(default_factory=list)

@@ -13,8 +13,10 @@ import torch.nn.functional as F
 from minitrain.config import ModelConfig
 from minitrain.models.minigpt.model import MiniGPT
 from minitrain.models.minigpt.moe import MoEMLP
+from minitrain.parallel.expert_parallel.load import ExpertLoad
 
 from tests.helpers.dist import run_main, run_ranks
+from tests.helpers.hf_models import tiny_moe
 from tests.helpers.numerics import assert_bit_equal
 from tests.helpers.reference import assert_close_to, plain_run
 
@@ -54,12 +56,13 @@ def test_routing_equals_each_token_through_its_experts_by_hand(top_k):
     layer = _layer(top_k=top_k)
     x = torch.randn(3, 5, 8, dtype=torch.float64)
     assert (layer(x) - _by_hand(layer, x)).abs().max() <= 1e-12
-    load, dropped = layer.take_load()
-    assert sum(load) == 15 * top_k and dropped == 0  # dropless: every slot computed
-    assert layer.take_load() == ([0.0] * E, 0.0)  # taken: the counters start over
+    counted = layer.take_load()
+    assert sum(counted.load) == 15 * top_k and counted.dropped == 0  # dropless: every slot computed
+    assert counted.forwards == 1 and float(counted.router_loss) == float(layer.aux_loss.detach()) > 0
+    assert layer.take_load() == ExpertLoad([0.0] * E)  # taken: the counters start over
     layer.eval()
     layer(x)
-    assert layer.take_load() == ([0.0] * E, 0.0)  # an evaluation's forward is not the step's load
+    assert layer.take_load() == ExpertLoad([0.0] * E)  # an evaluation's forward is not the step's load
 
 
 def test_under_autocast_the_experts_16_bit_outputs_are_combined():
@@ -77,8 +80,8 @@ def test_a_capacity_drops_the_later_slots_of_a_full_expert_and_counts_them():
     x = torch.randn(2, 8, 8, dtype=torch.float64)
     capacity = math.ceil(0.5 * 16 * K / E)  # 4 slots per expert
     assert (layer(x) - _by_hand(layer, x, capacity)).abs().max() <= 1e-12
-    load, dropped = layer.take_load()
-    assert sum(load) == 16 * K and dropped == sum(max(0, n - capacity) for n in load) > 0
+    counted = layer.take_load()
+    assert sum(counted.load) == 16 * K and counted.dropped == sum(max(0, n - capacity) for n in counted.load) > 0
 
 
 def test_an_expert_no_token_chooses_gets_a_zero_gradient_not_none():
@@ -87,7 +90,7 @@ def test_an_expert_no_token_chooses_gets_a_zero_gradient_not_none():
         layer.router.weight[3] = -100.0  # for positive inputs expert 3 is never among the top 2
     x = torch.rand(4, 8, dtype=torch.float64)
     layer(x).sum().backward()
-    assert layer.take_load()[0][3] == 0
+    assert layer.take_load().load[3] == 0
     assert layer.up.grad is not None and layer.up.grad[3].abs().max() == 0 and layer.up.grad[:3].abs().max() > 0
 
 
@@ -134,7 +137,7 @@ def test_activation_checkpointing_counts_the_load_once_and_changes_no_gradient()
         with torch.utils.checkpoint.set_checkpoint_early_stop(False):
             model(x, y).backward()
         got[mode] = ([m.take_load() for m in model.moe_layers()], {n: p.grad for n, p in model.named_parameters()})
-    assert got["block"][0] == got["none"][0] and all(sum(load) == 32 * K for load, _ in got["none"][0])
+    assert got["block"][0] == got["none"][0] and all(sum(c.load) == 32 * K and c.forwards == 1 for c in got["none"][0])
     assert all(torch.equal(got["block"][1][n], g) for n, g in got["none"][1].items())
 
 
@@ -160,7 +163,8 @@ def _train(topo, accum, balance):
         with Trainer(_config(topo.world_size, zero, accum, balance=balance), topo) as trainer:
             records = [trainer.train_step() for _ in range(STEPS)]
             got[zero] = {"losses": [r.loss for r in records], "grad_norms": [r.grad_norm for r in records],
-                         "params": trainer.strategy.full_params(), "load": [r.expert_load for r in records]}
+                         "params": trainer.strategy.full_params(), "load": [r.expert_load for r in records],
+                         "router_losses": [r.router_loss for r in records]}
     return got
 
 
@@ -175,7 +179,8 @@ def test_data_parallel_and_zero_train_a_mixture_of_experts_as_one_process_does(w
     for zero in (0, 1, 2, 3):
         ours = ranks[0][zero]
         assert_close_to(ref, 1e-12, f"MoE ({balance} balance) ZeRO-{zero} at {world} ranks, accumulation {accum}",
-                        losses=ours["losses"], grad_norms=ours["grad_norms"], params=ours["params"])
+                        losses=ours["losses"], grad_norms=ours["grad_norms"], params=ours["params"],
+                        router_losses=ours["router_losses"])
         # The load is every rank's: all slots of the step, per layer, counted once.
         tokens = 2 * 16 * world * accum
         assert all(sum(layer[:E]) == tokens * K and layer[E] == 0 for step in ours["load"] for layer in step)
@@ -200,11 +205,12 @@ def test_the_cli_reports_the_expert_load_per_step_and_plots_it(tmp_path):
     proc = run_cli("train", "--nproc", "2", "--zero", "1", "--steps", "4", "--train.log_every", "2", "--out", str(out),
                    "--model.moe_experts", "4", "--model.moe_capacity_factor", "1.0")
     assert proc.returncode == 0, proc.stderr
-    assert "experts max/mean" in proc.stdout and "dropped" in proc.stdout, proc.stdout
+    assert "experts max/mean" in proc.stdout and "dropped" in proc.stdout and "router loss" in proc.stdout, proc.stdout
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     for step in steps:  # 2 layers of 4 experts and the dropped count; every slot of the step's batch, once
         assert len(step["expert_load"]) == 2 and all(len(layer) == 5 for layer in step["expert_load"])
         assert all(sum(layer[:4]) == step["tokens"] * 2 for layer in step["expert_load"]), step["expert_load"]
+        assert 0.01 * 2 <= step["router_loss"] < 0.01 * 2 * 4  # 2 layers' balance at 0.01: 1 if even, E at worst
     report = run_main("report", str(out))
     assert report.returncode == 0 and (out / "report" / "expert_load.png").is_file(), report.stderr
 
@@ -244,7 +250,7 @@ def _ep_train(topo, ep, capacity=0.0, balance="global"):
             records = [trainer.train_step() for _ in range(STEPS)]
             got[zero] = {"losses": [r.loss for r in records], "grad_norms": [r.grad_norm for r in records],
                          "params": _whole(trainer), "load": [r.expert_load for r in records],
-                         "all_to_all": trainer.topo.ep.stats["all_to_all"].calls,
+                         "router_losses": [r.router_loss for r in records], "all_to_all": trainer.topo.ep.stats["all_to_all"].calls,
                          "params_held": trainer.strategy.flat.numel, "comm_calls": sum(r.comm_calls for r in records)}
     return got
 
@@ -258,7 +264,7 @@ def test_expert_parallel_trains_as_one_process_does(world, ep):
     for zero in (0, 3):
         ours = ranks[0][zero]
         assert_close_to(ref, 1e-12, f"MoE ep {ep} ZeRO-{zero} at {world} ranks", losses=ours["losses"],
-                        grad_norms=ours["grad_norms"], params=ours["params"])
+                        grad_norms=ours["grad_norms"], params=ours["params"], router_losses=ours["router_losses"])
         assert all(sum(layer[:E]) == 2 * 16 * world * K for step in ours["load"] for layer in step)
         # Each rank holds the dense parameters and 1/ep of the experts' (2 layers of E experts of MiniGPT's MLP).
         total, experts = ref.params.numel(), 2 * E * (2 * 32 * 128 + 128 + 32)
@@ -289,7 +295,7 @@ def _layer_on_ranks(topo):
         x = torch.rand(12, 8, dtype=torch.float64)
         out = layer(x)
         (out * torch.arange(out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
-        got[ep] = {"out": out.detach(), "load": layer.take_load()[0],
+        got[ep] = {"out": out.detach(), "load": layer.take_load().load,
                    "grads": {n: p.grad.clone() for n, p in layer.named_parameters()}}
     return got
 
@@ -342,29 +348,6 @@ def test_a_rank_that_sends_nothing_and_an_expert_that_gets_nothing_are_exact():
 
 
 # --- a Hugging Face mixture of experts through the API -----------------------------------------------------------
-def _mixtral(seed: int = 0, kind: str = "mixtral"):
-    """A tiny Hugging Face mixture of experts in float64: Mixtral, or OLMoE (whose experts module has the same
-    layout, named by its own base_model_ep_plan)."""
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(seed)
-    shape = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                 num_key_value_heads=1, max_position_embeddings=8, num_experts_per_tok=2, bos_token_id=0,
-                 eos_token_id=0)
-    if kind == "olmoe":
-        cfg = transformers.OlmoeConfig(**shape, num_experts=4, pad_token_id=0)
-        make = transformers.OlmoeForCausalLM
-    else:
-        cfg = transformers.MixtralConfig(**shape, num_local_experts=4, router_jitter_noise=0.0)
-        make = transformers.MixtralForCausalLM
-    cfg._experts_implementation = "eager"  # its per-expert loop: the grouped matmul has no float64
-    model = make(cfg)
-    for p in model.parameters():
-        p.data = p.data.double()
-    return model
-
-
 def _mixtral_steps(model, optimizer, xs, rank, world):
     from tests.helpers.hf_models import lm_loss
 
@@ -384,7 +367,7 @@ def _mixtral_ranks(topo, ep, zero, kind="mixtral", plan="auto"):
     from tests.helpers.hf_models import OPTIMIZERS, batches
 
     minitrain.init_distributed(topology=topo)
-    model, optimizer = minitrain.prepare(_mixtral(kind=kind), OPTIMIZERS["adamw"], zero=zero, ep=ep, ep_plan=plan)
+    model, optimizer = minitrain.prepare(tiny_moe(kind=kind), OPTIMIZERS["adamw"], zero=zero, ep=ep, ep_plan=plan)
     held = model.model.layers[0].mlp.experts.gate_up_proj.shape[0]  # this rank's experts
     losses = _mixtral_steps(model, optimizer, batches(3, 8), minitrain.dp_rank(), minitrain.dp_world_size())
     state = {k: v.clone() for k, v in minitrain.full_state_dict(model).items()}
@@ -401,7 +384,7 @@ def test_a_hugging_face_mixtral_with_expert_parallelism_trains_as_one_process_do
     # torch.optim.AdamW on the whole batch, to 1e-12 in float64 (its balancing loss is off by default).
     from tests.helpers.hf_models import OPTIMIZERS, batches
 
-    plain = _mixtral(kind=kind)
+    plain = tiny_moe(kind=kind)
     optimizer = OPTIMIZERS["adamw"](plain.parameters())
     from tests.helpers.hf_models import lm_loss
 
@@ -426,9 +409,9 @@ def _refusals(topo):
 
     minitrain.init_distributed(topology=topo)
     said = []
-    for model, kwargs in ((make_model("llama"), {"ep": 2}), (_mixtral(), {"ep": 2, "ep_plan": {"*.experts": "rowwise"}}),
-                          (_mixtral(), {"ep": 3, "ep_plan": "auto"}), (make_model("llama"), {"ep": 2, "ep_plan": "auto"}),
-                          (_mixtral(), {"ep": 2, "ep_plan": {"model.layers.*.nothing": "experts"}}),
+    for model, kwargs in ((make_model("llama"), {"ep": 2}), (tiny_moe(), {"ep": 2, "ep_plan": {"*.experts": "rowwise"}}),
+                          (tiny_moe(), {"ep": 3, "ep_plan": "auto"}), (make_model("llama"), {"ep": 2, "ep_plan": "auto"}),
+                          (tiny_moe(), {"ep": 2, "ep_plan": {"model.layers.*.nothing": "experts"}}),
                           (_model(), {"tp": 2, "tp_plan": {"blocks.*.attn.qkv": "colwise"}}),
                           (_model(), {"pp": 2, "pp_split": minitrain.PipelineSplit(["blocks"])})):
         try:
@@ -532,7 +515,7 @@ def _mixtral_save(topo, out):
     from tests.helpers.hf_models import OPTIMIZERS, batches
 
     minitrain.init_distributed(topology=topo)
-    model, optimizer = minitrain.prepare(_mixtral(), OPTIMIZERS["adamw"], zero=1, ep=2, ep_plan="auto")
+    model, optimizer = minitrain.prepare(tiny_moe(), OPTIMIZERS["adamw"], zero=1, ep=2, ep_plan="auto")
     _mixtral_steps(model, optimizer, batches(2, 8), minitrain.dp_rank(), minitrain.dp_world_size())
     minitrain.save_checkpoint(out, model, optimizer, step=2)
     state = {k: v.clone() for k, v in minitrain.full_state_dict(model).items()}
@@ -547,7 +530,7 @@ def _mixtral_load(topo, out):
     from tests.helpers.hf_models import OPTIMIZERS
 
     minitrain.init_distributed(topology=topo)
-    model, optimizer = minitrain.prepare(_mixtral(seed=5), OPTIMIZERS["adamw"])
+    model, optimizer = minitrain.prepare(tiny_moe(seed=5), OPTIMIZERS["adamw"])
     step, _ = minitrain.load_checkpoint(out, model, optimizer)
     state = {k: v.clone() for k, v in minitrain.full_state_dict(model).items()}
     opt_state = optimizer.state_dict()

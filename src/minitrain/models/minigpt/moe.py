@@ -26,10 +26,10 @@ Two losses keep the router honest, added to the model's loss (MiniGPT.output) wi
   over the ranks as the gradients are, is the loss over the whole batch: N ranks train as one process;
 - z-loss (ST-MoE, Zoph et al. 2022): the mean over tokens of logsumexp(logits)^2, keeping the logits small.
 
-The layer also counts, per training forward, the slots each expert received and the slots dropped, which the
-trainer reads and clears after each step (`take_load`). A forward that activation checkpointing replays inside
-backward computes the same routing again but counts nothing, nor does an evaluation's: the step's figures are
-its forward's, once.
+The layer also counts, per training forward, the slots each expert received, the slots dropped and its auxiliary
+losses' value, which the trainer reads and clears after each step (`take_load`). A forward that activation
+checkpointing replays inside backward computes the same routing again but counts nothing, nor does an
+evaluation's: the step's figures are its forward's, once.
 """
 from __future__ import annotations
 
@@ -40,11 +40,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ...config import ModelConfig
-
-
-def in_backward() -> bool:
-    """True while autograd runs a backward pass: a forward now is activation checkpointing's recomputation."""
-    return torch._C._current_graph_task_id() != -1
+from ...parallel.recompute import in_backward
+from ...parallel.expert_parallel.load import ExpertLoad
 
 
 def widened(logits: torch.Tensor) -> torch.Tensor:
@@ -69,9 +66,9 @@ class MoEMLP(nn.Module):
         self.down_bias = nn.Parameter(torch.zeros(E, D))
         nn.init.normal_(self.up, mean=0.0, std=0.02)
         nn.init.normal_(self.down, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))  # writes into the residual
-        # This step's counts, per expert, and the dropped slots: plain numbers, not buffers (a buffer would be cast
-        # with the model, and PyTorch's DDP would overwrite every rank's with rank 0's).
-        self.load, self.dropped = [0.0] * E, 0.0
+        # This step's counts: plain numbers, not buffers (a buffer would be cast with the model, and PyTorch's DDP
+        # would overwrite every rank's with rank 0's).
+        self.counted = ExpertLoad([0.0] * E)
         self.aux_loss: torch.Tensor | None = None  # the last forward's weighted auxiliary losses (MiniGPT.output)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -97,8 +94,7 @@ class MoEMLP(nn.Module):
         # Only a forward that will be differentiated needs them (an evaluation's would wait on the other ranks).
         self.aux_loss = self._aux_losses(logits, probs, counts, N) if torch.is_grad_enabled() else None
         if self.training and not in_backward():  # a training forward's load, once (not evaluation's, not a replay)
-            self.load = [a + b for a, b in zip(self.load, counts.tolist())]
-            self.dropped += float(N * k - kept_order.numel())
+            self._count(counts.tolist(), float(N * k - kept_order.numel()))
         return mixed.view(shape)
 
     def run_experts(self, inputs: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -141,8 +137,15 @@ class MoEMLP(nn.Module):
             loss = loss + self.z_coef * torch.logsumexp(widened(logits), dim=-1).pow(2).mean()
         return loss
 
-    def take_load(self) -> tuple[list[float], float]:
-        """(slots each expert received, slots dropped) since the last call, and the counters cleared."""
-        load, dropped = self.load, self.dropped
-        self.load, self.dropped = [0.0] * self.experts, 0.0
-        return load, dropped
+    def _count(self, counts: list[int], dropped: float) -> None:
+        c = self.counted
+        c.load = [a + b for a, b in zip(c.load, counts)]
+        c.dropped += dropped
+        if self.aux_loss is not None:  # its value stays on the device: the step's exchange reads it
+            c.router_loss = c.router_loss + self.aux_loss.detach()
+            c.forwards += 1
+
+    def take_load(self) -> ExpertLoad:
+        """What the training forwards counted since the last call, and the counters cleared."""
+        counted, self.counted = self.counted, ExpertLoad([0.0] * self.experts)
+        return counted

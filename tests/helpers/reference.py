@@ -95,7 +95,7 @@ def plain_run(cfg: RunConfig, steps: int | None = None, loss_scale: float | None
         lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, foreach=False)
     tokens = torch.from_numpy(np.asarray(load_corpus(cfg), dtype=np.int64))
     seq = cfg.model.seq_len
-    data_parallel = d.nproc // (d.tp * d.pp)
+    data_parallel = d.nproc // (d.tp * d.pp * d.cp)  # a context-parallel group splits its sequences
     num_examples = (len(tokens) - 1) // seq
     out, clean = ReferenceRun(initial_params=_flat(params).clone()), 0
     for step in range(t.steps if steps is None else steps):

@@ -47,7 +47,7 @@ MANIFEST_SCHEMA = {
         "step": _count,
         "world_size": {"type": "integer", "minimum": 1},
         "layout": {"type": "object", "required": ["dp", "tp", "pp"],
-                   "properties": {k: {"type": "integer", "minimum": 1} for k in ("dp", "tp", "pp", "ep")}},
+                   "properties": {k: {"type": "integer", "minimum": 1} for k in ("dp", "tp", "pp", "ep", "cp")}},
         "strategy": _name,
         "zero": {"type": "integer", "minimum": 0, "maximum": 3},
         "model": {"type": ["object", "null"]},
@@ -149,7 +149,7 @@ def check_manifest(step_dir: Path, manifest: dict) -> None:
     if manifest["train_state"]["step"] != manifest["step"]:
         raise bad("train_state.step", f"is {manifest['train_state']['step']}, the manifest's step {manifest['step']}")
     layout = manifest["layout"]
-    if layout["dp"] * layout["tp"] * layout["pp"] * layout.get("ep", 1) != manifest["world_size"]:
+    if layout["dp"] * layout["tp"] * layout["pp"] * layout.get("ep", 1) * layout.get("cp", 1) != manifest["world_size"]:
         raise bad("layout", f"{layout} does not multiply to world_size {manifest['world_size']}")
     files = manifest["files"]
     for i, entry in enumerate(files):

@@ -42,6 +42,13 @@ class DistConfig:
     ep: int = opt(1, "expert-parallel degree (a mixture of experts): groups of this many adjacent data-parallel "
                   "ranks each compute 1/ep of every layer's experts, tokens sent to them and back by all-to-all; "
                   "must divide the ranks and --model.moe_experts")
+    cp: int = opt(1, "context-parallel degree: groups of this many adjacent ranks split every sequence (each two "
+                  "chunks of 2 x cp, one early and one late, so the causal work is even) and hold the same "
+                  "parameters; attention sees the whole sequence by --dist.cp_style; the sequence length must "
+                  "divide by 2 x cp; data parallel = world / cp")
+    cp_style: str = opt("ring", "context-parallel attention: ring (keys and values passed round the group, online "
+                        "softmax) | ulysses (all-to-all from a split of the tokens to a split of the heads; cp must "
+                        "divide the heads)")
     microbatches: int = opt(1, "micro-batches each batch is cut into (they must divide --batch-size): the pipeline "
                             "keeps stages busy with different ones; the bubble is (pp-1)/(microbatches+pp-1)")
     schedule: str = opt("1f1b", "pipeline schedule: 1f1b (warm-up, one forward / one backward, cool-down: at most "
@@ -107,6 +114,7 @@ def _check_layout(cfg: RunConfig) -> None:
         if m.moe_experts % d.ep or d.nproc % d.ep:
             raise ConfigError(f"--dist.ep {d.ep} must divide --model.moe_experts ({m.moe_experts}) and the number of "
                               f"ranks ({d.nproc}): each rank of a group computes the same number of experts")
+    _check_context(cfg)
     if m.moe_experts and (d.tp > 1 or d.pp > 1):
         raise ConfigError(f"--model.moe_experts {m.moe_experts} with --tp {d.tp} --pp {d.pp}: a mixture of experts "
                           "trains with data parallelism and ZeRO for now (its experts are not split by tensor "
@@ -135,3 +143,27 @@ def _check_layout(cfg: RunConfig) -> None:
         if m.tie_weights:
             raise ConfigError(f"--pp {d.pp} with model.tie_weights: the embedding (first stage) and the head (last "
                               "stage) cannot share a weight across stages yet; use --model.tie_weights false")
+
+
+def _check_context(cfg: RunConfig) -> None:
+    """Context parallelism's degree against the world, the sequence and the heads, and what it is not combined
+    with (docs/context-parallel.md says why)."""
+    d, m = cfg.dist, cfg.model
+    require_positive("dist.cp", d.cp)
+    require_choice("dist.cp_style", d.cp_style, ("ring", "ulysses"))
+    if d.cp == 1:
+        return
+    if d.nproc % d.cp:
+        raise ConfigError(f"--dist.cp {d.cp} does not divide the {d.nproc} ranks; data parallel = world / cp")
+    clashes = [f for f, on in (("--tp", d.tp > 1), ("--pp", d.pp > 1), ("--dist.ep", d.ep > 1),
+                               ("--model.moe_experts", m.moe_experts > 0),
+                               ("--dist.microbatches", d.microbatches > 1)) if on]
+    if clashes:
+        raise ConfigError(f"--dist.cp {d.cp} with {', '.join(clashes)}: context parallelism composes with data "
+                          "parallelism and ZeRO only for now")
+    if m.seq_len % (2 * d.cp):
+        raise ConfigError(f"--dist.cp {d.cp} cuts each sequence into 2 x cp = {2 * d.cp} equal chunks, and "
+                          f"--model.seq_len {m.seq_len} does not divide by {2 * d.cp}")
+    if d.cp_style == "ulysses" and m.n_head % d.cp:
+        raise ConfigError(f"--dist.cp_style ulysses splits the {m.n_head} heads over --dist.cp {d.cp} ranks, which "
+                          "does not divide them; use --dist.cp_style ring, or a cp that divides the heads")

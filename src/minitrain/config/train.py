@@ -118,9 +118,9 @@ def _derive_batch_size(cfg: RunConfig) -> None:
     t, d = cfg.train, cfg.dist
     if t.global_batch < 0:
         raise ConfigError(f"train.global_batch must be >= 0 (0 = off), got {t.global_batch}")
-    if not t.global_batch or d.tp < 1 or d.pp < 1 or d.nproc % (d.tp * d.pp):
+    if not t.global_batch or d.tp < 1 or d.pp < 1 or d.cp < 1 or d.nproc % (d.tp * d.pp * d.cp):
         return  # the layout's own check names a world that does not divide
-    dp = d.nproc // (d.tp * d.pp)
+    dp = d.nproc // (d.tp * d.pp * d.cp)
     if t.global_batch % (dp * t.grad_accum):
         raise ConfigError(f"--global-batch {t.global_batch} is not divisible by {dp} data-parallel rank(s) x "
                           f"--grad-accum {t.grad_accum}; pick a multiple of every world size the run may have")

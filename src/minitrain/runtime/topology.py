@@ -103,6 +103,11 @@ class Topology:
     # Expert-parallel group (with_experts): adjacent ranks that each hold and compute 1/ep of every mixture-of-
     # experts layer's experts, and feed their own data; dp is then the experts' replicas (stride ep).
     ep: Comm = field(default_factory=Comm)
+    # Context-parallel group (with_context): adjacent ranks that split every sequence of their batch and hold the
+    # same parameters; dp is then every rank (the gradients' replicas), and `readers` the ranks that read
+    # different sequences (stride cp).
+    cp: Comm = field(default_factory=Comm)
+    readers: Comm | None = None
     world: Comm | None = None  # every rank, once the world is split (until then dp is the world)
     watch: CollectiveWatch | None = None  # diagnoses hangs and compares fingerprints (None in a single process)
     # A parameter-server world (servers.py), on a worker: where its gradients go and its parameters come from.
@@ -121,8 +126,18 @@ class Topology:
     @property
     def data(self) -> Comm:
         """The ranks that each read their own share of a batch: the data-parallel group, or under expert
-        parallelism every rank (an expert-parallel group's ranks see different tokens)."""
+        parallelism every rank (an expert-parallel group's ranks see different tokens), under context parallelism
+        the ranks of different context groups (a group's ranks split the same sequences)."""
+        if self.readers is not None:
+            return self.readers
         return self.everyone if self.ep.world_size > 1 else self.dp
+
+    def layout(self) -> dict[str, int]:
+        """The degrees, as a run's files and checkpoints record them: dp x tp x pp (x ep, x cp where used) is the
+        world; dp counts the replicas that read different data."""
+        dp = self.readers.world_size if self.readers is not None else self.dp.world_size
+        extra = {k: c.world_size for k, c in (("ep", self.ep), ("cp", self.cp)) if c.world_size > 1}
+        return {"dp": dp, "tp": self.tp.world_size, "pp": self.pp.world_size, **extra}
 
     @property
     def slices(self) -> Comm:
@@ -181,6 +196,26 @@ class Topology:
         self.opened.extend(comms.values())
         return Topology(self.rank, self.world_size, self.local_rank, self.backend, self.device, dp=comms["dp"],
                         ep=comms["ep"], world=self.everyone, watch=self.watch, opened=self.opened)
+
+    def with_context(self, cp: int) -> "Topology":
+        """Split the world into context-parallel groups of cp adjacent ranks, each splitting the same sequences,
+        and the groups of their stride-cp replicas, which read different ones (`data`); every rank holds the same
+        parameters, so the data-parallel group, over which gradients are averaged and ZeRO shards, is the world
+        (collective; tensor, pipeline and expert parallelism are not combined with it). cp = 1: this topology."""
+        if cp == 1:
+            return self
+        if self.tp.world_size > 1 or self.pp.world_size > 1 or self.ep.world_size > 1:
+            raise ConfigError("context parallelism is not combined with tensor, pipeline or expert parallelism")
+        groups = layout_groups(self.world_size, cp, 1)  # adjacent groups of cp ranks are the layout's "tp"
+        comms = {}
+        for kind, name in (("tp", "cp"), ("dp", "readers")):
+            mine = next(g for g in groups[kind] if self.rank in g)
+            group, _ = dist.new_subgroups_by_enumeration(groups[kind])
+            comms[name] = Comm(mine.index(self.rank), len(mine), group, self.device, name, self.watch)
+        self.opened.extend(comms.values())
+        return Topology(self.rank, self.world_size, self.local_rank, self.backend, self.device, dp=self.dp,
+                        cp=comms["cp"], readers=comms["readers"], world=self.everyone, watch=self.watch,
+                        opened=self.opened)
 
     def as_worker(self, group: ServerGroup) -> "Topology":
         """A worker's view of a parameter-server world: its data-parallel group, and everyone, are the workers.

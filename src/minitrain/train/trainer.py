@@ -66,6 +66,8 @@ class Trainer:
         last only; step_statistics.py); `minitrain train` passes its progress lines' --train.log_every."""
         if cfg.dist.ep > 1 and topo.ep.world_size == 1:  # the experts' groups and their replicas (collective)
             topo = topo.with_experts(cfg.dist.ep)
+        if cfg.dist.cp > 1 and topo.cp.world_size == 1:  # the groups that split sequences, and their readers
+            topo = topo.with_context(cfg.dist.cp)
         self.cfg, self.topo = cfg, topo
         spec = spec or spec_for(cfg.model)
         seed_everything(cfg.train.seed, topo.rank)
@@ -78,9 +80,10 @@ class Trainer:
         # The same path minitrain.prepare takes, with the model's plan and the CLI's own optimizer.
         self.strategy, self.pipeline = parallelize(
             self.model, topo, parallel_config(cfg), flat_adamw_factory(cfg.train, self.offload), spec.plan,
-            cfg.train.activation_checkpointing, self._pipeline_builder(), compile=cfg.train.compile)
-        # Data is split over data-parallel replicas only (a tensor-parallel group shares its batch), or under
-        # expert parallelism over every rank (topo.data).
+            cfg.train.activation_checkpointing, self._pipeline_builder(), compile=cfg.train.compile,
+            cp_style=cfg.dist.cp_style)
+        # Data is split over data-parallel replicas only (a tensor- or context-parallel group shares its batch), or
+        # under expert parallelism over every rank (topo.data).
         self._corpus_sha256: str | None = None  # computed at the first save (train_state)
         self.loader = make_loader(cfg, topo.data.rank, topo.data.world_size, prefetch=cfg.data.prefetch,
                                   pin_memory=topo.device.type == "cuda")

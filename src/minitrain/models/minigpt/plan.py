@@ -13,6 +13,9 @@ the heads, the MLP width and the vocabulary (config validation says so first).
 
 Pipeline: stage s keeps blocks `stage_blocks(n_layer, P)[s]`, the embeddings on the first stage,
 the final LayerNorm, head and loss on the last; MiniGPT's forward runs the parts it has.
+
+Context parallel: the attention cores are `attend` (q, k, v in, the weighted values out: the same method selective
+recomputation names), and the learned position embedding is looked up at the positions of a rank's tokens.
 """
 from __future__ import annotations
 
@@ -56,5 +59,9 @@ def selective(model: MiniGPT) -> list[tuple[nn.Module, str]]:
     return [(block.attn, "attend") for block in model.blocks.values()]
 
 
+def positions(model: MiniGPT) -> list[nn.Module]:
+    return [model.pos_emb] if model.pos_emb is not None else []
+
+
 MINIGPT_PLAN = ModelPlan(tensor_parallel=TENSOR_PARALLEL, pipeline_split=pipeline_split, blocks=blocks,
-                         selective=selective)
+                         selective=selective, attention=selective, positions=positions)

@@ -402,6 +402,49 @@ def test_a_hugging_face_mixtral_with_expert_parallelism_trains_as_one_process_do
         assert max((state[k] - want[k]).abs().max().item() for k in want) <= 1e-12
 
 
+def _clipped_ranks(topo, zero):
+    import minitrain
+
+    from tests.helpers.hf_models import OPTIMIZERS, batches, lm_loss
+
+    minitrain.init_distributed(topology=topo)
+    model, optimizer = minitrain.prepare(tiny_moe(), OPTIMIZERS["adamw"], zero=zero, ep=2, ep_plan="auto")
+    norms, shown = [], []
+    for x in batches(3, 8):
+        lm_loss(model, x.chunk(2)[minitrain.dp_rank()]).backward()
+        norms.append(minitrain.clip_grad_norm_(model, 0.05))
+        if zero <= 1:  # p.grad holds the step's gradient (ZeRO-2/3 keep only shards)
+            shown.append(model.lm_head.weight.grad.clone())
+        optimizer.step()
+        optimizer.zero_grad()
+    state = {k: v.clone() for k, v in minitrain.full_state_dict(model).items()}
+    minitrain.cleanup()
+    return norms, shown, state
+
+
+def test_a_hugging_face_moe_at_ep_2_clips_by_the_global_norm_at_every_zero_stage():
+    # The norm read by clip_grad_norm_ needs the gradient settled over the ep group (each rank's dense gradient
+    # is of its own tokens); at ZeRO-0/1 p.grad shows that settled gradient, and the step after the clip uses it.
+    from tests.helpers.hf_models import OPTIMIZERS, batches, lm_loss
+
+    plain = tiny_moe()
+    optimizer = OPTIMIZERS["adamw"](plain.parameters())
+    norms, grads = [], []
+    for x in batches(3, 8):
+        (sum(lm_loss(plain, share) for share in x.chunk(2)) / 2).backward()
+        grads.append(plain.lm_head.weight.grad.clone())
+        norms.append(float(torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.05)))
+        optimizer.step()
+        optimizer.zero_grad()
+    assert min(norms) > 0.05  # every step clipped
+    want = plain.state_dict()
+    for zero in (0, 1, 2, 3):
+        ours, shown, state = run_ranks(_clipped_ranks, 2, zero)[0]
+        assert max(abs(a - b) for a, b in zip(ours, norms)) <= 1e-12, (zero, ours, norms)
+        assert all((a - b).abs().max() <= 1e-12 for a, b in zip(shown, grads)), zero
+        assert max((state[k] - want[k]).abs().max().item() for k in want) <= 1e-12, zero
+
+
 def _refusals(topo):
     import minitrain
 

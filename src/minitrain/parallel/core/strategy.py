@@ -175,8 +175,13 @@ class FlatStrategy:
         self.finish_grad_sync()
 
     def _show_averaged(self, averaged: torch.Tensor) -> None:
-        """p.grad (views of flat.grad) hold the averaged gradient (a user's loop)."""
+        """p.grad (views of flat.grad) hold the averaged gradient (a user's loop): under expert parallelism settled
+        first, the whole of it (the shard the optimizer reads is a view of it), so p.grad is the step's gradient
+        and a norm read later changes nothing in it."""
         if self.visible is not None:
+            if self.split.ep is not None and not self._settled:
+                self.split.settle_experts(averaged, [(0, averaged.numel())])
+                self._settled = True
             self.visible.show(averaged, self.split.tp.world_size > 1, self.split.pp.world_size > 1)
 
     # --- the user's own model.load_state_dict / state_dict (user_loop) ---------------------------------------------

@@ -145,10 +145,11 @@ class VisibleGradients:
 
     def show(self, averaged: torch.Tensor, tp_split: bool, pp_split: bool) -> None:
         """p.grad hold `averaged`: a wider averaged copy is rounded into them; a fingerprint is taken where a change
-        before step() could not be honoured."""
+        before step() could not be honoured. tp_split: the model's tensors are sliced over ranks (by tensor or
+        expert parallelism)."""
         if averaged is not self.flat.grad:
             self.flat.grad.copy_(averaged)
-        why = ("the model is split over tensor-parallel ranks" if tp_split else
+        why = ("the model's tensors are split over ranks (tensor or expert parallelism)" if tp_split else
                "the model is split over pipeline stages" if pp_split else
                "the optimizer steps on their sum in a wider dtype, not on p.grad" if averaged is not self.flat.grad
                else None)

@@ -15,6 +15,7 @@ from .api import (
                   barrier,
                   cleanup,
                   clip_grad_norm_,
+                  context_shard,
                   dp_rank,
                   dp_world_size,
                   full_state_dict,
@@ -36,7 +37,7 @@ from .utils.prefetch import Prefetcher
 from .version import __version__
 
 __all__ = ["GradScaler", "ModelPlan", "MoEStats", "PipelineSplit", "Prefetcher", "PreparedOptimizer", "TokenShards",
-           "__version__", "barrier", "cleanup", "clip_grad_norm_",
+           "__version__", "barrier", "cleanup", "clip_grad_norm_", "context_shard",
            "dp_rank", "dp_world_size", "full_state_dict", "init_distributed", "is_main_process", "is_server",
            "load_checkpoint", "moe_stats", "no_sync", "pipeline_step", "prepare", "save_checkpoint", "serve",
            "wrap_for_ddp"]

@@ -13,6 +13,8 @@ from torch import nn
 from ..parallel import ModelPlan, cast_parameters, parallelize
 from ..parallel.core.config import ParallelConfig
 from ..parallel.expert_parallel.experts import HuggingFaceExperts, hugging_face_experts, routes_its_own_tokens
+from ..parallel.context_parallel.hugging_face import check_context_parallel
+from ..parallel.context_parallel.layout import ContextLayout
 from .moe_stats import moe_counters
 from ..parallel.core.loss_scale import COMPUTE_DTYPES
 from ..parallel.core.offload import OffloadStore
@@ -39,8 +41,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFn, *,
             prefetch: bool = True, activation_checkpointing: str | type = "none", tp: int = 1,
             tp_plan: dict | str | None = None, pp: int = 1, pp_split: PipelineSplit | list | str | None = None,
             microbatches: int = 1, schedule: str = "1f1b", offload: str = "none", offload_dir: str | None = None,
-            ep: int = 1, ep_plan: dict | str | None = None,
-            plan: ModelPlan | None = None, servers: int = 0,
+            ep: int = 1, ep_plan: dict | str | None = None, cp: int = 1, cp_style: str = "ring",
+            cp_plan: str | None = None, plan: ModelPlan | None = None, servers: int = 0,
             staleness: int = 0) -> tuple[nn.Module, PreparedOptimizer | ServerRankOptimizer]:
     """Make `model` train data parallel over every rank (ZeRO stage `zero`), with the user's optimizer,
     and with tp > 1 its layers split over groups of tp adjacent ranks (tensor parallel, Megatron-style).
@@ -82,6 +84,13 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFn, *,
         ep_plan: "auto" for a Hugging Face model's (its config's base_model_ep_plan: Mixtral, Qwen2-MoE, OLMoE),
         or {module-name pattern: "experts"} for a model's own modules of that layout (gate_up_proj (E, 2F, D),
         down_proj (E, D, F), act_fn; called with (hidden_states, top_k_index, top_k_weights)).
+    cp: context-parallel degree (tp = pp = ep = 1; cp divides the world): groups of cp adjacent ranks split every
+        sequence, each holding two chunks of 2 x cp (one early, one late); attention sees the whole sequence by
+        cp_style (ring | ulysses: cp must divide the heads); the ranks of a group read the same sequences
+        (dp_rank() / dp_world_size() count the groups) and the loop gives the model this rank's tokens:
+        `inputs, targets = minitrain.context_shard(model, inputs, targets)` (targets already shifted). Which
+        attention: the plan's (plan.attention and plan.positions), or cp_plan="auto" (the default without them)
+        for a Hugging Face model with rotary positions (Llama, Mistral, Qwen). Causal masks only.
     servers: parameter servers (api/servers.py): the last `servers` ranks hold the parameters and run the user's
         optimizer on their shards (minitrain.is_server() there: call minitrain.serve()); the other ranks are
         workers, each feeding its own share of the batch (dp_rank() / dp_world_size() count workers), whose
@@ -101,6 +110,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFn, *,
     check_server_settings(servers, staleness, session.topo.world_size, session.topo.backend, precision,
                           {"zero": zero, "tp": tp, "pp": pp, "ep": ep, "offload": offload, "dp": dp})
     _check_degrees(session.topo.world_size, tp, tp_plan, pp, pp_split)
+    cp_plan = _context_plan(model, plan, cp, cp_style, cp_plan, {"tp": tp, "pp": pp, "ep": ep, "servers": servers},
+                            session.topo.world_size)
     _check_experts_alone(model, tp, pp)
     plan = _with_tp_plan(model, plan, tp, tp_plan)
     split = _pipeline_split(model, pp, pp_split, microbatches, schedule)
@@ -147,7 +158,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFn, *,
 
     # Expert parallelism: groups of ep ranks each hold and compute their share of the experts, the ranks holding
     # the same experts are the data-parallel group, and every rank reads its own data (dp_rank()).
-    layout = topo.with_layout(tp, pp).with_experts(ep)
+    layout = topo.with_layout(tp, pp).with_experts(ep).with_context(cp)
     if servers:  # a server holds its shard and the user's optimizer; a worker trains with its topology
         group, layout = split_world(layout, servers, staleness)
         if layout is None:
@@ -161,16 +172,18 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFn, *,
         device=topo.device, forward_context=functools.partial(_autocast, topo.device, precision))
     strategy, pipeline = parallelize(model, layout, pcfg, make_optimizer, plan, activation_checkpointing,
                                      None if builder is None else lambda s: builder(s.module, no_sync=s.no_sync),
-                                     ep_plan=ep_plan if experts else None)
+                                     ep_plan=ep_plan if experts else None, cp_style=cp_style, cp_plan=cp_plan)
     settings = {"zero": zero, "precision": precision, "reduce_dtype": reduce_dtype, "dp": dp, "bucket_mb": bucket_mb,
                 "prefetch": prefetch, "tp": tp, "pp": pp, "microbatches": microbatches, "schedule": schedule,
-                "offload": offload, "ep": ep, "servers": servers, "staleness": staleness,
+                "offload": offload, "ep": ep, "cp": cp, "cp_style": cp_style, "servers": servers,
+                "staleness": staleness,
                 "activation_checkpointing": getattr(activation_checkpointing, "__name__", activation_checkpointing)}
     stage = None if split is None else Stage(model, split, layout.pp.rank, pp)
     names = [group_names for group_names, _ in groups]
     state = Prepared(strategy, settings, layout, pipeline, stage, groups=names,
                      hooks=hooks + refuse_batch_statistics(model, layout.dp.world_size), offload=store,
-                     user_class=type(model), moe=counters)
+                     user_class=type(model), moe=counters,
+                     context=ContextLayout(layout.cp.rank, cp) if cp > 1 else None)
     state.hooks.extend(counters.handles if counters else [])
     if tp > 1 and split is None:  # a tensor-parallel group must be fed alike: checked at each step
         state.hooks.append(model.register_forward_pre_hook(
@@ -306,6 +319,30 @@ def _check_experts_alone(model: nn.Module, tp: int, pp: int) -> None:
         raise ValueError(f"tp={tp}, pp={pp} with {type(routing).__name__}, a mixture of experts: tensor "
                          "parallelism does not split its 3-D expert weights, and a pipeline stage before the last "
                          "would drop its layers' balancing loss; use data parallelism, ZeRO and ep")
+
+
+def _context_plan(model: nn.Module, plan: ModelPlan | None, cp: int, style: str, cp_plan, others: dict,
+                  world: int) -> str | None:
+    """How context parallelism finds the model's attention ("auto": a Hugging Face model's own; None: the plan's),
+    checked before anything changes; ValueError saying why not otherwise."""
+    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
+        raise ValueError(f"cp must be an integer >= 1, got {cp!r}")
+    if cp == 1:
+        return None
+    if world % cp:
+        raise ValueError(f"cp={cp} does not divide the world size {world}")
+    clashes = [f"{k}={v}" for k, v in others.items() if v not in (0, 1)]
+    if clashes or any(routes_its_own_tokens(m) for m in model.modules()):
+        raise ValueError(f"cp={cp} with {', '.join(clashes) or 'a mixture of experts'}: context parallelism "
+                         "composes with data parallelism and ZeRO only for now")
+    if style not in ("ring", "ulysses"):
+        raise ValueError(f"cp_style must be ring or ulysses, got {style!r}")
+    if cp_plan not in (None, "auto"):
+        raise ValueError(f"cp_plan is 'auto' (a Hugging Face model's attention) or None (the plan's), got {cp_plan!r}")
+    if cp_plan is None and plan is not None and plan.attention is not None:
+        return None
+    check_context_parallel(model)
+    return "auto"
 
 
 def _expert_layers(model: nn.Module, ep: int, ep_plan, tp: int, pp: int, world: int) -> list[nn.Module]:

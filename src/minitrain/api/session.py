@@ -24,6 +24,7 @@ from ..runtime.comm import Comm
 from ..runtime.topology import Topology, under_torchrun
 
 if TYPE_CHECKING:
+    from ..parallel.context_parallel.layout import ContextLayout
     from .moe_stats import MoECounters
 
 
@@ -50,6 +51,7 @@ class Prepared:
     sync_requested: bool = True  # DDP's require_backward_grad_sync, as the user last set it (ddp_idioms.py)
     unsynced: contextlib.ExitStack | None = None  # the strategy's no_sync, entered because of it
     moe: MoECounters | None = None  # a mixture of experts: what moe_stats reads (moe_stats.py)
+    context: ContextLayout | None = None  # cp > 1: which tokens of a sequence this rank holds (context_shard)
 
     def close(self) -> None:
         """Every hook prepare and the strategy put on the model, removed; offload files removed. A parameter-server
@@ -193,7 +195,7 @@ def dp_rank() -> int:
 
 
 def dp_world_size() -> int:
-    """How many slices of the global batch the last `prepare` feeds: world size / (tp x pp), or under expert
+    """How many slices of the global batch the last `prepare` feeds: world size / (tp x pp x cp), or under expert
     parallelism the world size."""
     session = current()
     return (session.layout or session.topo).data.world_size

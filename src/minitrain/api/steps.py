@@ -1,5 +1,6 @@
 """What the user's loop calls between prepare and optimizer.step(): no_sync for accumulation, clip_grad_norm_,
-pipeline_step in place of forward + backward when the model is pipelined; and the per-step checks they share
+pipeline_step in place of forward + backward when the model is pipelined, context_shard under context parallelism;
+and the per-step checks they share
 (the loss scale this step's gradients carry, every rank of a replica fed alike)."""
 from __future__ import annotations
 
@@ -105,3 +106,13 @@ def _activation_shape(state: Prepared, micro: torch.Tensor) -> tuple[int, ...]:
         pp.broadcast(dims, src=0)
         state.shapes[key] = tuple(int(d) for d in dims[1:1 + int(dims[0])])
     return state.shapes[key]
+
+
+def context_shard(model: nn.Module, *tensors: torch.Tensor):
+    """This rank's tokens of each whole-sequence tensor (B, T, ...) of a model prepared with cp > 1: its two chunks
+    of 2 x cp along dim 1, side by side (as the model's attention expects them). Targets must be shifted before
+    (inputs x[:, :-1], targets x[:, 1:]): the chunks are not contiguous. One tensor in, one out; several, a tuple.
+    Without context parallelism each is returned as it is."""
+    context = state_of(model).context
+    shards = tuple(t if context is None else context.local(t) for t in tensors)
+    return shards[0] if len(shards) == 1 else shards

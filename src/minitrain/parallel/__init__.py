@@ -12,6 +12,7 @@ from .compiled import compile_blocks
 from ..runtime.topology import Topology
 from .core.config import ParallelConfig
 from .context_parallel.apply import apply_context_parallel
+from .context_parallel.hugging_face import apply_to_hugging_face
 from .expert_parallel.experts import balance_over_the_batch, shard_experts
 from .data_parallel.data_parallel import BucketedDataParallel, NaiveDataParallel, TorchDataParallel
 from .core.strategy import FlatStrategy, OptimizerFactory
@@ -32,7 +33,7 @@ def parallelize(model: nn.Module, topo: Topology, pcfg: ParallelConfig, make_opt
                 plan: ModelPlan | None = None, activation_checkpointing: str = "none",
                 pipeline: Callable[[FlatStrategy], Pipeline] | None = None,
                 compile: bool = False, ep_plan: dict | str | None = None,
-                cp_style: str = "ring") -> tuple[FlatStrategy, Pipeline | None]:
+                cp_style: str = "ring", cp_plan: str | None = None) -> tuple[FlatStrategy, Pipeline | None]:
     """Apply every parallelism the layout asks for to a full model, identical on every rank (or at least
     on rank 0, whose parameters every replica receives), in the only order that works:
     0. every rank is given rank 0's parameters and buffers (the replicas and every part cut from the model start
@@ -44,9 +45,9 @@ def parallelize(model: nn.Module, topo: Topology, pcfg: ParallelConfig, make_opt
     2b. expert parallelism (topo.ep): each rank keeps its share of every mixture-of-experts layer's experts,
        marked as slices of the whole tensors (expert_parallel/experts.py), and every such layer learns which
        ranks split the batch, for a balancing loss over all of their tokens;
-    2c. context parallelism (topo.cp): the plan's attention cores replaced by ring or Ulysses attention over the
-       group, its position modules given the whole sequence's positions, and the model's inputs cut to this
-       rank's tokens (context_parallel/apply.py); before recomputation, which then replays the new attention;
+    2c. context parallelism (topo.cp): the plan's attention cores (or with cp_plan="auto" a Hugging Face model's
+       attention function) replaced by ring or Ulysses attention over the group, its position modules given the
+       whole sequence's positions (context_parallel/); before recomputation, which then replays the new attention;
     3. compiling each block's forward (compile=True; compiled.py), then activation checkpointing: it
        wraps module calls from outside and must wrap the final modules, compiled, while keeping their
        hooks, which ZeRO-3 installs next;
@@ -72,7 +73,8 @@ def parallelize(model: nn.Module, topo: Topology, pcfg: ParallelConfig, make_opt
         shard_experts(model, topo.ep, ep_plan)
         whole.slices = tensor_parallel_slices(model)
     balance_over_the_batch(model, topo.data)
-    context = apply_context_parallel(model, topo.cp, plan, cp_style) if topo.cp.world_size > 1 else []
+    context = [] if topo.cp.world_size == 1 else apply_to_hugging_face(model, topo.cp, cp_style) \
+        if cp_plan == "auto" else apply_context_parallel(model, topo.cp, plan, cp_style)
     if compile:
         compile_blocks(model, plan)
     apply_activation_checkpointing(model, activation_checkpointing, plan)

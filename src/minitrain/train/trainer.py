@@ -27,6 +27,7 @@ from ..data import EvalBatches, load_val, make_loader
 from ..utils.prefetch import to_device
 from ..models import ModelSpec, spec_for
 from ..parallel import Pipeline, cast_parameters, parallelize
+from ..parallel.context_parallel.layout import ContextLayout
 from ..parallel.core.config import ParallelConfig
 from ..runtime.topology import Topology
 from .faults import Faults
@@ -69,6 +70,7 @@ class Trainer:
         if cfg.dist.cp > 1 and topo.cp.world_size == 1:  # the groups that split sequences, and their readers
             topo = topo.with_context(cfg.dist.cp)
         self.cfg, self.topo = cfg, topo
+        self.context = ContextLayout(topo.cp.rank, topo.cp.world_size) if topo.cp.world_size > 1 else None
         spec = spec or spec_for(cfg.model)
         seed_everything(cfg.train.seed, topo.rank)
         # Initialised in --dtype, then held in the compute dtype (16-bit in mixed precision; the
@@ -212,7 +214,7 @@ class Trainer:
         for micro in range(cfg.grad_accum):
             last = micro == cfg.grad_accum - 1
             with watch.phase("data"):
-                x, y = (self._to_device(t) for t in self.loader.next_batch())  # every stage reads it: in step
+                x, y = (self._local(self._to_device(t)) for t in self.loader.next_batch())  # every stage reads it
             if self.pipeline is not None:  # micro-batches through the stages; it syncs in the last backward
                 with watch.phase("forward_backward"):
                     loss_sum += self.pipeline.run(x, y, loss_scale / cfg.grad_accum, sync=last)
@@ -243,7 +245,7 @@ class Trainer:
         self.model.eval()  # the next train_step switches back
         with torch.no_grad():
             for x, y in self.eval_batches:
-                x, y = self._to_device(x), self._to_device(y)
+                x, y = self._local(self._to_device(x)), self._local(self._to_device(y))
                 if self.pipeline is not None:
                     loss_sum += self.pipeline.evaluate(x, y)
                 else:
@@ -255,6 +257,10 @@ class Trainer:
         self.topo.everyone.all_reduce_sum(both)
         total, holders = both.tolist()
         return total / holders
+
+    def _local(self, batch: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens of a batch of sequences: under context parallelism its two chunks of each."""
+        return batch if self.context is None else self.context.local(batch)
 
     def _to_device(self, batch: torch.Tensor) -> torch.Tensor:
         """A CPU batch onto the device: on a GPU from pinned memory (the prefetch thread pinned it) without

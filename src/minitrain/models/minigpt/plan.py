@@ -59,8 +59,8 @@ def selective(model: MiniGPT) -> list[tuple[nn.Module, str]]:
     return [(block.attn, "attend") for block in model.blocks.values()]
 
 
-def positions(model: MiniGPT) -> list[nn.Module]:
-    return [model.pos_emb] if model.pos_emb is not None else []
+def positions(model: MiniGPT) -> list[tuple[nn.Module, int]]:
+    return [(model.pos_emb, 0)] if model.pos_emb is not None else []
 
 
 MINIGPT_PLAN = ModelPlan(tensor_parallel=TENSOR_PARALLEL, pipeline_split=pipeline_split, blocks=blocks,

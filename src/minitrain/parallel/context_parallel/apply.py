@@ -1,10 +1,11 @@
-"""Context parallelism applied to a model from outside, by its plan (parallel/core/model_plan.py):
-- each attention core the plan names, method(q, k, v) on (B, heads, T, head_dim), is replaced on its instance by
-  ring or Ulysses attention over the group;
-- each position module it names, called with positions 0..T-1 of the tokens it has, gets the positions of this
-  rank's tokens in the whole sequence instead;
-- the model's forward takes whole sequences (B, T, ...), as a loader gives them, and keeps this rank's tokens of
-  every tensor argument: its inputs and its targets alike.
+"""Context parallelism applied to a model from outside:
+- by its plan (parallel/core/model_plan.py; MiniGPT's): each attention core, method(q, k, v) on
+  (B, heads, T, head_dim), is replaced on its instance by ring or Ulysses attention over the group;
+- a Hugging Face model (hugging_face.py): its attention is a function it looks up by name in its config, so a
+  function doing the same over the group is registered under a name of its own;
+- in both, each position module, called with positions 0..T-1 of the tokens it has (MiniGPT's learned position
+  embedding, a Llama's rotary embedding), gets the positions of this rank's tokens in the whole sequence instead.
+The loop gives the model this rank's tokens (ContextLayout.local: the trainer, or minitrain.context_shard).
 """
 from __future__ import annotations
 
@@ -22,28 +23,39 @@ from .ulysses import ulysses_attend
 STYLES = {"ring": ring_attend, "ulysses": ulysses_attend}
 
 
-def apply_context_parallel(model: nn.Module, comm: Comm, plan: ModelPlan | None, style: str = "ring") -> list:
-    """Change `model` for context parallelism over `comm`; returns the hooks' handles (the strategy removes them
-    when it closes). ValueError naming what is missing when the model has no plan for it."""
+def attention_over(comm: Comm, style: str):
+    """The attention function of `style` over `comm`: attend(q, k, v) on this rank's (B, heads, T/N, d)."""
     if style not in STYLES:
         raise ValueError(f"context-parallel style must be ring or ulysses, got {style!r}")
+    return functools.partial(STYLES[style], comm=comm, layout=ContextLayout(comm.rank, comm.world_size))
+
+
+def apply_context_parallel(model: nn.Module, comm: Comm, plan: ModelPlan | None, style: str = "ring") -> list:
+    """Change `model` for context parallelism over `comm` by its plan; returns the hooks' handles (the strategy
+    removes them when it closes). ValueError naming what is missing when the plan does not say."""
+    attend = attention_over(comm, style)
     cores = plan.attention(model) if plan is not None and plan.attention is not None else []
     if not cores:
         raise ValueError(f"context parallelism needs {type(model).__name__}'s attention cores (its plan's "
-                         "`attention`): without them the attention would see only this rank's tokens")
-    layout = ContextLayout(comm.rank, comm.world_size)
+                         "`attention`, or cp_plan='auto' for a Hugging Face model): without them attention would "
+                         "see only this rank's tokens")
     for module, name in cores:
-        setattr(module, name, functools.partial(STYLES[style], comm=comm, layout=layout))
-    handles = [model.register_forward_pre_hook(functools.partial(_this_ranks_tokens, layout))]
-    for module in plan.positions(model) if plan.positions is not None else []:
-        handles.append(module.register_forward_pre_hook(functools.partial(_whole_sequence_positions, layout)))
-    return handles
+        setattr(module, name, attend)
+    return whole_sequence_positions(plan.positions(model) if plan.positions is not None else [],
+                                    ContextLayout(comm.rank, comm.world_size))
 
 
-def _this_ranks_tokens(layout: ContextLayout, _model: nn.Module, args: tuple) -> tuple:
-    return tuple(layout.local(a) if isinstance(a, torch.Tensor) and a.dim() >= 2 else a for a in args)
+def whole_sequence_positions(modules: list[tuple[nn.Module, int]], layout: ContextLayout) -> list:
+    """Each (module, argument index): the positions it is called with (0..T-1 of this rank's tokens, a tensor
+    positional or the keyword `position_ids`) mapped to their positions in the whole sequence."""
+    return [module.register_forward_pre_hook(functools.partial(_map_positions, layout, index), with_kwargs=True)
+            for module, index in modules]
 
 
-def _whole_sequence_positions(layout: ContextLayout, _module: nn.Module, args: tuple) -> tuple:
-    local = args[0]
-    return (layout.positions(local.size(-1) * layout.ranks, device=local.device)[local], *args[1:])
+def _map_positions(layout: ContextLayout, index: int, _module: nn.Module, args: tuple, kwargs: dict):
+    def whole(local: torch.Tensor) -> torch.Tensor:
+        return layout.positions(local.size(-1) * layout.ranks, device=local.device)[local]
+
+    if kwargs.get("position_ids") is not None:
+        return args, {**kwargs, "position_ids": whole(kwargs["position_ids"])}
+    return (*args[:index], whole(args[index]), *args[index + 1:]), kwargs

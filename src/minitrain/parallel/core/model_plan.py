@@ -28,9 +28,10 @@ class ModelPlan:
     # (module, method name) pairs `selective` activation checkpointing recomputes.
     selective: Callable[[nn.Module], list[tuple[nn.Module, str]]] | None = None
     # Context parallelism: the causal attention cores, (module, method name) pairs called as method(q, k, v) on
-    # (B, heads, T, head_dim), and the modules called with the positions 0..T-1 of the tokens they embed.
+    # (B, heads, T, head_dim), and the modules called with the positions 0..T-1 of the tokens they embed, with the
+    # index of that argument: (module, index) pairs.
     attention: Callable[[nn.Module], list[tuple[nn.Module, str]]] | None = None
-    positions: Callable[[nn.Module], list[nn.Module]] | None = None
+    positions: Callable[[nn.Module], list[tuple[nn.Module, int]]] | None = None
 
 
 def matches(pattern: str, name: str) -> bool:

@@ -24,6 +24,7 @@ class ModelSplit:
         self.pp = Comm(device=device)  # the pipeline group, when this rank holds one stage of the model
         self.sliced: Ranges = []  # physical ranges of parameters split across tp
         self.ep: Comm | None = None  # expert parallelism that splits the weights (settle_experts)
+        self.settled = False  # this step's gradient settled over ep (settle_once; the strategy resets it per step)
 
     def use_groups(self, tp: Comm, pp: Comm) -> None:
         self.tp, self.pp = tp, pp
@@ -58,6 +59,12 @@ class ModelSplit:
         return total
 
     @torch.no_grad()
+    def settle_once(self, local: torch.Tensor, ranges: Ranges) -> None:
+        """settle_experts under expert parallelism, once per step: whichever reads the gradient first settles it."""
+        if self.ep is not None and not self.settled:
+            self.settle_experts(local, ranges)
+            self.settled = True
+
     def settle_experts(self, local: torch.Tensor, ranges: Ranges) -> None:
         """The gradient averaged over the replicas (`local`, over `ranges`) becomes the average over every rank: the
         dense parameters' (each rank of an ep group saw other tokens) summed over the ep group, and everything

@@ -78,7 +78,6 @@ class FlatStrategy:
         # The groups the model is split across besides this one (tensor, pipeline, expert parallel): the norms and,
         # under expert parallelism, the gradient must cover them (model_split.py).
         self.split = ModelSplit(self.flat, comm.device)
-        self._settled = False  # this step's gradient settled over ep (_synced_grad)
         self._norm: torch.Tensor | None = None  # this step's global gradient norm, once computed
         # Every hook this strategy puts on the model or its parameters: close() removes them, so a dropped model no
         # longer reaches the strategy (autograd would keep both alive) and the model is the user's own again.
@@ -146,9 +145,8 @@ class FlatStrategy:
         self.split.use_groups(tp, pp)
 
     def use_experts(self, ep: Comm) -> None:
-        """Expert parallelism that splits the weights (parallel/expert_parallel/experts.py): this strategy's group is the experts'
-        replicas, and the slices (WholeModel.slices, summed over `ep` in norms) are this rank's experts. Each
-        step's averaged gradient is then settled (ModelSplit.settle_experts) before anything reads it."""
+        """Expert parallelism (expert_parallel/experts.py): this strategy's group is the experts' replicas, the slices
+        (summed over `ep` in norms) this rank's experts; the averaged gradient is settled before it is read."""
         self.split.ep = ep
 
     def _average(self, summed: torch.Tensor) -> torch.Tensor:
@@ -159,9 +157,7 @@ class FlatStrategy:
     def _synced_grad(self) -> torch.Tensor:
         """_averaged_grad(), settled once per step under expert parallelism."""
         grad = self._averaged_grad()
-        if self.split.ep is not None and not self._settled:
-            self.split.settle_experts(grad, self.shard_ranges)
-            self._settled = True
+        self.split.settle_once(grad, self.shard_ranges)
         return grad
 
     # --- the gradients a ported DDP loop reads (user_loop, stages 0 and 1: user_loop/visible_grads.py) ----------
@@ -175,13 +171,9 @@ class FlatStrategy:
         self.finish_grad_sync()
 
     def _show_averaged(self, averaged: torch.Tensor) -> None:
-        """p.grad (views of flat.grad) hold the averaged gradient (a user's loop): under expert parallelism settled
-        first, the whole of it (the shard the optimizer reads is a view of it), so p.grad is the step's gradient
-        and a norm read later changes nothing in it."""
+        """p.grad (views of flat.grad) hold the averaged gradient (a user's loop), under ep settled first: whole."""
         if self.visible is not None:
-            if self.split.ep is not None and not self._settled:
-                self.split.settle_experts(averaged, [(0, averaged.numel())])
-                self._settled = True
+            self.split.settle_once(averaged, [(0, averaged.numel())])  # (the optimizer's shard is a view of it)
             self.visible.show(averaged, self.split.tp.world_size > 1, self.split.pp.world_size > 1)
 
     # --- the user's own model.load_state_dict / state_dict (user_loop) ---------------------------------------------
@@ -232,7 +224,7 @@ class FlatStrategy:
         """Gradients cleared without a step (a loop that drops a batch whose norm it did not like: backward,
         clip_grad_norm_, zero_grad): the step's norm, settled gradient and sync state go with them, as after a
         step, so the next step computes its own (a kept norm was the dropped batch's, clipping the next one)."""
-        self._settled = False
+        self.split.settled = False
         self._norm = None
         self._forget_sync()
 
@@ -333,7 +325,7 @@ class FlatStrategy:
                 self._update(lr, clip_coefficient(value, clip) / loss_scale)
             # else skip: parameters and optimizer state unchanged
         finally:
-            self._settled = False  # however the step ends: the next gradient is settled afresh
+            self.split.settled = False  # however the step ends: the next gradient is settled afresh
         self._norm = None
         self._end_step()
         return norm

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from minitrain import plan
+from minitrain.config import build_config
 from minitrain.train.run_config import run_config
 from minitrain.train.memory import allocated_peak_bytes, saved_activation_bytes
 from minitrain.train.precision import autocast
@@ -111,6 +112,7 @@ def test_block_recomputation_keeps_one_input_per_layer_and_replays_one_layer():
     (["--mfu", "1.5"], "--mfu must lie in (0, 1]"),
     (["--dp", "0"], "--dp must be at least 1"),
     (["--preset", "huge"], "unknown preset 'huge'"),
+    (["--seq", "20", "--cp", "3"], "the sequence must divide by 2 x cp"),
 ])
 def test_bad_plan_input_exits_2_with_one_line(argv, message):
     proc = run_main("plan", *argv)
@@ -241,3 +243,47 @@ def test_the_loss_terms_follow_the_devices_autocast():
     assert terms("bf16", cuda) == terms("fp16", cuda) == (2 + 4, 4)
     assert terms("bf16", HERE) == (4, 8)
     assert terms("fp32", cuda) == terms("fp32", HERE) == (4, 8)
+
+
+def _context_saved_bytes(topo, style, precision, mode):
+    from minitrain.parallel.context_parallel.apply import apply_context_parallel
+    from minitrain.parallel.context_parallel.layout import ContextLayout
+
+    cfg = run_config(cli_values={**MODELS["mid"], "train.precision": precision})
+    torch.manual_seed(0)
+    model = MiniGPT(cfg.model)
+    if precision != "fp32":
+        model.to(torch.bfloat16)
+    apply_context_parallel(model, topo.dp, MINIGPT_PLAN, style)
+    model = apply_activation_checkpointing(model, mode, MINIGPT_PLAN)
+    layout = ContextLayout(topo.rank, topo.world_size)
+    window = torch.randint(0, cfg.model.vocab_size, (3, cfg.model.seq_len + 1))
+    with saved_activation_bytes(model) as stored:
+        with autocast(cfg.train, torch.device("cpu")):
+            loss = model(layout.local(window[:, :-1]), layout.local(window[:, 1:]))
+        loss.backward()
+    return stored["bytes"], cfg.model
+
+
+@pytest.mark.parametrize("style,precision,mode", [("ring", "fp32", "none"), ("ring", "bf16", "none"),
+                                                  ("ulysses", "fp32", "none"), ("ulysses", "bf16", "selective")])
+def test_activation_formula_under_context_parallelism_matches_what_autograd_stores(style, precision, mode):
+    for measured, m in run_ranks(_context_saved_bytes, 2, style, precision, mode):
+        predicted = plan.activation_bytes(plan.PlanInput(model=m, params=0, micro_batch=3, precision=precision,
+                                                         activation_checkpointing=mode, cp=2, cp_style=style,
+                                                         hardware=HERE))
+        assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
+
+
+def test_a_sequence_too_long_for_the_device_is_told_the_context_parallelism_that_fits_it():
+    proc = run_main("plan", "--preset", "gpt2-124m", "--seq", "131072", "--precision", "bf16")
+    assert proc.returncode == 0 and "DOES NOT FIT; a sequence of 131072 tokens fits with --cp 2" in proc.stdout
+    m = build_config(cli_values={"model.preset": "gpt2-124m", "model.seq_len": 131072}).validate().model
+    inp = plan.PlanInput(model=m, params=0, precision="bf16")
+    one, two = (plan.plan(replace(inp, cp=cp)) for cp in (1, 2))
+    assert not one["fits"] and two["fits"] and plan.context_needed(inp) == 2
+    # The activations are the rank's share of the sequence's, plus the ring's float32 copies of its 16-bit q, k, v
+    # and output; the model state is the same on every rank of the group.
+    ratio = two["bytes_per_rank"]["activations"] / one["bytes_per_rank"]["activations"]
+    assert 0.5 < ratio < 0.6, ratio
+    assert two["bytes_per_rank"]["params"] == one["bytes_per_rank"]["params"]

@@ -35,6 +35,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
         planner.add_argument(flag, type=int, default=1, help="parallel degree (default 1)")
     planner.add_argument("--ep", type=int, default=1, help="expert-parallel degree of a mixture of experts (divides "
                          "--dp and --experts): each rank holds 1/ep of every layer's experts (default 1)")
+    planner.add_argument("--cp", type=int, default=1, help="context-parallel degree: groups of cp ranks split every "
+                         "sequence (activations 1/cp per rank; world = dp x tp x pp x cp; default 1). A plan that "
+                         "does not fit says which cp would make the sequence fit")
+    planner.add_argument("--cp-style", choices=("ring", "ulysses"), default="ring",
+                         help="context-parallel attention (default ring)")
     planner.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
     planner.add_argument("--activation-checkpointing", choices=("none", "block", "selective"), default="none")
     planner.add_argument("--offload", choices=("none", "cpu", "disk"), default="none",
@@ -57,11 +62,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from ..config import PRESETS
+    from ..config import PRESETS, build_config
     from .. import plan
-    from ..train.run_config import run_config
 
-    for name in ("micro_batch", "grad_accum", "dp", "tp", "pp", "ep", "microbatches"):
+    for name in ("micro_batch", "grad_accum", "dp", "tp", "pp", "ep", "cp", "microbatches"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if not 0 < args.mfu <= 1:
@@ -75,11 +79,16 @@ def run(args) -> int:
             raise ConfigError(f"unknown preset '{args.preset}'; choose one of: {', '.join(PRESETS)}")
         overrides = {k.removeprefix("model_"): v for k, v in vars(args).items() if k.startswith("model_") and v}
         values = {"model.preset": args.preset, **{f"model.{k}": v for k, v in overrides.items()}}
-        model = run_config(cli_values=values).model
+        model = build_config(cli_values=values).validate().model  # the settings alone: no corpus is read
         params = plan.model_params(model)
     if args.ep > 1 and (model is None or not model.moe_experts or model.moe_experts % args.ep or args.dp % args.ep):
         raise ConfigError(f"--ep {args.ep} splits a mixture of experts' experts: give --experts E with ep dividing "
                           "E and --dp")
+    if args.cp > 1 and (model is None or model.seq_len % (2 * args.cp) or args.tp > 1 or args.pp > 1 or args.ep > 1
+                        or args.servers or (args.cp_style == "ulysses" and model.n_head % args.cp)):
+        raise ConfigError(f"--cp {args.cp} splits a model's sequences (not --params) into 2 x cp chunks: the sequence "
+                          "must divide by 2 x cp (and the heads by cp under ulysses), without --tp, --pp, --ep or "
+                          "--servers")
     if args.servers < 0 or args.staleness < 0:
         raise ConfigError("--servers and --staleness must be >= 0")
     if args.servers and (args.zero or args.tp > 1 or args.pp > 1 or args.ep > 1 or args.offload != "none"):
@@ -92,9 +101,10 @@ def run(args) -> int:
                          precision=args.precision, reduce_dtype=args.reduce_dtype, dp=args.dp, tp=args.tp, pp=args.pp, ep=args.ep, zero=args.zero,
                          activation_checkpointing=args.activation_checkpointing, microbatches=args.microbatches,
                          schedule=args.schedule, mfu=args.mfu, hardware=hardware, offload=args.offload,
-                         servers=args.servers, staleness=args.staleness,
+                         servers=args.servers, staleness=args.staleness, cp=args.cp, cp_style=args.cp_style,
                          seq_len=args.model_seq_len or 1024)
     result = plan.plan(inp)
+    result["context_needed"] = None if result["fits"] else plan.context_needed(inp)
     print(json.dumps(result) if args.json else render(result))
     return 0
 
@@ -115,12 +125,15 @@ def render(result: dict) -> str:
                  for where in ("host", "disk") if b[where]]
     memory = human_bytes(result["device_memory_bytes"])
     experts = f" (ep {inp['ep']}: 1/{inp['ep']} of the experts per rank)" if inp.get("ep", 1) > 1 else ""
-    lines = [f"Plan: {result['world_size']} rank(s) = dp {inp['dp']} x tp {inp['tp']} x pp {inp['pp']}{experts}, "
+    context = f" x cp {inp['cp']} ({inp['cp_style']})" if inp.get("cp", 1) > 1 else ""
+    lines = [f"Plan: {result['world_size']} rank(s) = dp {inp['dp']} x tp {inp['tp']} x pp {inp['pp']}{context}"
+             f"{experts}, "
              f"ZeRO-{inp['zero']}, "
              f"{inp['precision']}, micro-batch {inp['micro_batch']}, activation checkpointing "
              f"{inp['activation_checkpointing']}, on {inp['hardware']}",
              "", "Memory per rank", format_table(["kind", "bytes", "GB"], rows, "<>>"),
-             f"total {human_bytes(b['total'])} of {memory}: " + ("fits" if result["fits"] else "DOES NOT FIT"),
+             f"total {human_bytes(b['total'])} of {memory}: " + ("fits" if result["fits"] else "DOES NOT FIT")
+             + _context_hint(result),
              "", f"FLOPs per token {result['flops_per_token']:.4g} (with recomputation "
              f"{result['flops_per_token_with_recompute']:.4g}); per rank per step {result['flops_per_rank_step']:.4g}",
              f"compute {1e3 * result['compute_s']:.2f} ms at {100 * result['mfu']:.0f}% MFU of "
@@ -135,6 +148,18 @@ def render(result: dict) -> str:
     lines += ["", f"step {1e3 * result['step_s']:.2f} ms, {result['tokens_per_step']:,} tokens/step, "
                   f"{result['tokens_per_s']:,.0f} tokens/s"]
     return "\n".join(lines)
+
+
+def _context_hint(result: dict) -> str:
+    """What context parallelism would do for a plan that does not fit (`context_needed`)."""
+    if result["fits"] or result["input"]["model"] is None:
+        return ""
+    needed, seq = result.get("context_needed"), result["input"]["model"]["seq_len"]
+    if needed is None:
+        return (f"; no context-parallel degree up to 64 fits a sequence of {seq} tokens here (the model state "
+                "itself may not fit: see ZeRO, offload)")
+    return (f"; a sequence of {seq} tokens fits with --cp {needed} (each rank 1/{needed} of it, {needed}x the "
+            "ranks)") if needed > 1 else ""
 
 
 def _render_servers(s: dict) -> list[str]:

@@ -16,10 +16,11 @@ from .hardware import GB, PRESETS, Hardware, Link, cpu_here
 from .inputs import PlanInput, element_bytes, layout_params, padded_params, reduce_bytes, shard_ranks
 from .memory import (activation_bytes, gathered_bytes, layer_activation_bytes, logprob_bytes, loss_backward_bytes,
                      model_state_bytes, offloaded_bytes, update_transients)
-from .predict import plan
+from .predict import context_needed, plan
 from .step_time import communication, flops_per_token
 
-__all__ = ["GB", "PRESETS", "Hardware", "Link", "PlanInput", "activation_bytes", "communication", "cpu_here",
+__all__ = ["GB", "PRESETS", "Hardware", "Link", "PlanInput", "activation_bytes", "communication", "context_needed",
+           "cpu_here",
            "element_bytes", "flops_per_token", "gathered_bytes", "layer_activation_bytes", "layout_params",
            "logprob_bytes", "loss_backward_bytes", "model_params", "model_state_bytes", "model_units",
            "offloaded_bytes", "padded_params", "plan", "reduce_bytes", "shard_ranks", "update_transients"]

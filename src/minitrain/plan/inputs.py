@@ -30,6 +30,8 @@ class PlanInput:
     schedule: str = "1f1b"
     offload: str = "none"  # none | cpu | disk: where the optimizer's master and state live (train/offload_files.py)
     ep: int = 1  # expert parallelism (a mixture of experts): each rank holds 1/ep of the experts; divides dp
+    cp: int = 1  # context parallelism: groups of cp ranks split every sequence (world = dp x tp x pp x cp)
+    cp_style: str = "ring"  # ring | ulysses
     servers: int = 0  # parameter servers besides the dp workers (servers.py); the workers hold no optimizer
     staleness: int = 0  # their bound K: what a server holds of gradients waiting for their step
     mfu: float = 0.4
@@ -51,9 +53,14 @@ def layout_params(inp: PlanInput) -> int:
 
 
 def shard_ranks(inp: PlanInput) -> int:
-    """The ranks ZeRO shards over: the data-parallel ranks, or under expert parallelism the replicas of one
-    rank's experts (dp / ep; Topology.with_experts)."""
-    return inp.dp // inp.ep
+    """The ranks ZeRO shards over: the data-parallel ranks, under expert parallelism the replicas of one rank's
+    experts (dp / ep; Topology.with_experts), under context parallelism every rank of dp x cp (with_context)."""
+    return inp.dp * inp.cp // inp.ep
+
+
+def local_seq(inp: PlanInput) -> int:
+    """Tokens of a sequence one rank holds: all of them, or 1/cp under context parallelism."""
+    return (inp.model.seq_len if inp.model is not None else inp.seq_len) // inp.cp
 
 
 def element_bytes(precision: str) -> int:

@@ -18,6 +18,8 @@
   float32 copy) and the token ids. Selective recomputation drops the attention core's term; block recomputation
   keeps one bsh input per layer plus one layer's full set (replayed in backward). A pipeline stage keeps its
   layers' activations for every micro-batch in flight: min(pp, micro-batches) under 1F1B, all of them under GPipe.
+  Under context parallelism every term is at s / cp, the rank's tokens, plus what the group's attention keeps
+  (context_activation_bytes).
 - transients: ZeRO-3's gathered units, the gradient sync's float32 copy, the loss's backward, the update's
   upcast chunk (the optimizer's, train/optim.py), each at the moment it is held.
 
@@ -28,12 +30,13 @@ head; those figures are not checked against measurement as the data-parallel one
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from ..config import ModelConfig
 from ..models.size import model_units
 from ..parallel.core.memory_math import memory_terms, term_bytes
 from ..train.optim import FlatAdamW
-from .inputs import PlanInput, element_bytes, layout_params, reduce_bytes, shard_ranks
+from .inputs import PlanInput, element_bytes, layout_params, local_seq, reduce_bytes, shard_ranks
 
 
 def state_element_bytes(inp: PlanInput) -> dict[str, int]:
@@ -96,9 +99,13 @@ def update_transients(inp: PlanInput) -> tuple[int, int]:
     return wide + landing, round(update)
 
 
-def layer_activation_bytes(cfg: ModelConfig, b: int, elem: int, mode: str) -> int:
-    """What one block keeps for backward (see the module docstring)."""
-    s, h, a, f = cfg.seq_len, cfg.d_model, cfg.n_head, cfg.ffn_dim
+def layer_activation_bytes(cfg: ModelConfig, b: int, elem: int, mode: str, cp: int = 1, style: str = "ring") -> int:
+    """What one block keeps for backward (see the module docstring), holding 1/cp of each sequence."""
+    s, h, a, f = cfg.seq_len // cp, cfg.d_model, cfg.n_head, cfg.ffn_dim
+    if cp > 1 and mode != "block":  # every token-wise term at s / cp; the attention is the group's, whose own
+        # tensors selective recomputation replays rather than keeps
+        kept = layer_activation_bytes(replace(cfg, seq_len=s, attention="sdpa"), b, elem, mode)
+        return kept + (context_activation_bytes(b, s, h, elem, style, cfg.seq_len) if mode == "none" else 0)
     if cfg.attention == "explicit":
         core = elem * a * b * s * s + s * s  # the scores' softmax and the causal mask
     else:
@@ -111,9 +118,20 @@ def layer_activation_bytes(cfg: ModelConfig, b: int, elem: int, mode: str) -> in
     return full
 
 
+def context_activation_bytes(b: int, s: int, h: int, elem: int, style: str, whole: int) -> int:
+    """What context parallelism's attention keeps per block beyond the fused kernel's at s = this rank's tokens:
+    ring attention computes 16-bit inputs in float32, so it keeps float32 q, k, v and output (16 bytes per element
+    of b s h) where the kernel kept them in 16 bits, and a 16-bit copy of its output; in full precision the same
+    tensors. Ulysses keeps its output's copy back in token order, and the two orders of the whole sequence's
+    positions (int64)."""
+    if style == "ring":
+        return b * s * h * (16 - 3 * elem) if elem < 4 else 0
+    return b * s * h * elem + 2 * 8 * whole
+
+
 def _logits(inp: PlanInput) -> int:
     """Elements of the logits on this rank (b s V)."""
-    return inp.micro_batch * inp.model.seq_len * inp.model.vocab_size // inp.tp
+    return inp.micro_batch * local_seq(inp) * inp.model.vocab_size // inp.tp
 
 
 def _loss_in_compute_dtype(inp: PlanInput) -> bool:
@@ -137,7 +155,8 @@ def replay_bytes(inp: PlanInput) -> int:
     """Block recomputation: the one layer replayed in backward holds a layer's whole activations for a while."""
     if inp.model is None or inp.activation_checkpointing != "block":
         return 0
-    return layer_activation_bytes(inp.model, inp.micro_batch, element_bytes(inp.precision), "none") // inp.tp
+    return layer_activation_bytes(inp.model, inp.micro_batch, element_bytes(inp.precision), "none", inp.cp,
+                                  inp.cp_style) // inp.tp
 
 
 def loss_backward_bytes(inp: PlanInput) -> int:
@@ -156,12 +175,15 @@ def activation_bytes(inp: PlanInput) -> int:
     cfg = inp.model
     if cfg is None:
         return 0
-    b, s, h = inp.micro_batch, cfg.seq_len, cfg.d_model
+    b, s, h = inp.micro_batch, local_seq(inp), cfg.d_model
     elem = element_bytes(inp.precision)
     layers = math.ceil(cfg.n_layer / inp.pp)
     in_flight = min(inp.pp, inp.microbatches) if inp.schedule == "1f1b" else inp.microbatches
-    per_microbatch = layers * layer_activation_bytes(cfg, b, elem, inp.activation_checkpointing) // inp.tp
-    ends = elem * (2 * b * s * h + 2 * b * s) + logprob_bytes(inp) + 8 * b * (s + 1) + 8 * s
+    per_microbatch = layers * layer_activation_bytes(cfg, b, elem, inp.activation_checkpointing, inp.cp,
+                                                     inp.cp_style) // inp.tp
+    # The token ids: inputs and targets one window of a loader's, or once cut for a context group two tensors.
+    ids = 8 * b * (s + 1) if inp.cp == 1 else 16 * b * s
+    ends = elem * (2 * b * s * h + 2 * b * s) + logprob_bytes(inp) + ids + 8 * s
     return in_flight * per_microbatch + ends + replay_bytes(inp)
 
 

@@ -2,10 +2,10 @@
 compare it with measurement."""
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from . import servers
-from .inputs import PlanInput, element_bytes, layout_params, reduce_bytes
+from .inputs import PlanInput, element_bytes, layout_params, local_seq, reduce_bytes
 from .memory import (activation_bytes, gathered_bytes, loss_backward_bytes, model_state_bytes, offloaded_bytes,
                      replay_bytes, update_transients)
 from .step_time import communication, flops_per_token, server_link
@@ -25,8 +25,7 @@ def plan(inp: PlanInput) -> dict:
     host, disk = offloaded_bytes(inp, state)
     total = sum(state.values()) - host - disk + transient
     hw = inp.hardware
-    seq = inp.model.seq_len if inp.model else inp.seq_len
-    tokens_rank = inp.micro_batch * seq * inp.grad_accum * max(1, inp.microbatches)
+    tokens_rank = inp.micro_batch * local_seq(inp) * inp.grad_accum * max(1, inp.microbatches)
     model_fpt, hw_fpt = flops_per_token(inp)
     flops_rank = hw_fpt * tokens_rank / (inp.tp * inp.pp)
     peak = hw.peak_flops[inp.precision]
@@ -35,7 +34,7 @@ def plan(inp: PlanInput) -> dict:
     comm = communication(inp)
     comm_s = sum(r["seconds"] for r in comm)
     step_s = compute_s / (1 - bubble) + comm_s
-    global_tokens = tokens_rank * inp.dp
+    global_tokens = tokens_rank * inp.dp * inp.cp
     on_servers = None
     if inp.servers:
         P, elem = layout_params(inp), element_bytes(inp.precision)
@@ -45,7 +44,7 @@ def plan(inp: PlanInput) -> dict:
     return {
         "input": {k: v for k, v in asdict(inp).items() if k not in ("model", "hardware")}
         | {"model": None if inp.model is None else asdict(inp.model), "hardware": hw.name},
-        "world_size": inp.dp * inp.tp * inp.pp + inp.servers,
+        "world_size": inp.dp * inp.tp * inp.pp * inp.cp + inp.servers,
         "parameter_servers": on_servers,
         # total is the predicted peak: state at rest plus the largest of the three moments above
         "bytes_per_rank": {**state, "gathered": gathered, "activations": acts, "loss_backward": loss_grads,
@@ -60,3 +59,17 @@ def plan(inp: PlanInput) -> dict:
         "step_s": step_s, "tokens_per_step": global_tokens, "tokens_per_s": global_tokens / step_s,
         "hardware_source": hw.source,
     }
+
+
+def context_needed(inp: PlanInput, most: int = 64) -> int | None:
+    """The smallest context-parallel degree (a power of two that cuts the sequence into 2 cp chunks, at most `most`)
+    at which the plan fits the device, all else as given; None when none does. Context parallelism cuts the
+    activations, not the model state, so a model too large for the device stays too large."""
+    if inp.model is None:
+        return None
+    cp = 1
+    while cp <= most and inp.model.seq_len % (2 * cp if cp > 1 else 1) == 0:
+        if plan(replace(inp, cp=cp))["fits"]:
+            return cp
+        cp *= 2
+    return None

@@ -10,7 +10,7 @@ import math
 
 from . import servers
 from .hardware import Link
-from .inputs import PlanInput, element_bytes, layout_params, reduce_bytes
+from .inputs import PlanInput, element_bytes, layout_params, local_seq, reduce_bytes
 from .memory import units_freed
 
 
@@ -41,8 +41,8 @@ def collective_time(link: Link, factor: float, size: float, calls: int = 1) -> f
 def communication(inp: PlanInput) -> list[dict]:
     """Per step, per rank: data-parallel gradient and parameter traffic of the ZeRO stage, the
     tensor-parallel all-reduces and the pipeline sends; each with bytes moved and seconds."""
-    hw, N, elem = inp.hardware, inp.dp, element_bytes(inp.precision)
-    world = inp.dp * inp.tp * inp.pp
+    hw, N, elem = inp.hardware, inp.dp * inp.cp, element_bytes(inp.precision)  # a context group's are replicas
+    world = inp.dp * inp.tp * inp.pp * inp.cp
     dp_links = hw.intra if world <= hw.gpus_per_node else hw.inter
     units = (inp.model.n_layer + 4) if inp.model else 1  # blocks, embeddings, ln_f, head
     rows = []
@@ -76,7 +76,29 @@ def communication(inp: PlanInput) -> list[dict]:
                              act, 2 * micro))
     if inp.model and inp.model.moe_experts:
         rows += expert_rows(inp, dp_links, elem)
+    if inp.model and inp.cp > 1:
+        rows += context_rows(inp, hw.intra if world <= hw.gpus_per_node else hw.inter, elem)
     return rows
+
+
+def context_rows(inp: PlanInput, links: dict[str, Link], elem: int) -> list[dict]:
+    """Context parallelism's traffic per step and rank, every layer (parallel/context_parallel/). Ring: a forward
+    passes this rank's keys and values on cp - 1 times; a backward passes them on with their gradients cp - 1
+    times and the gradients home once (cp messages, 2 cp - 1 blocks of keys and values), in float32 for 16-bit
+    inputs.
+    Ulysses: four all-to-alls per layer and pass (q, k, v to a split of the heads, the output back), each moving
+    (cp - 1) / cp of this rank's b s h. A forward recomputation replays the forward's."""
+    m, N = inp.model, inp.cp
+    forwards = inp.grad_accum * (2 if inp.activation_checkpointing != "none" else 1)
+    layers, block = m.n_layer, inp.micro_batch * local_seq(inp) * m.d_model
+    if inp.cp_style == "ring":
+        pair = 2 * block * max(elem, 4)  # keys and values (their gradients alike), as the ring computes them
+        # A backward's N messages carry 2N - 1 pairs: N - 1 with the gradients beside them, then the gradients home.
+        return [_row("ring send/recv (keys, values)", links, "send", 1.0, pair, layers * forwards * (N - 1)),
+                _row("ring send/recv (backward, with gradients)", links, "send", 1.0, pair * (2 * N - 1) / N,
+                     layers * inp.grad_accum * N)]
+    return [_row("Ulysses all_to_all (heads <-> tokens)", links, "all_to_all", (N - 1) / N, elem * block,
+                 layers * 4 * (forwards + inp.grad_accum))]
 
 
 def expert_rows(inp: PlanInput, links: dict[str, Link], elem: int) -> list[dict]:

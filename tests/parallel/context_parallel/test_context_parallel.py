@@ -88,3 +88,28 @@ def test_a_checkpoint_saved_at_cp_2_loads_at_cp_1_and_4_and_trains_on_as_one_pro
         loaded, loss = run_ranks(_load_at_cp, world, world, zero, path)[0]
         assert torch.equal(loaded, saved), world
         assert abs(loss - ref.losses[2]) <= 1e-12, (world, loss, ref.losses[2])
+
+
+def _sent(topo, style, recompute):
+    from minitrain.train.trainer import Trainer
+
+    cfg = _config(topo.world_size, topo.world_size, style, **{"train.activation_checkpointing": recompute,
+                                                             "train.dtype": "float32"})
+    with Trainer(cfg, topo) as trainer:
+        for _ in range(STEPS):
+            trainer.train_step()
+        return {op: (s.calls, s.bytes) for op, s in trainer.topo.cp.stats.items()}, cfg.model
+
+
+@pytest.mark.parametrize("style,recompute", [("ring", "none"), ("ring", "block"), ("ulysses", "none")])
+def test_the_plan_counts_the_transfers_context_parallelism_sends(style, recompute):
+    from minitrain import plan
+
+    sent, model = run_ranks(_sent, 2, style, recompute)[0]
+    rows = plan.plan(plan.PlanInput(model=model, params=0, micro_batch=2, cp=2, cp_style=style,
+                                    activation_checkpointing=recompute))["communication"]
+    mine = [r for r in rows if r["what"].startswith(("ring", "Ulysses"))]
+    calls, nbytes = sent["send" if style == "ring" else "all_to_all"]
+    assert calls == STEPS * sum(r["calls"] for r in mine), (sent, mine)
+    factor = 1.0 if style == "ring" else 1 / 2  # what leaves the rank of what the collective is handed
+    assert nbytes * factor == STEPS * sum(r["bytes"] for r in mine), (sent, mine)

@@ -454,6 +454,30 @@ def moe_balance(docs: list[dict]) -> list[str]:
                     "<>>>", rows)]
 
 
+def context_parallel_memory(docs: list[dict]) -> list[str]:
+    doc = docs[0]
+    rows = []
+    for seq, by_cp in doc["memory"].items():
+        whole = by_cp["1"]["stored_bytes"]
+        rows += [[seq, cp, f"{m['stored_bytes'] / 2**20:.1f} MiB", f"{m['stored_bytes'] / whole:.3f}",
+                  f"{m['predicted_bytes'] / 2**20:.1f} MiB", f"{m['peak_bytes'] / 2**20:.1f} MiB"]
+                 for cp, m in by_cp.items()]
+    return [f"The `{doc['preset']}` preset, one sequence per step ({doc['precision']}, ring attention), rank 0: the "
+            "bytes autograd keeps for backward in a step (exact), `minitrain plan`'s prediction, and the most bytes "
+            "the CPU allocator held during a step above what it held before (the blocks in transit and the kernels' temporaries included).",
+            "", *_table(["sequence", "cp", "stored activations", "vs cp 1", "`minitrain plan`", "allocated peak"],
+                        ">>>>>>", rows)]
+
+
+def context_parallel_time(docs: list[dict]) -> list[str]:
+    doc = docs[0]
+    rows = [[f"cp {key.split()[0]}" + (f" {key.split()[1]}" if key != "1 ring" else " (fused kernel)"),
+             f"{v['step_ms'][0]:.0f}", fmt_range(v["ratio"], "{:.2f}")] for key, v in doc["timing"].items()]
+    return [f"The same model at {doc['time_seq']} tokens, one sequence per step, cp ranks on this machine's cores; "
+            f"median of {doc['steps']} steps after {doc['warmup']} warm-up, median [min-max] over {doc['repeats']} "
+            "repeats in rotated order.", "", *_table(["layout", "step ms", "vs cp 1"], "<>>", rows)]
+
+
 def gpu_memory(docs: list[dict]) -> list[str]:
     doc = docs[0]
     rows = [[str(r["zero"]), r["activation_checkpointing"], f"{r['predicted_bytes'] / 2**30:.2f} GiB",
@@ -706,6 +730,8 @@ TABLES = {
     "prepare_throughput": ("prepare_throughput.json", prepare_throughput),
     "shard_loader": ("shard_loader.json", shard_loader),
     "moe_balance": ("moe_balance.json", moe_balance),
+    "context_parallel_memory": ("context_parallel.json", context_parallel_memory),
+    "context_parallel_time": ("context_parallel.json", context_parallel_time),
     "tensor_parallel": ("tensor_parallel_tp*.json", tensor_parallel),
     "tensor_parallel_llama": ("tensor_parallel_llama_tp*.json", tensor_parallel),
     "pipeline": ("pipeline_pp*_m*.json", pipeline),

@@ -26,6 +26,8 @@ KEYS = {"prepare_vs_peers": TIMED | {"world", "warmup"}, "prepare_vs_peers_w4": 
         "shard_loader": TIMED | {"shards", "loader_corpus_bytes", "loader_cache_bytes", "step_shard_bytes", "seq_len",
                                  "batch_per_rank", "ranks"},
         "moe_balance": {"model", "steps", "seeds", "per_seed", "results"},
+        "context_parallel_memory": {"preset", "precision", "memory"},
+        "context_parallel_time": {"time_seq", "steps", "warmup", "repeats", "timing"},
         "tensor_parallel": TIMED | {"tp", "minitrain_over_dtensor"},
         "tensor_parallel_llama": TIMED | {"tp", "minitrain_over_dtensor", "model"},
         "pipeline": TIMED | {"pp", "microbatches", "minitrain_over_torch"},

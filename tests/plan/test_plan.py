@@ -282,8 +282,8 @@ def test_a_sequence_too_long_for_the_device_is_told_the_context_parallelism_that
     inp = plan.PlanInput(model=m, params=0, precision="bf16")
     one, two = (plan.plan(replace(inp, cp=cp)) for cp in (1, 2))
     assert not one["fits"] and two["fits"] and plan.context_needed(inp) == 2
-    # The activations are the rank's share of the sequence's, plus the ring's float32 copies of its 16-bit q, k, v
-    # and output; the model state is the same on every rank of the group.
+    # The activations are the rank's share of the sequence's, plus the ring's output kept in heads-first order;
+    # the model state is the same on every rank of the group.
     ratio = two["bytes_per_rank"]["activations"] / one["bytes_per_rank"]["activations"]
-    assert 0.5 < ratio < 0.6, ratio
+    assert 0.5 < ratio < 0.55, ratio
     assert two["bytes_per_rank"]["params"] == one["bytes_per_rank"]["params"]

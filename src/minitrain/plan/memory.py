@@ -120,13 +120,10 @@ def layer_activation_bytes(cfg: ModelConfig, b: int, elem: int, mode: str, cp: i
 
 def context_activation_bytes(b: int, s: int, h: int, elem: int, style: str, whole: int) -> int:
     """What context parallelism's attention keeps per block beyond the fused kernel's at s = this rank's tokens:
-    ring attention computes 16-bit inputs in float32, so it keeps float32 q, k, v and output (16 bytes per element
-    of b s h) where the kernel kept them in 16 bits, and a 16-bit copy of its output; in full precision the same
-    tensors. Ulysses keeps its output's copy back in token order, and the two orders of the whole sequence's
-    positions (int64)."""
-    if style == "ring":
-        return b * s * h * (16 - 3 * elem) if elem < 4 else 0
-    return b * s * h * elem + 2 * 8 * whole
+    both keep the attention's output in heads-first order, which the projection's input must copy (the kernel's
+    output is laid out in token order, so its copy is free); Ulysses also keeps the two orders of the whole
+    sequence's positions (int64)."""
+    return b * s * h * elem + (2 * 8 * whole if style == "ulysses" else 0)
 
 
 def _logits(inp: PlanInput) -> int:

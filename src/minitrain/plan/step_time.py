@@ -84,15 +84,14 @@ def communication(inp: PlanInput) -> list[dict]:
 def context_rows(inp: PlanInput, links: dict[str, Link], elem: int) -> list[dict]:
     """Context parallelism's traffic per step and rank, every layer (parallel/context_parallel/). Ring: a forward
     passes this rank's keys and values on cp - 1 times; a backward passes them on with their gradients cp - 1
-    times and the gradients home once (cp messages, 2 cp - 1 blocks of keys and values), in float32 for 16-bit
-    inputs.
+    times and the gradients home once (cp messages, 2 cp - 1 blocks of keys and values).
     Ulysses: four all-to-alls per layer and pass (q, k, v to a split of the heads, the output back), each moving
     (cp - 1) / cp of this rank's b s h. A forward recomputation replays the forward's."""
     m, N = inp.model, inp.cp
     forwards = inp.grad_accum * (2 if inp.activation_checkpointing != "none" else 1)
     layers, block = m.n_layer, inp.micro_batch * local_seq(inp) * m.d_model
     if inp.cp_style == "ring":
-        pair = 2 * block * max(elem, 4)  # keys and values (their gradients alike), as the ring computes them
+        pair = 2 * block * elem  # keys and values, or their gradients
         # A backward's N messages carry 2N - 1 pairs: N - 1 with the gradients beside them, then the gradients home.
         return [_row("ring send/recv (keys, values)", links, "send", 1.0, pair, layers * forwards * (N - 1)),
                 _row("ring send/recv (backward, with gradients)", links, "send", 1.0, pair * (2 * N - 1) / N,

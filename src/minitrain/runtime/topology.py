@@ -187,13 +187,7 @@ class Topology:
             return self
         if self.tp.world_size > 1 or self.pp.world_size > 1:
             raise ConfigError("expert parallelism is not combined with tensor or pipeline parallelism")
-        groups = layout_groups(self.world_size, ep, 1)  # adjacent groups of ep ranks are the layout's "tp"
-        comms = {}
-        for kind, name in (("tp", "ep"), ("dp", "dp")):
-            mine = next(g for g in groups[kind] if self.rank in g)
-            group, _ = dist.new_subgroups_by_enumeration(groups[kind])
-            comms[name] = Comm(mine.index(self.rank), len(mine), group, self.device, name, self.watch)
-        self.opened.extend(comms.values())
+        comms = self._adjacent_and_strided(ep, "ep", "dp")
         return Topology(self.rank, self.world_size, self.local_rank, self.backend, self.device, dp=comms["dp"],
                         ep=comms["ep"], world=self.everyone, watch=self.watch, opened=self.opened)
 
@@ -206,16 +200,22 @@ class Topology:
             return self
         if self.tp.world_size > 1 or self.pp.world_size > 1 or self.ep.world_size > 1:
             raise ConfigError("context parallelism is not combined with tensor, pipeline or expert parallelism")
-        groups = layout_groups(self.world_size, cp, 1)  # adjacent groups of cp ranks are the layout's "tp"
+        comms = self._adjacent_and_strided(cp, "cp", "readers")
+        return Topology(self.rank, self.world_size, self.local_rank, self.backend, self.device, dp=self.dp,
+                        cp=comms["cp"], readers=comms["readers"], world=self.everyone, watch=self.watch,
+                        opened=self.opened)
+
+    def _adjacent_and_strided(self, size: int, adjacent: str, strided: str) -> dict[str, Comm]:
+        """This rank's group of `size` adjacent ranks (named `adjacent`) and its group of their stride-`size`
+        replicas (`strided`). Collective: every rank creates every group, in the same order."""
+        groups = layout_groups(self.world_size, size, 1)  # adjacent groups of `size` ranks are the layout's "tp"
         comms = {}
-        for kind, name in (("tp", "cp"), ("dp", "readers")):
+        for kind, name in (("tp", adjacent), ("dp", strided)):
             mine = next(g for g in groups[kind] if self.rank in g)
             group, _ = dist.new_subgroups_by_enumeration(groups[kind])
             comms[name] = Comm(mine.index(self.rank), len(mine), group, self.device, name, self.watch)
         self.opened.extend(comms.values())
-        return Topology(self.rank, self.world_size, self.local_rank, self.backend, self.device, dp=self.dp,
-                        cp=comms["cp"], readers=comms["readers"], world=self.everyone, watch=self.watch,
-                        opened=self.opened)
+        return comms
 
     def as_worker(self, group: ServerGroup) -> "Topology":
         """A worker's view of a parameter-server world: its data-parallel group, and everyone, are the workers.

@@ -55,3 +55,17 @@ def test_the_layout_pairs_an_early_chunk_with_a_late_one_so_the_causal_work_is_e
     assert len(set(work)) == 1, work
     with pytest.raises(ValueError, match="does not cut into 2 x cp = 8 equal chunks"):
         ContextLayout(0, N).local(torch.zeros(1, 12))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_block_spelt_out_equals_the_fused_kernel_and_its_gradients(causal):
+    from minitrain.parallel.context_parallel.blocks import block_attention, block_gradients
+
+    g = torch.Generator().manual_seed(2)
+    q, k, v, dout = (torch.randn(2, 3, 8, 4, dtype=torch.float64, generator=g) for _ in range(4))
+    if not causal:  # queries against another block of keys, of another length
+        k, v = k[:, :, :6], v[:, :, :6]
+    (fo, fl), (eo, el) = (block_attention(q, k, v, causal, fused=f) for f in (True, False))
+    assert (fo - eo).abs().max() <= 1e-12 and (fl - el).abs().max() <= 1e-12
+    fused, spelt = (block_gradients(dout, q, k, v, fo, fl, causal, fused=f) for f in (True, False))
+    assert all((a - b).abs().max() <= 1e-12 for a, b in zip(fused, spelt))

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from tests.helpers.dist import run_ranks
 from tests.helpers.hf_models import OPTIMIZERS, make_model
+from tests.helpers.refusal import refusal
 
 STEPS, BATCH, LENGTH = 3, 4, 9  # sequences of 9 tokens: 8 inputs and 8 shifted targets
 
@@ -114,12 +115,7 @@ def _refusals(topo):
     said = []
 
     def refused(make, **kwargs):
-        try:
-            minitrain.prepare(make(), OPTIMIZERS["adamw"], **kwargs)
-        except ValueError as e:
-            said.append(str(e))
-        else:
-            said.append("")
+        said.append(refusal(lambda: minitrain.prepare(make(), OPTIMIZERS["adamw"], **kwargs)))
 
     def mistral():
         cfg = transformers.MistralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -136,11 +132,7 @@ def _refusals(topo):
     for call in (lambda: minitrain.context_shard(model, x),  # 9 tokens do not cut into 4 chunks
                  lambda: model(input_ids=minitrain.context_shard(model, x[:, :-1]),
                                attention_mask=torch.ones(2, 4, dtype=torch.long).tril())):  # padding
-        try:
-            call()
-            said.append("")
-        except ValueError as e:
-            said.append(str(e))
+        said.append(refusal(call))
     minitrain.cleanup()
     return said
 

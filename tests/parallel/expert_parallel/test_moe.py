@@ -17,6 +17,7 @@ from minitrain.parallel.expert_parallel.load import ExpertLoad
 
 from tests.helpers.dist import run_main, run_ranks
 from tests.helpers.hf_models import tiny_moe
+from tests.helpers.refusal import refusal
 from tests.helpers.numerics import assert_bit_equal
 from tests.helpers.reference import assert_close_to, plain_run
 
@@ -457,11 +458,7 @@ def _refusals(topo):
                           (tiny_moe(), {"ep": 2, "ep_plan": {"model.layers.*.nothing": "experts"}}),
                           (_model(), {"tp": 2, "tp_plan": {"blocks.*.attn.qkv": "colwise"}}),
                           (_model(), {"pp": 2, "pp_split": minitrain.PipelineSplit(["blocks"])})):
-        try:
-            minitrain.prepare(model, OPTIMIZERS["adamw"], **kwargs)
-            said.append(None)
-        except ValueError as e:
-            said.append(str(e))
+        said.append(refusal(lambda: minitrain.prepare(model, OPTIMIZERS["adamw"], **kwargs)))
     minitrain.cleanup()
     return said
 

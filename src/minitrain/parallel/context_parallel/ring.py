@@ -1,24 +1,30 @@
 """Ring attention: each rank keeps the queries of its own tokens, and the keys and values go round the ring.
 
-With N ranks, step j gives rank r the keys and values of rank r - j: it scores its queries against them under the
-causal mask (by the tokens' positions in the whole sequence, layout.py) and folds the result into what it has so
-far with the online softmax, keeping per query the log of the sum of exponentials (lse): after N steps its
-output is the softmax over every key of the sequence, exactly. The backward goes round again: each rank
-recomputes the probabilities of every block from the saved lse, adds its gradient of the queries, and adds its
-share of the visiting block's key and value gradients to the ones that travel with the block; one more pass takes
-those gradients home (Liu et al. 2023, "Ring Attention with Blockwise Transformers").
+With N ranks, step j gives rank r the keys and values of rank r - j. Rank r holds chunks r and 2N - 1 - r of the
+sequence (layout.py), so under the causal mask each step is one plain block of attention:
+- step 0, its own keys: causal attention over its two chunks (they are in sequence order side by side);
+- keys from a rank before it (r - j >= 0): all its queries against the first of those chunks, no mask (the second
+  comes after every query of r);
+- keys from a rank after it: its second chunk's queries against both of those chunks, no mask (its first chunk
+  comes before all of them).
+Every rank computes the same amount, half of the N blocks of a full square, as one process does over the whole
+sequence. Each block gives its output and, per query, the log of its sum of exponentials (lse); the online
+softmax folds them into one output, exactly the softmax over every key. The backward goes round again: each block's
+gradients are computed against the final output and lse, the query gradients kept, the key and value gradients
+added to the ones that travel with the block; one more pass takes those home (Liu et al. 2023, "Ring Attention
+with Blockwise Transformers").
 
-Only (keys, values) and their gradients travel, N times per layer and pass; no rank ever holds the whole
-sequence's keys. Here a step's transfer follows its compute (the teaching order); overlapping the next block's
-transfer with this block's compute is what a fast kernel adds.
+A block runs in the fused kernel where PyTorch has one that returns the lse (the CPU's flash attention), else in
+explicit arithmetic (blocks.py). Only keys, values and their gradients travel, N times per layer and pass; no rank
+holds the whole sequence's keys. A step's transfer follows its compute here (the teaching order); overlapping the
+next block's transfer with this block's compute is what a fast implementation adds.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 
 from ...runtime.comm import Comm
+from .blocks import block_attention, block_gradients
 from .layout import ContextLayout
 
 
@@ -31,10 +37,14 @@ def pass_on(comm: Comm, tensor: torch.Tensor) -> torch.Tensor:
     return received
 
 
-def masked_scores(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-    """q k^T / sqrt(head_dim), -inf where a key comes after the query in the whole sequence."""
-    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
-    return scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+def block_of(step: int, rank: int, ranks: int, local: int) -> tuple[slice, slice, bool]:
+    """(this rank's query rows, the visiting block's key rows, causal) at a ring step (see the module docstring)."""
+    half = local // 2
+    if step == 0:
+        return slice(None), slice(None), True
+    if (rank - step) % ranks < rank:  # keys of an earlier rank: its first chunk only, for every query
+        return slice(None), slice(0, half), False
+    return slice(half, None), slice(None), False  # of a later rank: both chunks, for the second chunk's queries
 
 
 class RingAttention(torch.autograd.Function):
@@ -42,41 +52,37 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, comm: Comm, layout: ContextLayout):
-        T = q.size(-2) * comm.world_size
-        q_pos = layout.positions(T, device=q.device)
-        out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+        wide = torch.promote_types(q.dtype, torch.float32)  # the online softmax sums in float32 at least
+        out = torch.zeros(q.shape, dtype=wide, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=wide, device=q.device)
         block = torch.stack([k, v])
-        for step in range(comm.world_size):  # its own block first: every query sees at least itself
-            source = (comm.rank - step) % comm.world_size
-            scores = masked_scores(q, block[0], q_pos, layout.positions(T, source, q.device))
-            merged = torch.logaddexp(lse, torch.logsumexp(scores, dim=-1))
-            out = out * torch.exp(lse - merged).unsqueeze(-1) + torch.exp(scores - merged.unsqueeze(-1)) @ block[1]
-            lse = merged
+        for step in range(comm.world_size):
+            rows, keys, causal = block_of(step, comm.rank, comm.world_size, q.size(-2))
+            o, l = block_attention(q[:, :, rows], block[0][:, :, keys], block[1][:, :, keys], causal)
+            merged = torch.logaddexp(lse[:, :, rows], l)
+            out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - merged).unsqueeze(-1)
+                               + o.to(wide) * torch.exp(l - merged).unsqueeze(-1))
+            lse[:, :, rows] = merged
             if step < comm.world_size - 1:
                 block = pass_on(comm, block)
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.comm, ctx.layout = comm, layout
+        ctx.comm = comm
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        comm, layout = ctx.comm, ctx.layout
-        T, scale = q.size(-2) * comm.world_size, 1 / math.sqrt(q.size(-1))
-        q_pos = layout.positions(T, device=q.device)
-        delta = (grad_out * out).sum(dim=-1, keepdim=True)  # d(softmax) needs rowsum(dO * O)
+        comm = ctx.comm
         grad_q = torch.zeros_like(q)
         block, block_grad = torch.stack([k, v]), torch.zeros(2, *k.shape, dtype=k.dtype, device=k.device)
         for step in range(comm.world_size):
-            source = (comm.rank - step) % comm.world_size
-            k_b, v_b = block[0], block[1]
-            probs = torch.exp(masked_scores(q, k_b, q_pos, layout.positions(T, source, q.device))
-                              - lse.unsqueeze(-1))
-            grad_scores = probs * (grad_out @ v_b.transpose(-2, -1) - delta)
-            grad_q += grad_scores @ k_b * scale
-            block_grad = block_grad + torch.stack([grad_scores.transpose(-2, -1) @ q * scale,
-                                                   probs.transpose(-2, -1) @ grad_out])
+            rows, keys, causal = block_of(step, comm.rank, comm.world_size, q.size(-2))
+            dq, dk, dv = block_gradients(grad_out[:, :, rows], q[:, :, rows], block[0][:, :, keys],
+                                         block[1][:, :, keys], out[:, :, rows], lse[:, :, rows], causal)
+            grad_q[:, :, rows] += dq
+            block_grad[0][:, :, keys] += dk
+            block_grad[1][:, :, keys] += dv
             if step < comm.world_size - 1:  # the block and its gradient so far go on together
                 both = pass_on(comm, torch.stack([block, block_grad]))
                 block, block_grad = both[0], both[1]
@@ -87,6 +93,4 @@ class RingAttention(torch.autograd.Function):
 def ring_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: Comm,
                 layout: ContextLayout) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence, by ring (see the module docstring)."""
-    compute = torch.promote_types(q.dtype, torch.float32)  # 16-bit inputs: the softmax sums in float32
-    out = RingAttention.apply(q.to(compute), k.to(compute), v.to(compute), comm, layout)
-    return out.to(q.dtype)
+    return RingAttention.apply(q, k, v, comm, layout)

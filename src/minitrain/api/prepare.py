@@ -110,6 +110,11 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFn, *,
     check_server_settings(servers, staleness, session.topo.world_size, session.topo.backend, precision,
                           {"zero": zero, "tp": tp, "pp": pp, "ep": ep, "offload": offload, "dp": dp})
     _check_degrees(session.topo.world_size, tp, tp_plan, pp, pp_split)
+    if schedule == "zero-bubble" and (tp > 1 or zero >= 2 or activation_checkpointing != "none"):
+        raise ValueError(f"schedule='zero-bubble' with tp={tp}, zero={zero}, activation_checkpointing="
+                         f"{activation_checkpointing!r}: its weight gradients are computed after the backward from "
+                         "each layer's noted output, which a split layer, a sharded gradient or a recomputed layer "
+                         "changes; use schedule='1f1b' with them")
     cp_plan = _context_plan(model, plan, cp, cp_style, cp_plan, {"tp": tp, "pp": pp, "ep": ep, "servers": servers},
                             session.topo.world_size)
     _check_experts_alone(model, tp, pp)

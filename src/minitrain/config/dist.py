@@ -52,7 +52,9 @@ class DistConfig:
     microbatches: int = opt(1, "micro-batches each batch is cut into (they must divide --batch-size): the pipeline "
                             "keeps stages busy with different ones; the bubble is (pp-1)/(microbatches+pp-1)")
     schedule: str = opt("1f1b", "pipeline schedule: 1f1b (warm-up, one forward / one backward, cool-down: at most "
-                        "pp micro-batches of activations held) | gpipe (all forwards, then all backwards: holds all)")
+                        "pp micro-batches of activations held) | gpipe (all forwards, then all backwards: holds all) "
+                        "| zero-bubble (ZB-H1: each backward split into the input's gradient and the weights', "
+                        "which fill 1f1b's cool-down; about a third of its bubble)")
 
 
 def check_sync(cfg: RunConfig) -> None:
@@ -128,7 +130,17 @@ def _check_layout(cfg: RunConfig) -> None:
                 raise ConfigError(f"--tp {d.tp} does not divide {name} = {value}; tensor parallelism splits it "
                                   f"evenly across ranks{hint}")
     require_positive("dist.microbatches", d.microbatches)
-    require_choice("dist.schedule", d.schedule, ("1f1b", "gpipe"))
+    require_choice("dist.schedule", d.schedule, ("1f1b", "gpipe", "zero-bubble"))
+    if d.schedule == "zero-bubble":
+        clashes = [f for f, on in (("--tp", d.tp > 1), ("--train.activation_checkpointing",
+                                                         cfg.train.activation_checkpointing != "none"),
+                                   ("--train.compile", cfg.train.compile), (f"--zero {cfg.train.zero}",
+                                                                             cfg.train.zero >= 2)) if on]
+        if clashes:
+            raise ConfigError(f"--dist.schedule zero-bubble with {', '.join(clashes)}: its weight gradients are "
+                              "computed after the backward, from each layer's noted output, which those change "
+                              "(a split layer's, a recomputed one's, a compiled block's, a gradient sharded as its "
+                              "backward ends); use --dist.schedule 1f1b with them")
     if cfg.train.batch_size % d.microbatches:
         raise ConfigError(f"--microbatches {d.microbatches} does not divide --batch-size {cfg.train.batch_size}; "
                           "each micro-batch is an equal slice of the batch")

@@ -85,7 +85,10 @@ def parallelize(model: nn.Module, topo: Topology, pcfg: ParallelConfig, make_opt
     strategy.hooks += context
     if topo.ep.world_size > 1:
         strategy.use_experts(topo.ep)
-    return strategy, (pipeline(strategy) if pipeline is not None else None)
+    executor = pipeline(strategy) if pipeline is not None else None
+    if executor is not None and executor.split is not None:  # zero-bubble's notes of the layers' outputs
+        strategy.hooks += executor.split.handles
+    return strategy, executor
 
 
 def make_strategy(model: nn.Module, comm: Comm, pcfg: ParallelConfig, make_optimizer: OptimizerFactory,

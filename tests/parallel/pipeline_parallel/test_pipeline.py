@@ -24,7 +24,7 @@ from minitrain.runtime.topology import Topology
 from minitrain.train.trainer import Trainer
 
 from tests.helpers.dist import run_main, run_ranks
-from tests.helpers.reference import assert_exercises_the_loop, plain_run
+from tests.helpers.reference import assert_close_to, assert_exercises_the_loop, plain_run
 
 pytestmark = pytest.mark.slow
 
@@ -34,13 +34,23 @@ STEPS = 4
 
 @pytest.mark.parametrize("name", list(SCHEDULES))
 def test_schedules_run_every_micro_batch_once_without_deadlock_and_with_the_formula_bubble(name):
+    split = name == "zero-bubble"
     for stages in range(1, 7):
         for microbatches in range(1, 13):
             schedule = SCHEDULES[name](stages, microbatches)
+            kinds = "FBW" if split else "FB"
             for actions in schedule:
-                assert sorted(map(str, actions)) == sorted([f"F{m}" for m in range(microbatches)]
-                                                           + [f"B{m}" for m in range(microbatches)])
+                assert sorted(map(str, actions)) == sorted(f"{k}{m}" for k in kinds for m in range(microbatches))
                 assert all(actions.index(Action("F", m)) < actions.index(Action("B", m)) for m in range(microbatches))
+                assert not split or all(actions.index(Action("B", m)) < actions.index(Action("W", m))
+                                        for m in range(microbatches))
+            if split:  # with F, B and W a tick each; below M = P the formula is a bound, 1F1B's bubble above it
+                bubbles = simulated_bubble(simulate(schedule, 1, 2), stages)
+                one_f_one_b_bubble = simulated_bubble(simulate(SCHEDULES["1f1b"](stages, microbatches), 1, 2), stages)
+                if microbatches >= stages:
+                    assert max(abs(b - expected_bubble(stages, microbatches, name)) for b in bubbles) < 1e-12
+                assert max(bubbles) <= min(one_f_one_b_bubble) + 1e-12
+                continue
             for backward_cost in (1, 2, 3):  # the bubble does not depend on the backward / forward ratio
                 bubbles = simulated_bubble(simulate(schedule, 1, backward_cost), stages)
                 assert max(abs(b - expected_bubble(stages, microbatches)) for b in bubbles) < 1e-12
@@ -52,6 +62,14 @@ def test_1f1b_holds_at_most_p_micro_batches_and_gpipe_all_m():
             assert [peak_in_flight(a) for a in one_f_one_b(stages, microbatches)] == \
                 [min(stages - s, microbatches) for s in range(stages)]
             assert [peak_in_flight(a) for a in gpipe(stages, microbatches)] == [microbatches] * stages
+            # Zero-bubble holds a micro-batch until its W: every stage as many as 1F1B's first stage.
+            assert [peak_in_flight(a) for a in SCHEDULES["zero-bubble"](stages, microbatches)] == \
+                [min(stages, microbatches)] * stages
+
+
+def test_zero_bubble_needs_a_backward_it_can_split():
+    with pytest.raises(ValueError, match="cannot be split"):
+        simulate(SCHEDULES["zero-bubble"](2, 4), 1, 1)
 
 
 def test_simulation_finds_a_deadlock():
@@ -116,7 +134,7 @@ def test_pipelined_gradients_and_losses_equal_the_unpipelined_run(pp):
             for name, g in stage_grads.items():
                 assert (g - grads[name]).abs().max() <= TOL, (schedule, microbatches, stage, name)
             assert max(abs(a - b) for a, b in zip(stage_losses, losses)) <= TOL, (schedule, microbatches, stage)
-            bound = microbatches if schedule == "gpipe" else min(pp - stage, microbatches)
+            bound = {"gpipe": microbatches, "1f1b": min(pp - stage, microbatches)}.get(schedule, min(pp, microbatches))
             assert record["peak_in_flight"][stage] == bound, (schedule, microbatches, record)
         assert sorted(seen) == sorted(grads)  # the stages together hold every parameter, each once
     assert losses[-1] < losses[0]
@@ -194,6 +212,29 @@ def test_bad_pipeline_settings_exit_2_naming_them(argv, message):
     assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
+def _data_and_pipeline(topo, schedule):
+    cfg = _config(topo.world_size, 2, 4, schedule, 1)
+    with Trainer(cfg, topo.with_layout(1, 2)) as trainer:
+        losses = _run(trainer)[0]
+        return losses, trainer.strategy.full_params()
+
+
+def test_zero_bubble_at_zero_1_over_two_replicas_ends_on_1f1b_s_parameters_and_one_process_s():
+    ref = plain_run(_config(4, 2, 4, "1f1b", 1), STEPS)  # one process on both replicas' batches
+    ranks = {schedule: run_ranks(_data_and_pipeline, 4, schedule) for schedule in ("1f1b", "zero-bubble")}
+    for rank in (0, 2):  # a rank of each stage holds that stage's parameters
+        assert (ranks["zero-bubble"][rank][1] - ranks["1f1b"][rank][1]).abs().max() <= TOL, rank
+    assert_close_to(ref, TOL, "zero-bubble, dp 2 x pp 2, ZeRO-1", losses=ranks["zero-bubble"][0][0])
+
+
+def test_zero_bubble_refuses_what_changes_its_noted_outputs(tmp_path):
+    for flags in (["--tp", "2"], ["--train.activation_checkpointing", "block"], ["--zero", "2"]):
+        proc = run_main("train", "--nproc", "4", "--pp", "2", "--microbatches", "2", "--dist.schedule",
+                        "zero-bubble", "--steps", "1", "--out", str(tmp_path / "run"), *flags)
+        assert proc.returncode == 2 and "--dist.schedule zero-bubble with" in proc.stderr, (flags, proc.stderr)
+        assert len(proc.stderr.strip().splitlines()) == 1
+
+
 def test_pp_schedule_prints_the_timeline():
     proc = run_main("pp-schedule", "--pp", "4", "--microbatches", "8", "--schedule", "1f1b")
     assert proc.returncode == 0, proc.stderr
@@ -202,6 +243,10 @@ def test_pp_schedule_prints_the_timeline():
     assert rows[3].split("|")[1].split()[:4] == [".", ".", ".", "F0"]
     assert "(P-1)/(M+P-1) = 27.3%" in proc.stdout
     assert run_main("pp-schedule", "--microbatches", "0").returncode == 2
+    zb = run_main("pp-schedule", "--pp", "4", "--microbatches", "8", "--schedule", "zero-bubble")
+    assert zb.returncode == 0 and "a backward 2 (B 1 + W 1)" in zb.stdout and "(P-1)/(3M+P-1) = 11.1%" in zb.stdout
+    rows = [line for line in zb.stdout.splitlines() if line.startswith("stage ") and "|" in line]
+    assert rows[3].split("|")[1].split()[-4:] == ["W4", "W5", "W6", "W7"]  # the held-back W's fill the cool-down
 
 
 RESUME_AT, LAST = 3, 6
@@ -237,3 +282,32 @@ def test_a_pipeline_checkpoint_resumes_exactly_and_reshards_to_other_layouts(tmp
     for losses in (run_ranks(_checkpointed, 2, 2, 1, tmp_path, step_dir)[0],  # 2 stages -> 2 replicas
                    _checkpointed(Topology.single(), 1, 1, tmp_path, step_dir)):  # -> one process
         assert max(abs(a - b) for a, b in zip(losses, full[RESUME_AT:])) <= TOL
+
+
+def _llama_pipelined(topo, schedule):
+    import functools
+
+    import minitrain
+    from tests.helpers.hf_models import OPTIMIZERS, batches, make_model
+
+    def loss_fn(logits, x):
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1))
+
+    minitrain.init_distributed(topology=topo)
+    model, optimizer = minitrain.prepare(make_model("llama"), OPTIMIZERS["adamw"], pp=2, pp_split="auto",
+                                         microbatches=4, schedule=schedule)
+    losses = []
+    for x in batches(3, 8):
+        losses.append(minitrain.pipeline_step(model, x, x, functools.partial(loss_fn)))
+        optimizer.step()
+        optimizer.zero_grad()
+    state = {k: v.clone() for k, v in minitrain.full_state_dict(model).items()}
+    minitrain.cleanup()
+    return losses, state
+
+
+def test_a_hugging_face_llama_through_prepare_trains_alike_on_zero_bubble_and_1f1b():
+    (losses, state), = run_ranks(_llama_pipelined, 2, "zero-bubble")[:1]
+    (one_losses, one_state), = run_ranks(_llama_pipelined, 2, "1f1b")[:1]
+    assert max(abs(a - b) for a, b in zip(losses, one_losses)) <= TOL
+    assert max((state[k] - one_state[k]).abs().max().item() for k in state) <= TOL

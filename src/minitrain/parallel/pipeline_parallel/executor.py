@@ -35,7 +35,8 @@ import torch
 from torch import nn
 
 from ...runtime.comm import Comm, PendingCollective
-from .schedules import SCHEDULES, Action, expected_bubble
+from .schedules import SCHEDULES, Action, expected_bubble, splits_backward
+from .zero_bubble import SplitBackward
 
 
 def stage_blocks(n_layer: int, stages: int) -> list[range]:
@@ -57,8 +58,11 @@ class Pipeline:
         self.stage, self.stages = comm.rank, comm.world_size
         self.first, self.last_stage = self.stage == 0, self.stage == self.stages - 1
         self.schedule, self.microbatches = schedule, microbatches
-        self.actions: list[Action] = SCHEDULES[schedule](self.stages, microbatches)[self.stage]
-        self.final_backward = max(i for i, a in enumerate(self.actions) if a.kind == "B")
+        lists = SCHEDULES[schedule](self.stages, microbatches)
+        self.actions: list[Action] = lists[self.stage]
+        # The last action that accumulates gradients: the data-parallel sync runs in it.
+        self.final_backward = max(i for i, a in enumerate(self.actions) if a.kind in ("B", "W"))
+        self.split = SplitBackward(module) if splits_backward(lists) else None
         self.d_model, self.dtype = d_model, dtype
         self.forward_context, self.no_sync = forward_context, no_sync
         self._measured: dict = {}  # the last step's bubble, busy and span seconds, peak in-flight micro-batches
@@ -78,6 +82,9 @@ class Pipeline:
         xs, ys = x.to(self.device).chunk(M), y.to(self.device).chunk(M)
         shape = shape or (xs[0].size(0), xs[0].size(1), self.d_model)
         held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # micro-batch -> (stage input, stage output)
+        # Zero-bubble: each micro-batch's noted module outputs until its B, then with their gradients until its W.
+        noted_of: dict[int, list] = {}
+        deferred: dict[int, tuple[list, list]] = {}
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # on the device: no sync per micro-batch
         outgoing: list[tuple[torch.Tensor, int]] = []  # the previous action's send, started with the next receive
         in_flight: list[PendingCollective] = []
@@ -92,8 +99,9 @@ class Pipeline:
             began = clock.mark()  # after its input arrived: waiting for a neighbour is not busy
             if action.kind == "F":
                 inp = xs[m] if self.first else incoming[0][0].requires_grad_()
-                with self.forward_context():
+                with self.forward_context(), self.split.noting() if self.split else contextlib.nullcontext() as noted:
                     out = forward(inp, ys[m] if self.last_stage else None)
+                noted_of[m] = noted
                 if self.last_stage:
                     loss_sum += out.detach().double()
                 else:
@@ -101,15 +109,25 @@ class Pipeline:
                     outgoing = [(out.detach(), self.stage + 1)]
                 held[m] = (inp, out)
                 peak = max(peak, len(held))
-            else:
-                inp, out = held.pop(m)
+            elif action.kind == "W":  # this micro-batch's weight gradients, from what its B kept
+                noted, grads = deferred.pop(m)
+                del held[m]  # its graph goes with its last references
                 with contextlib.nullcontext() if sync and i == self.final_backward else self.no_sync():
-                    if self.last_stage:
-                        (out * (loss_multiplier / M)).backward()
-                    else:
-                        out.backward(incoming[0][0])
+                    self.split.weight_part(noted, grads)
+            else:
+                inp, out = held[m] if self.split else held.pop(m)
+                grad = torch.tensor(loss_multiplier / M, dtype=out.dtype, device=out.device) \
+                    if self.last_stage else incoming[0][0]
+                if self.split is not None:  # B alone: the input's gradient now, the weights' in W
+                    noted = noted_of.pop(m)
+                    inp_grad, grads = self.split.input_part(out, grad, None if self.first else inp, noted)
+                    deferred[m] = (noted, grads)
+                else:
+                    with contextlib.nullcontext() if sync and i == self.final_backward else self.no_sync():
+                        out.backward(grad)
+                    inp_grad = inp.grad
                 if not self.first:
-                    outgoing = [(inp.grad, self.stage - 1)]
+                    outgoing = [(inp_grad, self.stage - 1)]
             # On a GPU the marks are events in the stream, so the action's kernels are charged to it without
             # the host waiting for them (no synchronisation per action).
             actions.append((began, clock.mark()))
@@ -173,4 +191,4 @@ class Pipeline:
     def summary(self) -> dict:
         """The layout and the formula the measurement compares with."""
         return {"schedule": self.schedule, "stages": self.stages, "microbatches": self.microbatches,
-                "expected_bubble": expected_bubble(self.stages, self.microbatches)}
+                "expected_bubble": expected_bubble(self.stages, self.microbatches, self.schedule)}

@@ -14,6 +14,13 @@ deadlock check that needs no processes.
 
 Both leave every stage idle for the same share of the step, the bubble (P - 1) / (M + P - 1),
 whatever the ratio of backward to forward time: 1F1B saves memory, not time.
+
+- Zero-bubble, ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"): a backward is split into B, the
+  gradient of the stage's input (what the previous stage waits for), and W, the gradients of its weights (what
+  nobody waits for). Stage s runs 1F1B's warm-up, then s rounds of F and B with their W held back, then F B W in
+  turn, then B W, and finally the s W's it held back: they fill the cool-down, where 1F1B's stages sit idle. With
+  F, B and W one tick each, the bubble falls from 3(P - 1) ticks to P - 1 (with M >= P), while every stage holds at
+  most P micro-batches, 1F1B's first stage's peak.
 """
 from __future__ import annotations
 
@@ -22,7 +29,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Action:
-    kind: str  # "F" forward or "B" backward
+    kind: str  # "F" forward, "B" backward (without W in the schedule: all of it), "W" its weights' gradients
     microbatch: int
 
     def __str__(self) -> str:
@@ -50,7 +57,40 @@ def one_f_one_b(stages: int, microbatches: int) -> list[list[Action]]:
     return schedule
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+def zero_bubble(stages: int, microbatches: int) -> list[list[Action]]:
+    """ZB-H1: 1F1B with each backward split into B and W, stage s holding back s W's to its cool-down."""
+    _check(stages, microbatches)
+    schedule = []
+    for s in range(stages):
+        M, f, b, w = microbatches, 0, 0, 0
+        actions = []
+
+        def run(kind: str) -> None:
+            nonlocal f, b, w
+            m = {"F": f, "B": b, "W": w}[kind]
+            actions.append(Action(kind, m))
+            f, b, w = f + (kind == "F"), b + (kind == "B"), w + (kind == "W")
+
+        for _ in range(min(stages - s - 1, M)):
+            run("F")
+        for _ in range(min(s, M - f)):  # W held back: it waits for the cool-down
+            run("F"), run("B")
+        while f < M:
+            run("F"), run("B"), run("W")
+        while b < M:
+            run("B"), run("W")
+        while w < M:
+            run("W")
+        schedule.append(actions)
+    return schedule
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "zero-bubble": zero_bubble}
+
+
+def splits_backward(schedule: list[list[Action]]) -> bool:
+    """Whether the schedule runs each backward as B then W."""
+    return any(a.kind == "W" for a in schedule[0])
 
 
 def _check(stages: int, microbatches: int) -> None:
@@ -58,17 +98,20 @@ def _check(stages: int, microbatches: int) -> None:
         raise ValueError(f"a pipeline needs at least 1 stage and 1 micro-batch (got {stages} and {microbatches})")
 
 
-def expected_bubble(stages: int, microbatches: int) -> float:
-    """Share of a step each stage idles in GPipe and 1F1B: (P - 1) / (M + P - 1)."""
-    return (stages - 1) / (microbatches + stages - 1)
+def expected_bubble(stages: int, microbatches: int, schedule: str = "1f1b") -> float:
+    """Share of a step each stage idles: (P - 1) / (M + P - 1) in GPipe and 1F1B; in zero-bubble, with F, B and W
+    of one tick each and M >= P, (P - 1) / (3M + P - 1)."""
+    P, M = stages, microbatches
+    return (P - 1) / (3 * M + P - 1) if schedule == "zero-bubble" else (P - 1) / (M + P - 1)
 
 
 def peak_in_flight(actions: list[Action]) -> int:
-    """Most micro-batches whose forward has run and whose backward has not, at any point of a stage's list:
-    the activations the stage must hold at once."""
+    """Most micro-batches whose forward has run and whose backward (its W, when split) has not, at any point of a
+    stage's list: the activations the stage must hold at once."""
+    last = "W" if any(a.kind == "W" for a in actions) else "B"
     held = peak = 0
     for a in actions:
-        held += 1 if a.kind == "F" else -1
+        held += 1 if a.kind == "F" else -1 if a.kind == last else 0
         peak = max(peak, held)
     return peak
 
@@ -85,11 +128,23 @@ class DeadlockError(RuntimeError):
     """A schedule in which some stage waits forever."""
 
 
+def costs(schedule: list[list[Action]], forward_cost: int, backward_cost: int) -> dict[str, int]:
+    """Ticks per kind of action: a backward takes backward_cost, split into B and W by a zero-bubble schedule (W
+    the half of it, rounded down; B the rest)."""
+    if not splits_backward(schedule):
+        return {"F": forward_cost, "B": backward_cost}
+    if backward_cost < 2:
+        raise ValueError(f"a zero-bubble schedule splits each backward into B and W: a backward of {backward_cost} "
+                         "tick cannot be split; give it 2 ticks or more")
+    return {"F": forward_cost, "B": backward_cost - backward_cost // 2, "W": backward_cost // 2}
+
+
 def simulate(schedule: list[list[Action]], forward_cost: int = 1, backward_cost: int = 1) -> list[Slot]:
     """Play a schedule on an ideal clock: each stage runs its actions in order, each as soon as its
     input exists: F(s, m) after F(s - 1, m); B(s, m) after B(s + 1, m) (the last stage: after its own
-    F(s, m)). Communication is free. Raises DeadlockError if the stages wait on each other in a circle."""
-    stages = len(schedule)
+    F(s, m)); W(s, m) after B(s, m). Communication is free. Raises DeadlockError if the stages wait on each other
+    in a circle."""
+    stages, cost = len(schedule), costs(schedule, forward_cost, backward_cost)
     done: dict[tuple[str, int, int], int] = {}  # (kind, stage, microbatch) -> finish time
     position, clock, slots = [0] * stages, [0] * stages, []
     while any(position[s] < len(schedule[s]) for s in range(stages)):
@@ -100,12 +155,14 @@ def simulate(schedule: list[list[Action]], forward_cost: int = 1, backward_cost:
             a = schedule[s][position[s]]
             if a.kind == "F":
                 needs = ("F", s - 1, a.microbatch) if s > 0 else None
+            elif a.kind == "W":
+                needs = ("B", s, a.microbatch)
             else:
                 needs = ("B", s + 1, a.microbatch) if s < stages - 1 else ("F", s, a.microbatch)
             if needs is not None and needs not in done:
                 continue
             start = max(clock[s], done[needs] if needs else 0)
-            stop = start + (forward_cost if a.kind == "F" else backward_cost)
+            stop = start + cost[a.kind]
             done[(a.kind, s, a.microbatch)] = clock[s] = stop
             slots.append(Slot(s, a, start, stop))
             position[s] += 1
@@ -130,7 +187,7 @@ def render_timeline(name: str, schedule: list[list[Action]], forward_cost: int =
     """The schedule as text: one row per stage, one column per clock tick, '.' where the stage idles;
     then each stage's bubble and peak in-flight micro-batches against the formulas."""
     stages, microbatches = len(schedule), sum(a.kind == "F" for a in schedule[0])
-    slots = simulate(schedule, forward_cost, backward_cost)
+    slots, cost = simulate(schedule, forward_cost, backward_cost), costs(schedule, forward_cost, backward_cost)
     span = max(s.stop for s in slots)
     width = len(str(microbatches - 1)) + 2  # a kind letter, the micro-batch number, a space
     grid = [[".".ljust(width)] * span for _ in range(stages)]
@@ -138,13 +195,21 @@ def render_timeline(name: str, schedule: list[list[Action]], forward_cost: int =
         for t in range(slot.start, slot.stop):
             grid[slot.stage][t] = str(slot.action).ljust(width)
     bubbles = simulated_bubble(slots, stages)
+    split = f" (B {cost['B']} + W {cost['W']})" if "W" in cost else ""
+    kinds = "Fn / Bn / Wn" if "W" in cost else "Fn / Bn"
     title = (f"{name}: {stages} stages, {microbatches} micro-batches; a forward takes {forward_cost} tick"
-             f"{'s' if forward_cost > 1 else ''}, a backward {backward_cost} (Fn / Bn: micro-batch n, . idle)")
+             f"{'s' if forward_cost > 1 else ''}, a backward {backward_cost}{split} ({kinds}: micro-batch n, . idle)")
     lines = [title, ""]
     lines += [f"stage {s} | " + "".join(row).rstrip() for s, row in enumerate(grid)]
     lines += ["", f"{'stage':>5}  {'bubble':>6}  {'in flight (peak)':>16}"]
     for s in range(stages):
         lines.append(f"{s:>5}  {bubbles[s]:>6.1%}  {peak_in_flight(schedule[s]):>16}")
-    lines.append(f"bubble (P-1)/(M+P-1) = {expected_bubble(stages, microbatches):.1%}; peak in flight: "
-                 f"1f1b min(P-s, M) <= P = {stages}, gpipe M = {microbatches}")
+    if "W" in cost:
+        lines.append(f"bubble with F = B = W and M >= P: (P-1)/(3M+P-1) = "
+                     f"{expected_bubble(stages, microbatches, 'zero-bubble'):.1%} (1f1b at these costs: "
+                     f"(P-1)/(M+P-1) = {expected_bubble(stages, microbatches):.1%}); peak in flight: at most P = "
+                     f"{stages} on every stage")
+    else:
+        lines.append(f"bubble (P-1)/(M+P-1) = {expected_bubble(stages, microbatches):.1%}; peak in flight: "
+                     f"1f1b min(P-s, M) <= P = {stages}, gpipe M = {microbatches}")
     return "\n".join(lines)

@@ -287,3 +287,16 @@ def test_a_sequence_too_long_for_the_device_is_told_the_context_parallelism_that
     ratio = two["bytes_per_rank"]["activations"] / one["bytes_per_rank"]["activations"]
     assert 0.5 < ratio < 0.55, ratio
     assert two["bytes_per_rank"]["params"] == one["bytes_per_rank"]["params"]
+
+
+def test_the_plan_gives_each_pipeline_schedule_its_bubble_and_zero_bubble_its_held_gradients():
+    m = run_config(cli_values=MODELS["mid"]).model
+    plans = {s: plan.plan(plan.PlanInput(model=m, params=0, pp=4, microbatches=8, schedule=s, hardware=HERE))
+             for s in ("1f1b", "gpipe", "zero-bubble")}
+    assert plans["1f1b"]["pipeline_bubble"] == plans["gpipe"]["pipeline_bubble"] == 3 / 11
+    assert plans["zero-bubble"]["pipeline_bubble"] == 3 / 27  # (P-1)/(3M+P-1), F = B = W
+    acts = {s: p["bytes_per_rank"]["activations"] for s, p in plans.items()}
+    # Zero-bubble holds 1F1B's four micro-batches, and their layers' output gradients until each W.
+    assert acts["1f1b"] < acts["zero-bubble"] < acts["gpipe"]
+    assert acts["zero-bubble"] - acts["1f1b"] == plan.memory.deferred_gradient_bytes(
+        plan.PlanInput(model=m, params=0, pp=4, microbatches=8, schedule="zero-bubble"))

@@ -51,7 +51,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     planner.add_argument("--staleness", type=int, default=0, help="the servers' staleness bound K (what they hold of "
                          "gradients waiting for their step; default 0)")
     planner.add_argument("--microbatches", type=int, default=1, help="pipeline micro-batches (default 1)")
-    planner.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
+    planner.add_argument("--schedule", choices=("1f1b", "gpipe", "zero-bubble"), default="1f1b",
+                         help="pipeline schedule: its bubble (zero-bubble's with F = B = W) and the micro-batches a "
+                         "stage holds")
     planner.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation assumed (default 0.4)")
     planner.add_argument("--hardware", choices=("v100-32g", "a100-80g", "h100-sxm", "cpu-here"), default="h100-sxm")
     planner.add_argument("--comm-json", default="runs/bench-comm/comm.json",

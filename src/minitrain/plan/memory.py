@@ -175,13 +175,25 @@ def activation_bytes(inp: PlanInput) -> int:
     b, s, h = inp.micro_batch, local_seq(inp), cfg.d_model
     elem = element_bytes(inp.precision)
     layers = math.ceil(cfg.n_layer / inp.pp)
-    in_flight = min(inp.pp, inp.microbatches) if inp.schedule == "1f1b" else inp.microbatches
+    # 1F1B: stage 0 holds min(pp, M); zero-bubble: every stage as many, each until its W; GPipe: all M.
+    in_flight = inp.microbatches if inp.schedule == "gpipe" else min(inp.pp, inp.microbatches)
     per_microbatch = layers * layer_activation_bytes(cfg, b, elem, inp.activation_checkpointing, inp.cp,
                                                      inp.cp_style) // inp.tp
     # The token ids: inputs and targets one window of a loader's, or once cut for a context group two tensors.
     ids = 8 * b * (s + 1) if inp.cp == 1 else 16 * b * s
     ends = elem * (2 * b * s * h + 2 * b * s) + logprob_bytes(inp) + ids + 8 * s
-    return in_flight * per_microbatch + ends + replay_bytes(inp)
+    return in_flight * per_microbatch + ends + replay_bytes(inp) + deferred_gradient_bytes(inp)
+
+
+def deferred_gradient_bytes(inp: PlanInput) -> int:
+    """Zero-bubble: between a micro-batch's B and its W the gradients of its layers' outputs wait (a block's: its two
+    norms', q k v's, the projection's, the MLP's two; parallel/pipeline_parallel/zero_bubble.py), for as many
+    micro-batches as a stage holds. An estimate: not yet checked against measurement."""
+    if inp.schedule != "zero-bubble" or inp.model is None:
+        return 0
+    cfg, b, s = inp.model, inp.micro_batch, local_seq(inp)
+    per_layer = element_bytes(inp.precision) * b * s * (7 * cfg.d_model + cfg.ffn_dim)
+    return min(inp.pp, inp.microbatches) * math.ceil(cfg.n_layer / inp.pp) * per_layer
 
 
 def offloaded_bytes(inp: PlanInput, state: dict[str, int]) -> tuple[int, int]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, replace
 
+from ..parallel.pipeline_parallel.schedules import expected_bubble
 from . import servers
 from .inputs import PlanInput, element_bytes, layout_params, local_seq, reduce_bytes
 from .memory import (activation_bytes, gathered_bytes, loss_backward_bytes, model_state_bytes, offloaded_bytes,
@@ -30,7 +31,7 @@ def plan(inp: PlanInput) -> dict:
     flops_rank = hw_fpt * tokens_rank / (inp.tp * inp.pp)
     peak = hw.peak_flops[inp.precision]
     compute_s = flops_rank / (peak * inp.mfu)
-    bubble = (inp.pp - 1) / (inp.microbatches + inp.pp - 1) if inp.pp > 1 else 0.0
+    bubble = expected_bubble(inp.pp, inp.microbatches, inp.schedule) if inp.pp > 1 else 0.0
     comm = communication(inp)
     comm_s = sum(r["seconds"] for r in comm)
     step_s = compute_s / (1 - bubble) + comm_s

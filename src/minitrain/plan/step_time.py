@@ -2,7 +2,8 @@
 mixture of experts' active ones), plus one more forward of what is recomputed, at the stated MFU; each collective
 from the alpha-beta model t = alpha + factor x S / beta (ring: factor 2(N-1)/N for all-reduce, (N-1)/N for
 all-gather and reduce-scatter); parameter servers' push and pull (servers.py). Communication is added to
-compute (no overlap assumed: an upper bound); the pipeline bubble is (pp-1)/(m+pp-1) (predict.py).
+compute (no overlap assumed: an upper bound); the pipeline bubble is the schedule's (predict.py:
+(pp-1)/(m+pp-1), or zero-bubble's (pp-1)/(3m+pp-1)).
 """
 from __future__ import annotations
 

@@ -130,7 +130,7 @@ class Pipeline:
                     outgoing = [(inp_grad, self.stage - 1)]
             # On a GPU the marks are events in the stream, so the action's kernels are charged to it without
             # the host waiting for them (no synchronisation per action).
-            actions.append((began, clock.mark()))
+            actions.append((action.kind, began, clock.mark()))
         in_flight += self.comm.exchange(outgoing, [])
         for send in in_flight:
             send.wait()
@@ -140,17 +140,19 @@ class Pipeline:
 
     @property
     def measured(self) -> dict:
-        """The last schedule's bubble (1 - busy / span), busy and span seconds and peak in-flight micro-batches,
-        read from its clock marks once they are done: at once on the CPU; on a GPU after the step's host
-        synchronisation (before it, the step before's)."""
+        """The last schedule's bubble (1 - busy / span), busy and span seconds, seconds per kind of action (F, B, W:
+        their sums) and peak in-flight micro-batches, read from its clock marks once they are done: at once on the
+        CPU; on a GPU after the step's host synchronisation (before it, the step before's)."""
         if self._marks is not None:
             start, end, actions, peak = self._marks
             clock = self.comm.clock
             if clock.ready(end):
-                busy = sum(clock.seconds(b) - clock.seconds(a) for a, b in actions)
-                span = clock.seconds(end) - clock.seconds(start)
+                by_kind: dict[str, float] = {}
+                for kind, a, b in actions:
+                    by_kind[kind] = by_kind.get(kind, 0.0) + clock.seconds(b) - clock.seconds(a)
+                busy, span = sum(by_kind.values()), clock.seconds(end) - clock.seconds(start)
                 self._measured = {"bubble": 1 - busy / span if span > 0 else 0.0, "busy_s": busy, "span_s": span,
-                                  "peak_in_flight": peak}
+                                  "seconds_by_kind": by_kind, "peak_in_flight": peak}
                 self._marks = None
         return self._measured
 

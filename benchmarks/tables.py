@@ -478,6 +478,24 @@ def context_parallel_time(docs: list[dict]) -> list[str]:
             "repeats in rotated order.", "", *_table(["layout", "step ms", "vs cp 1"], "<>>", rows)]
 
 
+def pipeline_schedules(docs: list[dict]) -> list[str]:
+    doc = docs[0]
+    rows = []
+    for pp, by_schedule in doc["results"].items():
+        for schedule, e in by_schedule.items():
+            at_costs = fmt_range(e["formula_at_measured_costs"], "{:.3f}") if "formula_at_measured_costs" in e else ""
+            per = e["seconds_per_action"]
+            costs = " / ".join(f"{k} {1000 * per[k]:.1f}" for k in ("F", "B", "W") if k in per)
+            rows.append([pp, schedule, fmt_range(e["bubble"], "{:.3f}"), f"{e['formula']:.3f}", at_costs, costs,
+                         f"{e['span_ms'][0]:.0f}", fmt_range(e["vs_1f1b"], "{:.2f}")])
+    return [f"The `{doc['preset']}` preset, a batch of {doc['batch']} sequences in {doc['microbatches']} micro-batches, "
+            f"one rank per stage on this machine's cores, float32; the worst stage's measured bubble, median of "
+            f"{doc['steps']} steps after {doc['warmup']} warm-up, median [min-max] over {doc['repeats']} repeats; the "
+            "formula with F = B = W and at the F, B and W milliseconds measured (per micro-batch, the first repeat's).",
+            "", *_table(["pp", "schedule", "bubble measured", "formula (equal costs)", "formula (measured costs)",
+                         "ms per action", "forward + backward ms", "vs 1f1b"], "><>>>>>>", rows)]
+
+
 def gpu_memory(docs: list[dict]) -> list[str]:
     doc = docs[0]
     rows = [[str(r["zero"]), r["activation_checkpointing"], f"{r['predicted_bytes'] / 2**30:.2f} GiB",
@@ -731,6 +749,7 @@ TABLES = {
     "shard_loader": ("shard_loader.json", shard_loader),
     "moe_balance": ("moe_balance.json", moe_balance),
     "context_parallel_memory": ("context_parallel.json", context_parallel_memory),
+    "pipeline_schedules": ("pipeline_schedules.json", pipeline_schedules),
     "context_parallel_time": ("context_parallel.json", context_parallel_time),
     "tensor_parallel": ("tensor_parallel_tp*.json", tensor_parallel),
     "tensor_parallel_llama": ("tensor_parallel_llama_tp*.json", tensor_parallel),

@@ -27,6 +27,7 @@ KEYS = {"prepare_vs_peers": TIMED | {"world", "warmup"}, "prepare_vs_peers_w4": 
                                  "batch_per_rank", "ranks"},
         "moe_balance": {"model", "steps", "seeds", "per_seed", "results"},
         "context_parallel_memory": {"preset", "precision", "memory"},
+        "pipeline_schedules": {"preset", "batch", "microbatches", "steps", "warmup", "repeats", "results"},
         "context_parallel_time": {"time_seq", "steps", "warmup", "repeats", "timing"},
         "tensor_parallel": TIMED | {"tp", "minitrain_over_dtensor"},
         "tensor_parallel_llama": TIMED | {"tp", "minitrain_over_dtensor", "model"},

@@ -112,7 +112,9 @@ def test_block_recomputation_keeps_one_input_per_layer_and_replays_one_layer():
     (["--mfu", "1.5"], "--mfu must lie in (0, 1]"),
     (["--dp", "0"], "--dp must be at least 1"),
     (["--preset", "huge"], "unknown preset 'huge'"),
-    (["--seq", "20", "--cp", "3"], "the sequence must divide by 2 x cp"),
+    (["--seq", "20", "--cp", "3"], "--seq 20 does not divide by 6"),
+    (["--cp", "2", "--tp", "2"], "--cp 2 with --tp: context parallelism composes with data parallelism"),
+    (["--heads", "2", "--cp", "4", "--seq", "32", "--cp-style", "ulysses"], "splits the 2 heads over --cp 4"),
 ])
 def test_bad_plan_input_exits_2_with_one_line(argv, message):
     proc = run_main("plan", *argv)

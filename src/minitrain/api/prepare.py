@@ -32,7 +32,7 @@ from .ddp_idioms import adopt, follow_sync_requests
 from .optimizer import PreparedOptimizer
 from .servers import ServerRankOptimizer, check_server_settings, make_server, split_world
 from .session import Prepared, current, held_apart
-from .steps import note_feed
+from .steps import check_context_inputs, note_feed
 
 
 def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFn, *, zero: int = 0,
@@ -194,7 +194,10 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFn, *,
         state.hooks.append(model.register_forward_pre_hook(
             lambda _m, args, kwargs: note_feed(state, (args, kwargs)), with_kwargs=True))
     state.hooks.append(follow_sync_requests(model, state))
-    if (tp > 1 and split is None) or ep > 1:  # every forward is collective: an evaluation announces itself
+    if cp > 1:  # the model takes this rank's tokens, and nothing the split would make wrong
+        state.hooks.append(model.register_forward_pre_hook(functools.partial(check_context_inputs, state),
+                                                           with_kwargs=True))
+    if (tp > 1 and split is None) or ep > 1 or cp > 1:  # every forward is collective: an evaluation announces itself
         state.hooks.append(model.register_forward_pre_hook(
             torch.compiler.disable(functools.partial(_announce_evaluation, state))))  # eager under torch.compile
     if servers:
@@ -223,8 +226,9 @@ def _announce_evaluation(state: Prepared, _model, _args) -> None:
     ranks waits for every rank to come (runtime/arrival.py), so a rank alone in it is stopped naming its line
     rather than its collectives pairing with the other ranks'. A training forward announces nothing."""
     if not torch.is_grad_enabled():
+        apart = held_apart(state) or f"with cp={state.settings['cp']} each rank holds part of every sequence"
         current().arrive(state.topo.everyone, "the model's forward",
-                         f"{held_apart(state)}, which every forward combines with the other ranks': run the model on "
+                         f"{apart}, which every forward combines with the other ranks': run the model on "
                          "every rank (an evaluation too), and use the result on one")
 
 
@@ -335,7 +339,8 @@ def _context_plan(model: nn.Module, plan: ModelPlan | None, cp: int, style: str,
     if cp == 1:
         return None
     if world % cp:
-        raise ValueError(f"cp={cp} does not divide the world size {world}")
+        raise ValueError(f"cp={cp} does not divide the world size {world}: launch a multiple of cp processes "
+                         "(torchrun --nproc-per-node)")
     clashes = [f"{k}={v}" for k, v in others.items() if v not in (0, 1)]
     if clashes or any(routes_its_own_tokens(m) for m in model.modules()):
         raise ValueError(f"cp={cp} with {', '.join(clashes) or 'a mixture of experts'}: context parallelism "
@@ -346,7 +351,7 @@ def _context_plan(model: nn.Module, plan: ModelPlan | None, cp: int, style: str,
         raise ValueError(f"cp_plan is 'auto' (a Hugging Face model's attention) or None (the plan's), got {cp_plan!r}")
     if cp_plan is None and plan is not None and plan.attention is not None:
         return None
-    check_context_parallel(model)
+    check_context_parallel(model, cp, style)
     return "auto"
 
 

@@ -52,6 +52,7 @@ class Prepared:
     unsynced: contextlib.ExitStack | None = None  # the strategy's no_sync, entered because of it
     moe: MoECounters | None = None  # a mixture of experts: what moe_stats reads (moe_stats.py)
     context: ContextLayout | None = None  # cp > 1: which tokens of a sequence this rank holds (context_shard)
+    context_tokens: int | None = None  # ...and how many of them context_shard last gave (the forward checks it)
 
     def close(self) -> None:
         """Every hook prepare and the strategy put on the model, removed; offload files removed. A parameter-server

@@ -81,13 +81,17 @@ def note_feed(state: Prepared, values) -> None:
 
 
 def check_fed_alike(state: Prepared) -> None:
-    """With tensor or pipeline parallelism: every rank of a replica was fed the same inputs since the last step
-    (one small all_gather of each rank's checksum, read with the step's)."""
+    """With tensor, pipeline or context parallelism: every rank of a replica (of a context group: the sequences
+    handed to context_shard) was fed the same since the last step (one small all_gather of each rank's checksum,
+    read with the step's)."""
     topo = state.topo
-    if state.feed is None or topo.tp.world_size * topo.pp.world_size == 1:
+    if state.feed is None or topo.tp.world_size * topo.pp.world_size * topo.cp.world_size == 1:
         return
     rows = topo.everyone.gather_rows(state.feed.reshape(1)).view(-1).tolist()
     state.feed = None
+    if topo.cp.world_size > 1:  # a context group is cp adjacent ranks, reading the same sequences
+        check_feeds(rows, [rank // topo.cp.world_size for rank in range(topo.world_size)], "sequences")
+        return
     tp, dp = topo.tp.world_size, topo.dp.world_size
     check_feeds(rows, [(rank // tp) % dp for rank in range(topo.world_size)],
                 "inputs" if state.pipeline is None else "inputs or targets")
@@ -113,6 +117,31 @@ def context_shard(model: nn.Module, *tensors: torch.Tensor):
     of 2 x cp along dim 1, side by side (as the model's attention expects them). Targets must be shifted before
     (inputs x[:, :-1], targets x[:, 1:]): the chunks are not contiguous. One tensor in, one out; several, a tuple.
     Without context parallelism each is returned as it is."""
-    context = state_of(model).context
+    state = state_of(model)
+    context = state.context
+    if context is not None:  # every rank of the group must cut the same sequences (checked at the step)
+        note_feed(state, tensors)
     shards = tuple(t if context is None else context.local(t) for t in tensors)
+    if context is not None and shards:
+        state.context_tokens = shards[0].size(1)
     return shards[0] if len(shards) == 1 else shards
+
+
+def check_context_inputs(state: Prepared, _model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Under context parallelism, before the model's forward: its tokens are this rank's (context_shard's), and
+    nothing is passed that the split would make wrong; ValueError saying what to do otherwise."""
+    if kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
+        raise ValueError("labels= makes a Hugging Face model shift the labels inside this rank's tokens, whose two "
+                         "chunks are not adjacent: compute the loss from the logits and the targets context_shard "
+                         "gives (shifted before the cut), or pass shift_labels=targets")
+    if kwargs.get("position_ids") is not None:
+        raise ValueError("under context parallelism the rotary positions are given their offsets in the whole "
+                         "sequence by minitrain: do not pass position_ids")
+    tokens = kwargs.get("input_ids", kwargs.get("inputs_embeds", args[0] if args else None))
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() < 2:
+        return
+    if state.context_tokens is None or tokens.size(1) != state.context_tokens:
+        whole = f"{tokens.size(1)} tokens" + ("" if state.context_tokens is None else
+                                              f", where context_shard gave {state.context_tokens}")
+        raise ValueError(f"the model was given {whole}: under cp each rank gives it its own tokens of the sequences, "
+                         "inputs, targets = minitrain.context_shard(model, inputs, targets)")

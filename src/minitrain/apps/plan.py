@@ -86,11 +86,8 @@ def run(args) -> int:
     if args.ep > 1 and (model is None or not model.moe_experts or model.moe_experts % args.ep or args.dp % args.ep):
         raise ConfigError(f"--ep {args.ep} splits a mixture of experts' experts: give --experts E with ep dividing "
                           "E and --dp")
-    if args.cp > 1 and (model is None or model.seq_len % (2 * args.cp) or args.tp > 1 or args.pp > 1 or args.ep > 1
-                        or args.servers or (args.cp_style == "ulysses" and model.n_head % args.cp)):
-        raise ConfigError(f"--cp {args.cp} splits a model's sequences (not --params) into 2 x cp chunks: the sequence "
-                          "must divide by 2 x cp (and the heads by cp under ulysses), without --tp, --pp, --ep or "
-                          "--servers")
+    if args.cp > 1:
+        _check_context(args, model)
     if args.servers < 0 or args.staleness < 0:
         raise ConfigError("--servers and --staleness must be >= 0")
     if args.servers and (args.zero or args.tp > 1 or args.pp > 1 or args.ep > 1 or args.offload != "none"):
@@ -109,6 +106,23 @@ def run(args) -> int:
     result["context_needed"] = None if result["fits"] else plan.context_needed(inp)
     print(json.dumps(result) if args.json else render(result))
     return 0
+
+
+def _check_context(args, model) -> None:
+    """--cp against the model and the other degrees, one reason at a time."""
+    if model is None:
+        raise ConfigError(f"--cp {args.cp} splits a model's sequences: describe the model (--preset), not --params")
+    clashes = [f for f, on in (("--tp", args.tp > 1), ("--pp", args.pp > 1), ("--ep", args.ep > 1),
+                               ("--servers", args.servers > 0)) if on]
+    if clashes:
+        raise ConfigError(f"--cp {args.cp} with {', '.join(clashes)}: context parallelism composes with data "
+                          "parallelism and ZeRO only")
+    if model.seq_len % (2 * args.cp):
+        raise ConfigError(f"--cp {args.cp} cuts each sequence into 2 x cp = {2 * args.cp} chunks: --seq "
+                          f"{model.seq_len} does not divide by {2 * args.cp}")
+    if args.cp_style == "ulysses" and model.n_head % args.cp:
+        raise ConfigError(f"--cp-style ulysses splits the {model.n_head} heads over --cp {args.cp} ranks, which does "
+                          "not divide them; use --cp-style ring or a cp that divides the heads")
 
 
 def render(result: dict) -> str:
@@ -160,8 +174,9 @@ def _context_hint(result: dict) -> str:
     if needed is None:
         return (f"; no context-parallel degree up to 64 fits a sequence of {seq} tokens here (the model state "
                 "itself may not fit: see ZeRO, offload)")
-    return (f"; a sequence of {seq} tokens fits with --cp {needed} (each rank 1/{needed} of it, {needed}x the "
-            "ranks)") if needed > 1 else ""
+    ranks = needed // result["input"]["cp"]
+    return (f"; a sequence of {seq} tokens fits with --cp {needed} (each rank 1/{needed} of it, {ranks}x the "
+            "ranks)") if needed > result["input"]["cp"] else ""
 
 
 def _render_servers(s: dict) -> list[str]:

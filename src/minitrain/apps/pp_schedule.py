@@ -12,7 +12,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     pipe = sub.add_parser("pp-schedule", help="a pipeline schedule's timeline, bubble and in-flight micro-batches",
                           description="Print what each pipeline stage does at each tick of an ideal clock (a "
                           "forward takes one tick, communication is free): F3 = forward of micro-batch 3, "
-                          "B3 its backward (zero-bubble: its input's gradient, W3 its weights'), . idle. Then each stage's bubble against (P-1)/(M+P-1) and the most "
+                          "B3 its backward (zero-bubble: its input's gradient, W3 its weights'), . idle. Then "
+                          "each stage's bubble against (P-1)/(M+P-1) and the most "
                           "micro-batches whose activations it holds at once. The executor runs the same lists.",
                           epilog="Examples:\n  minitrain pp-schedule --pp 4 --microbatches 8 --schedule 1f1b\n"
                           "  minitrain pp-schedule --pp 4 --microbatches 8 --schedule gpipe --backward-cost 2\n"

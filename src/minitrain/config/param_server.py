@@ -49,7 +49,8 @@ def check_parameter_servers(cfg: RunConfig) -> None:
         raise ConfigError(f"--ps.servers {ps.servers} leaves no worker among --nproc {d.nproc} ranks; give fewer "
                           "servers or more ranks")
     clashes = [name for name, on in (("--tp", d.tp > 1), ("--pp", d.pp > 1), ("--dist.ep", d.ep > 1),
-                                     ("--dist.cp", d.cp > 1), ("--zero", t.zero > 0), ("--dist.microbatches", d.microbatches > 1),
+                                     ("--dist.cp", d.cp > 1), ("--zero", t.zero > 0),
+                                     ("--dist.microbatches", d.microbatches > 1),
                                      ("--precision fp16", t.precision == "fp16"), ("--backend nccl",
                                      d.backend == "nccl"), ("--train.offload", t.offload != "none"),
                                      ("--global-batch", t.global_batch > 0)) if on]

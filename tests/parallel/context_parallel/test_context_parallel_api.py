@@ -127,12 +127,26 @@ def _refusals(topo):
     refused(lambda: make_model("llama"), cp=2, tp=2, tp_plan="auto")
     refused(lambda: make_model("llama"), cp=3)
     refused(lambda: make_model("llama"), cp=2, cp_style="tree")
-    model, _ = minitrain.prepare(make_model("llama"), OPTIMIZERS["adamw"], cp=2)
+
+    def dropout():
+        model = make_model("llama")
+        model.config.attention_dropout = 0.1
+        return model
+
+    refused(dropout, cp=2)
+    model, optimizer = minitrain.prepare(make_model("llama"), OPTIMIZERS["adamw"], cp=2)
     x = torch.randint(0, 64, (2, 9))
+    mine = minitrain.context_shard(model, x[:, :-1])
     for call in (lambda: minitrain.context_shard(model, x),  # 9 tokens do not cut into 4 chunks
-                 lambda: model(input_ids=minitrain.context_shard(model, x[:, :-1]),
-                               attention_mask=torch.ones(2, 4, dtype=torch.long).tril())):  # padding
+                 lambda: model(input_ids=mine, attention_mask=torch.ones(2, 4, dtype=torch.long).tril()),  # padding
+                 lambda: model(input_ids=x[:, :-1]),  # the whole sequences: context_shard forgotten
+                 lambda: model(input_ids=mine, labels=mine),  # Hugging Face would shift inside the chunks
+                 lambda: model(input_ids=mine, position_ids=torch.arange(4)[None])):
         said.append(refusal(call))
+    # The ranks of a group each cut other sequences (x[rank::world] instead of the group's): refused at the step.
+    other = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(topo.rank))
+    model(input_ids=minitrain.context_shard(model, other[:, :-1])).logits.sum().backward()
+    said.append(refusal(optimizer.step))
     minitrain.cleanup()
     return said
 
@@ -144,5 +158,10 @@ def test_what_context_parallelism_cannot_do_is_refused_saying_why():
     assert "cp=2 with tp=2" in said[2] and "data parallelism and ZeRO only" in said[2], said[2]
     assert "cp=3 does not divide the world size 2" in said[3], said[3]
     assert "cp_style must be ring or ulysses" in said[4], said[4]
-    assert "does not cut into 2 x cp = 4 equal chunks" in said[5], said[5]
-    assert "padding mask" in said[6], said[6]
+    assert "attention dropout 0.1 under context parallelism" in said[5], said[5]
+    assert "does not cut into 2 x cp = 4 equal chunks" in said[6], said[6]
+    assert "padding mask" in said[7], said[7]
+    assert "given 8 tokens, where context_shard gave 4" in said[8] and "context_shard(model" in said[8], said[8]
+    assert "labels= makes a Hugging Face model shift the labels" in said[9], said[9]
+    assert "do not pass position_ids" in said[10], said[10]
+    assert "were fed different sequences" in said[11], said[11]

@@ -21,8 +21,8 @@ from .apply import attention_over, whole_sequence_positions
 from .layout import ContextLayout
 
 
-def check_context_parallel(model: nn.Module) -> None:
-    """ValueError unless `model` is a Hugging Face model cp_plan='auto' knows how to change."""
+def check_context_parallel(model: nn.Module, cp: int = 2, style: str = "ring") -> None:
+    """ValueError unless `model` is a Hugging Face model cp_plan='auto' knows how to change at this cp and style."""
     config = getattr(model, "config", None)
     if config is None or not getattr(model, "_supports_attention_backend", False):
         raise ValueError(f"cp_plan='auto' changes a Hugging Face model whose attention goes through its attention "
@@ -32,6 +32,13 @@ def check_context_parallel(model: nn.Module) -> None:
     if windowed or "sliding_attention" in (getattr(config, "layer_types", None) or []):
         raise ValueError(f"{type(model).__name__} attends within a sliding window, and context parallelism computes "
                          "causal attention over the whole sequence only")
+    if getattr(config, "attention_dropout", 0.0):
+        raise ValueError(f"attention dropout {config.attention_dropout} under context parallelism is not supported; "
+                         "set the config's attention_dropout to 0")
+    heads = getattr(config, "num_attention_heads", None)
+    if style == "ulysses" and heads and heads % cp:
+        raise ValueError(f"Ulysses attention splits the {heads} heads over cp = {cp} ranks, which does not divide "
+                         "them; use a cp that divides the heads, or the ring style")
     if not rotary_modules(model):
         raise ValueError(f"cp_plan='auto' gives rotary position embeddings their absolute offsets, and "
                          f"{type(model).__name__} has none; give a plan naming its position modules")

@@ -40,7 +40,7 @@ def ulysses_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: C
     B, heads, local, d = q.shape
     if heads % N:
         raise ValueError(f"Ulysses attention splits the {heads} heads over cp = {N} ranks, which does not divide "
-                         "them; use a cp that divides the heads, or --dist.cp_style ring")
+                         "them; use a cp that divides the heads, or the ring style")
     # Where the tokens of rank 0, 1, ... (each its two chunks) sit in the whole sequence, and the inverse.
     held = torch.cat([layout.positions(local * N, r, q.device) for r in range(N)])
     natural = torch.argsort(held)

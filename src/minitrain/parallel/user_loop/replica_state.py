@@ -126,6 +126,7 @@ def check_feeds(rows: list[int], replica_of: list[int], what: str) -> None:
         if len(groups) > 1:
             ranks = " vs ".join(str(sorted(g)) for g in sorted(groups.values()))
             raise ValueError(f"ranks {ranks} hold one model replica (dp_rank {replica}) but were fed different "
-                             f"{what}: every tensor- and pipeline-parallel rank of a replica must see the same batch; "
+                             f"{what}: every tensor-, pipeline- or context-parallel rank of a replica must see the "
+                             "same batch; "
                              "give each rank x.chunk(minitrain.dp_world_size())[minitrain.dp_rank()], not "
                              "x[rank::world_size]")

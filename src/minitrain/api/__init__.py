@@ -24,7 +24,7 @@ shards, a ZeRO-3 evaluation) first check that every rank came (runtime/arrival.p
 each rank's line rather than hang or pair with another collective.
 
 The package, one job per file: session.py (init_distributed, cleanup, which rank is which), prepare.py,
-steps.py (no_sync, clip_grad_norm_, pipeline_step, context_shard), moe_stats.py (a mixture of experts' load and
+steps.py (no_sync, clip_grad_norm_, pipeline_step), context.py (context_shard), moe_stats.py (a mixture of experts' load and
 router loss), optimizer.py (what prepare returns as the optimizer),
 checkpoints.py (save, load, full_state_dict), scaler.py (fp16's GradScaler), servers.py (prepare(servers=...)),
 user_optimizer.py (an optimizer made before prepare), ddp_idioms.py (DDP's and FSDP2's methods on the model).
@@ -47,7 +47,8 @@ from .session import (
     is_main_process,
     wrap_for_ddp,
 )
-from .steps import clip_grad_norm_, context_shard, no_sync, pipeline_step
+from .context import context_shard
+from .steps import clip_grad_norm_, no_sync, pipeline_step
 
 __all__ = [
     "GradScaler",

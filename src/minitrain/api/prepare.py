@@ -13,7 +13,6 @@ from torch import nn
 from ..parallel import ModelPlan, cast_parameters, parallelize
 from ..parallel.core.config import ParallelConfig
 from ..parallel.expert_parallel.experts import HuggingFaceExperts, hugging_face_experts, routes_its_own_tokens
-from ..parallel.context_parallel.hugging_face import check_context_parallel
 from ..parallel.context_parallel.layout import ContextLayout
 from .moe_stats import moe_counters
 from ..parallel.core.loss_scale import COMPUTE_DTYPES
@@ -32,7 +31,8 @@ from .ddp_idioms import adopt, follow_sync_requests
 from .optimizer import PreparedOptimizer
 from .servers import ServerRankOptimizer, check_server_settings, make_server, split_world
 from .session import Prepared, current, held_apart
-from .steps import check_context_inputs, note_feed
+from .context import check_context_inputs, context_plan
+from .steps import note_feed
 
 
 def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFn, *, zero: int = 0,
@@ -115,7 +115,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFn, *,
                          f"{activation_checkpointing!r}: its weight gradients are computed after the backward from "
                          "each layer's noted output, which a split layer, a sharded gradient or a recomputed layer "
                          "changes; use schedule='1f1b' with them")
-    cp_plan = _context_plan(model, plan, cp, cp_style, cp_plan, {"tp": tp, "pp": pp, "ep": ep, "servers": servers},
+    cp_plan = context_plan(model, plan, cp, cp_style, cp_plan, {"tp": tp, "pp": pp, "ep": ep, "servers": servers},
                             session.topo.world_size)
     _check_experts_alone(model, tp, pp)
     plan = _with_tp_plan(model, plan, tp, tp_plan)
@@ -328,31 +328,6 @@ def _check_experts_alone(model: nn.Module, tp: int, pp: int) -> None:
         raise ValueError(f"tp={tp}, pp={pp} with {type(routing).__name__}, a mixture of experts: tensor "
                          "parallelism does not split its 3-D expert weights, and a pipeline stage before the last "
                          "would drop its layers' balancing loss; use data parallelism, ZeRO and ep")
-
-
-def _context_plan(model: nn.Module, plan: ModelPlan | None, cp: int, style: str, cp_plan, others: dict,
-                  world: int) -> str | None:
-    """How context parallelism finds the model's attention ("auto": a Hugging Face model's own; None: the plan's),
-    checked before anything changes; ValueError saying why not otherwise."""
-    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
-        raise ValueError(f"cp must be an integer >= 1, got {cp!r}")
-    if cp == 1:
-        return None
-    if world % cp:
-        raise ValueError(f"cp={cp} does not divide the world size {world}: launch a multiple of cp processes "
-                         "(torchrun --nproc-per-node)")
-    clashes = [f"{k}={v}" for k, v in others.items() if v not in (0, 1)]
-    if clashes or any(routes_its_own_tokens(m) for m in model.modules()):
-        raise ValueError(f"cp={cp} with {', '.join(clashes) or 'a mixture of experts'}: context parallelism "
-                         "composes with data parallelism and ZeRO only for now")
-    if style not in ("ring", "ulysses"):
-        raise ValueError(f"cp_style must be ring or ulysses, got {style!r}")
-    if cp_plan not in (None, "auto"):
-        raise ValueError(f"cp_plan is 'auto' (a Hugging Face model's attention) or None (the plan's), got {cp_plan!r}")
-    if cp_plan is None and plan is not None and plan.attention is not None:
-        return None
-    check_context_parallel(model, cp, style)
-    return "auto"
 
 
 def _expert_layers(model: nn.Module, ep: int, ep_plan, tp: int, pp: int, world: int) -> list[nn.Module]:

@@ -1,6 +1,5 @@
 """What the user's loop calls between prepare and optimizer.step(): no_sync for accumulation, clip_grad_norm_,
-pipeline_step in place of forward + backward when the model is pipelined, context_shard under context parallelism;
-and the per-step checks they share
+pipeline_step in place of forward + backward when the model is pipelined; and the per-step checks they share
 (the loss scale this step's gradients carry, every rank of a replica fed alike)."""
 from __future__ import annotations
 
@@ -110,38 +109,3 @@ def _activation_shape(state: Prepared, micro: torch.Tensor) -> tuple[int, ...]:
         pp.broadcast(dims, src=0)
         state.shapes[key] = tuple(int(d) for d in dims[1:1 + int(dims[0])])
     return state.shapes[key]
-
-
-def context_shard(model: nn.Module, *tensors: torch.Tensor):
-    """This rank's tokens of each whole-sequence tensor (B, T, ...) of a model prepared with cp > 1: its two chunks
-    of 2 x cp along dim 1, side by side (as the model's attention expects them). Targets must be shifted before
-    (inputs x[:, :-1], targets x[:, 1:]): the chunks are not contiguous. One tensor in, one out; several, a tuple.
-    Without context parallelism each is returned as it is."""
-    state = state_of(model)
-    context = state.context
-    if context is not None:  # every rank of the group must cut the same sequences (checked at the step)
-        note_feed(state, tensors)
-    shards = tuple(t if context is None else context.local(t) for t in tensors)
-    if context is not None and shards:
-        state.context_tokens = shards[0].size(1)
-    return shards[0] if len(shards) == 1 else shards
-
-
-def check_context_inputs(state: Prepared, _model: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Under context parallelism, before the model's forward: its tokens are this rank's (context_shard's), and
-    nothing is passed that the split would make wrong; ValueError saying what to do otherwise."""
-    if kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
-        raise ValueError("labels= makes a Hugging Face model shift the labels inside this rank's tokens, whose two "
-                         "chunks are not adjacent: compute the loss from the logits and the targets context_shard "
-                         "gives (shifted before the cut), or pass shift_labels=targets")
-    if kwargs.get("position_ids") is not None:
-        raise ValueError("under context parallelism the rotary positions are given their offsets in the whole "
-                         "sequence by minitrain: do not pass position_ids")
-    tokens = kwargs.get("input_ids", kwargs.get("inputs_embeds", args[0] if args else None))
-    if not isinstance(tokens, torch.Tensor) or tokens.dim() < 2:
-        return
-    if state.context_tokens is None or tokens.size(1) != state.context_tokens:
-        whole = f"{tokens.size(1)} tokens" + ("" if state.context_tokens is None else
-                                              f", where context_shard gave {state.context_tokens}")
-        raise ValueError(f"the model was given {whole}: under cp each rank gives it its own tokens of the sequences, "
-                         "inputs, targets = minitrain.context_shard(model, inputs, targets)")

@@ -112,17 +112,14 @@ def _check_context(args, model) -> None:
     """--cp against the model and the other degrees, one reason at a time."""
     if model is None:
         raise ConfigError(f"--cp {args.cp} splits a model's sequences: describe the model (--preset), not --params")
+    from ..config.dist import context_problem
+
     clashes = [f for f, on in (("--tp", args.tp > 1), ("--pp", args.pp > 1), ("--ep", args.ep > 1),
                                ("--servers", args.servers > 0)) if on]
-    if clashes:
-        raise ConfigError(f"--cp {args.cp} with {', '.join(clashes)}: context parallelism composes with data "
-                          "parallelism and ZeRO only")
-    if model.seq_len % (2 * args.cp):
-        raise ConfigError(f"--cp {args.cp} cuts each sequence into 2 x cp = {2 * args.cp} chunks: --seq "
-                          f"{model.seq_len} does not divide by {2 * args.cp}")
-    if args.cp_style == "ulysses" and model.n_head % args.cp:
-        raise ConfigError(f"--cp-style ulysses splits the {model.n_head} heads over --cp {args.cp} ranks, which does "
-                          "not divide them; use --cp-style ring or a cp that divides the heads")
+    problem = context_problem(args.cp, args.cp_style, model.seq_len, model.n_head, clashes,
+                              ("--cp", "--cp-style", "--seq"))
+    if problem:
+        raise ConfigError(problem)
 
 
 def render(result: dict) -> str:

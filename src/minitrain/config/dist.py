@@ -170,12 +170,23 @@ def _check_context(cfg: RunConfig) -> None:
     clashes = [f for f, on in (("--tp", d.tp > 1), ("--pp", d.pp > 1), ("--dist.ep", d.ep > 1),
                                ("--model.moe_experts", m.moe_experts > 0),
                                ("--dist.microbatches", d.microbatches > 1)) if on]
+    problem = context_problem(d.cp, d.cp_style, m.seq_len, m.n_head, clashes)
+    if problem:
+        raise ConfigError(problem)
+
+
+def context_problem(cp: int, style: str, seq_len: int, heads: int, clashes: list[str],
+                    flags: tuple[str, str, str] = ("--dist.cp", "--dist.cp_style", "--model.seq_len")) -> str | None:
+    """What is wrong with context parallelism of degree cp for this sequence and these heads, beside the flags in
+    `clashes` (the other parallelisms given), in one line naming the flags (`minitrain plan` has its own); None."""
+    cp_flag, style_flag, seq_flag = flags
     if clashes:
-        raise ConfigError(f"--dist.cp {d.cp} with {', '.join(clashes)}: context parallelism composes with data "
-                          "parallelism and ZeRO only for now")
-    if m.seq_len % (2 * d.cp):
-        raise ConfigError(f"--dist.cp {d.cp} cuts each sequence into 2 x cp = {2 * d.cp} equal chunks, and "
-                          f"--model.seq_len {m.seq_len} does not divide by {2 * d.cp}")
-    if d.cp_style == "ulysses" and m.n_head % d.cp:
-        raise ConfigError(f"--dist.cp_style ulysses splits the {m.n_head} heads over --dist.cp {d.cp} ranks, which "
-                          "does not divide them; use --dist.cp_style ring, or a cp that divides the heads")
+        return (f"{cp_flag} {cp} with {', '.join(clashes)}: context parallelism composes with data parallelism and "
+                "ZeRO only for now")
+    if seq_len % (2 * cp):
+        return (f"{cp_flag} {cp} cuts each sequence into 2 x cp = {2 * cp} equal chunks, and {seq_flag} {seq_len} "
+                f"does not divide by {2 * cp}")
+    if style == "ulysses" and heads % cp:
+        return (f"{style_flag} ulysses splits the {heads} heads over {cp_flag} {cp} ranks, which does not divide "
+                f"them; use {style_flag} ring, or a cp that divides the heads")
+    return None

@@ -12,7 +12,13 @@ within each repeat; repeats alternate which goes first.
 
     .venv/bin/python benchmarks/pipeline.py [--pp 2] [--microbatches 4] [--steps 8] [--repeats 3] [--out FILE]
 
-Writes benchmarks/results/pipeline_pp{P}_m{M}.json (or --out: command, machine, every figure).
+With --virtual-stages V (2 or more) the schedules are interleaved: ours with MiniGPT's plan's chunks
+(`pipeline_chunks`: pp x V chunks, rank s holding s, s + P, ...), PyTorch's `ScheduleInterleaved1F1B` with one
+`PipelineStage` per chunk over the same modules; the model then has --layers blocks (default 8, so that pp 4 x V 2
+chunks divide them).
+
+Writes benchmarks/results/pipeline_pp{P}_m{M}.json, or pipeline_interleaved_pp{P}_m{M}_v{V}.json (or --out:
+command, machine, every figure).
 """
 from __future__ import annotations
 
@@ -29,24 +35,19 @@ from minitrain.train.run_config import run_config
 from minitrain.data import ShardedLoader, load_corpus
 from minitrain.runtime.launch import launch
 from minitrain.models.minigpt.model import MiniGPT
-from minitrain.models.minigpt.plan import pipeline_split
+from minitrain.models.minigpt.plan import pipeline_chunks, pipeline_split
 from minitrain.parallel.pipeline_parallel.executor import Pipeline
 
 MODEL = {"model.preset": "small", "train.batch_size": 8, "data.synthetic_tokens": 1 << 18, "train.log_every": 0}
 WARMUP = 2
 
 
-def _torch_schedule(stage_model, topo, cfg, microbatches):
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+def _loss_fn(logits, targets):
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
-    pp = topo.pp
-    stage = PipelineStage(stage_model, pp.rank, pp.world_size, topo.device, group=pp.group)
 
-    def loss_fn(logits, targets):
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
-
-    schedule = Schedule1F1B(stage, microbatches, loss_fn=loss_fn)
-
+def _torch_step(schedule, pp):
+    """One batch through PyTorch's schedule: the first stage feeds the inputs, the last the targets."""
     def step(x, y):
         losses = []
         if pp.rank == 0:
@@ -60,22 +61,54 @@ def _torch_schedule(stage_model, topo, cfg, microbatches):
     return step
 
 
-def worker(topo, pp_size: int, microbatches: int, impl: str, steps: int) -> dict:
+def _torch_schedule(stage_model, topo, cfg, microbatches):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    pp = topo.pp
+    stage = PipelineStage(stage_model, pp.rank, pp.world_size, topo.device, group=pp.group)
+    return _torch_step(Schedule1F1B(stage, microbatches, loss_fn=_loss_fn), pp)
+
+
+class _Chunk(torch.nn.Module):
+    """One of our chunks as the module PyTorch's PipelineStage runs: input in, activation (or logits) out."""
+
+    def __init__(self, model: torch.nn.Module, run):
+        super().__init__()
+        self.model, self.run = model, run
+
+    def forward(self, x):
+        return self.run(x, None)
+
+
+def _torch_interleaved(model, chunks, topo, microbatches):
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+
+    pp, V = topo.pp, len(chunks)
+    stages = [PipelineStage(_Chunk(model, run), c * pp.world_size + pp.rank, pp.world_size * V, topo.device,
+                            group=pp.group) for c, run in enumerate(chunks)]
+    return _torch_step(ScheduleInterleaved1F1B(stages, microbatches, loss_fn=_loss_fn), pp)
+
+
+def worker(topo, pp_size: int, microbatches: int, impl: str, steps: int, virtual: int = 1, layers: int = 8) -> dict:
     topo = topo.with_layout(1, pp_size)
     cfg = run_config(cli_values={**MODEL, "dist.nproc": topo.world_size, "dist.pp": pp_size,
-                                   "dist.microbatches": microbatches})
+                                   "dist.microbatches": microbatches,
+                                   **({"model.n_layer": layers} if virtual > 1 else {})})
     torch.manual_seed(cfg.train.seed)
     model = MiniGPT(cfg.model)
-    pipeline_split(model, topo.pp.rank, pp_size)  # MiniGPT's plan: this rank's stage, in place
+    chunks = pipeline_chunks(model, topo.pp.rank, pp_size, virtual) if virtual > 1 else None
+    if chunks is None:
+        pipeline_split(model, topo.pp.rank, pp_size)  # MiniGPT's plan: this rank's stage, in place
     if impl == "minitrain":
-        pipeline = Pipeline(model, topo.pp, "1f1b", microbatches, cfg.model.d_model, torch.float32, topo.device,
-                            contextlib.nullcontext, contextlib.nullcontext)
+        pipeline = Pipeline(model, topo.pp, "interleaved" if chunks else "1f1b", microbatches, cfg.model.d_model,
+                            torch.float32, topo.device, contextlib.nullcontext, contextlib.nullcontext, chunks)
 
         def step(x, y):
             loss = pipeline.run(x, y, 1.0, sync=True)
             return loss if pipeline.last_stage else None
     else:
-        step = _torch_schedule(model, topo, cfg, microbatches)
+        step = (_torch_interleaved(model, chunks, topo, microbatches) if chunks
+                else _torch_schedule(model, topo, cfg, microbatches))
     loader = ShardedLoader(load_corpus(cfg), cfg.model.seq_len, cfg.train.batch_size, 0, 1, cfg.train.seed)
     return time_steps(step, model.zero_grad, loader, topo.pp, steps, WARMUP)
 
@@ -85,16 +118,23 @@ def main(argv=None) -> int:
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--virtual-stages", type=int, default=1, help="2 or more: the interleaved schedules")
+    parser.add_argument("--layers", type=int, default=8, help="blocks of the model when interleaved (default 8)")
     parser.add_argument("--out", help="the result file (default benchmarks/results/pipeline_pp{P}_m{M}.json)")
     args = parser.parse_args(argv)
-    out = args.out or RESULTS / f"pipeline_pp{args.pp}_m{args.microbatches}.json"
+    V = args.virtual_stages
+    out = args.out or RESULTS / (f"pipeline_interleaved_pp{args.pp}_m{args.microbatches}_v{V}.json" if V > 1
+                                 else f"pipeline_pp{args.pp}_m{args.microbatches}.json")
     # The loss lives on the last stage: take that rank's result.
-    report, ratio = compare(lambda impl: launch(worker, args.pp, args.pp, args.microbatches, impl, args.steps,
-                                                backend="gloo", timeout_s=1800)[-1], "torch", args.repeats)
+    report, ratio = compare(lambda impl: launch(worker, args.pp, args.pp, args.microbatches, impl, args.steps, V,
+                                                args.layers, backend="gloo", timeout_s=1800)[-1], "torch",
+                            args.repeats)
+    model = {**MODEL, "model.n_layer": args.layers} if V > 1 else MODEL
     write_and_print(out, __file__, argv,
-                    {"model": MODEL, "pp": args.pp, "microbatches": args.microbatches, "schedule": "1f1b",
+                    {"model": model, "pp": args.pp, "microbatches": args.microbatches,
+                     "schedule": "interleaved" if V > 1 else "1f1b", "virtual_stages": V,
                      "steps": args.steps, "warmup": WARMUP, "repeats": args.repeats},
-                    report, ratio, "1F1B pipeline", "torch.distributed.pipelining")
+                    report, ratio, "interleaved pipeline" if V > 1 else "1F1B pipeline", "torch.distributed.pipelining")
     return 0
 
 

@@ -1,10 +1,12 @@
-"""The pipeline bubble of 1F1B and zero-bubble (ZB-H1), measured, against the formulas.
+"""The pipeline bubble of 1F1B, interleaved (2 chunks per rank) and zero-bubble (ZB-H1), measured, against the
+formulas.
 
-For --pp 2 and 4, each schedule trains the `small` preset (4 blocks, d_model 256, 8 heads, seq 128) split into pp
-stages, a batch of 8 sequences cut into --microbatches micro-batches, float32, one rank per stage. The executor
+For --pp 2 and 4, each schedule trains the `small` preset with 8 blocks (d_model 256, 8 heads, seq 128) split into
+pp stages, a batch of 8 sequences cut into --microbatches micro-batches, float32, one rank per stage. The executor
 measures each stage's bubble (1 - its busy time / the span of the whole schedule, barrier to barrier) and the
 seconds of its F, B and W actions. Reported per schedule: the worst stage's measured bubble (median over steps after
-warm-up), the formula with ideal equal costs ((P-1)/(M+P-1) for 1F1B; (P-1)/(3M+P-1) for zero-bubble, F = B = W),
+warm-up), the formula with ideal equal costs ((P-1)/(M+P-1) for 1F1B; (P-1)/(VM+P-1) interleaved; (P-1)/(3M+P-1) for
+zero-bubble, F = B = W),
 the zero-bubble formula at the F, B and W seconds measured ((P-1)(F+B-W) / (M(F+B+W) + (P-1)(F+B-W))), and the step's
 forward + backward time. Figures are median [min-max] over repeats, each repeat running the schedules in turn.
 
@@ -31,13 +33,16 @@ from minitrain.train.metrics import format_table
 from minitrain.train.run_config import run_config
 from minitrain.train.trainer import Trainer
 
-SCHEDULES = ("1f1b", "zero-bubble")
+SCHEDULES = ("1f1b", "interleaved", "zero-bubble")
+VIRTUAL = 2  # the interleaved schedule's chunks per rank
 WARMUP = 2
 
 
 def worker(topo, pp: int, microbatches: int, schedule: str, steps: int) -> dict:
-    cfg = run_config(cli_values={"model.preset": "small", "train.batch_size": 8, "dist.nproc": topo.world_size,
-                                 "dist.pp": pp, "dist.microbatches": microbatches, "dist.schedule": schedule,
+    cfg = run_config(cli_values={"model.preset": "small", "model.n_layer": 8, "train.batch_size": 8,
+                                 "dist.nproc": topo.world_size, "dist.pp": pp, "dist.microbatches": microbatches,
+                                 "dist.schedule": schedule,
+                                 "dist.virtual_stages": VIRTUAL if schedule == "interleaved" else 1,
                                  "data.synthetic_tokens": 1 << 18, "train.log_every": 0,
                                  "train.steps": steps + WARMUP})
     bubbles, kinds, spans = [], [], []
@@ -72,7 +77,7 @@ def main(argv=None) -> int:
     for pp in args.pps:
         runs = []
         for r in range(args.repeats):
-            order = SCHEDULES[r % 2:] + SCHEDULES[:r % 2]
+            order = SCHEDULES[r % 3:] + SCHEDULES[:r % 3]
             runs.append({s: launch(worker, pp, pp, M, s, args.steps, backend="gloo", timeout_s=1800)[0]
                          for s in order})
             print(f"pp {pp} repeat {r + 1}: " + ", ".join(f"{s} bubble {v['bubble']:.1%} span {1000 * v['span_s']:.0f} ms"
@@ -82,7 +87,7 @@ def main(argv=None) -> int:
             entry = {"bubble": median_range([run[s]["bubble"] for run in runs]),
                      "span_ms": median_range([1000 * run[s]["span_s"] for run in runs]),
                      "vs_1f1b": median_range([run[s]["span_s"] / run["1f1b"]["span_s"] for run in runs]),
-                     "formula": expected_bubble(pp, M, s),
+                     "formula": expected_bubble(pp, M, s, VIRTUAL if s == "interleaved" else 1),
                      "seconds_per_action": runs[0][s]["seconds_per_action"]}
             if s == "zero-bubble":
                 entry["formula_at_measured_costs"] = median_range(
@@ -92,7 +97,7 @@ def main(argv=None) -> int:
                          fmt_range(entry["formula_at_measured_costs"], "{:.3f}") if s == "zero-bubble" else "",
                          f"{entry['span_ms'][0]:.0f}", fmt_range(entry["vs_1f1b"], "{:.2f}")])
     out = write_result(args.out, __file__, argv,
-                       {"preset": "small", "batch": 8, "microbatches": M, "steps": args.steps, "warmup": WARMUP,
+                       {"preset": "small", "layers": 8, "virtual_stages": VIRTUAL, "batch": 8, "microbatches": M, "steps": args.steps, "warmup": WARMUP,
                         "repeats": args.repeats, "format": "[median, min, max] over repeats", "results": results})
     print(format_table(["pp", "schedule", "bubble measured", "formula (equal costs)", "formula (measured costs)",
                         "step ms", "vs 1f1b"], rows, "><>>>>>"))

@@ -488,7 +488,8 @@ def pipeline_schedules(docs: list[dict]) -> list[str]:
             costs = " / ".join(f"{k} {1000 * per[k]:.1f}" for k in ("F", "B", "W") if k in per)
             rows.append([pp, schedule, fmt_range(e["bubble"], "{:.3f}"), f"{e['formula']:.3f}", at_costs, costs,
                          f"{e['span_ms'][0]:.0f}", fmt_range(e["vs_1f1b"], "{:.2f}")])
-    return [f"The `{doc['preset']}` preset, a batch of {doc['batch']} sequences in {doc['microbatches']} micro-batches, "
+    return [f"The `{doc['preset']}` preset with {doc['layers']} blocks, interleaved over {doc['virtual_stages']} "
+            f"chunks per rank, a batch of {doc['batch']} sequences in {doc['microbatches']} micro-batches, "
             f"one rank per stage on this machine's cores, float32; the worst stage's measured bubble, median of "
             f"{doc['steps']} steps after {doc['warmup']} warm-up, median [min-max] over {doc['repeats']} repeats; the "
             "formula with F = B = W and at the F, B and W milliseconds measured (per micro-batch, the first repeat's).",
@@ -754,6 +755,7 @@ TABLES = {
     "tensor_parallel": ("tensor_parallel_tp*.json", tensor_parallel),
     "tensor_parallel_llama": ("tensor_parallel_llama_tp*.json", tensor_parallel),
     "pipeline": ("pipeline_pp*_m*.json", pipeline),
+    "pipeline_interleaved": ("pipeline_interleaved_pp*_m*_v*.json", pipeline),
     "comm": ("comm_n*.json", comm),
     "precision_memory": ("precision_memory.json", precision_memory),
     "torchrun_restarts": ("torchrun_restarts_*.json", torchrun_restarts),

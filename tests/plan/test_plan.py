@@ -297,6 +297,9 @@ def test_the_plan_gives_each_pipeline_schedule_its_bubble_and_zero_bubble_its_he
              for s in ("1f1b", "gpipe", "zero-bubble")}
     assert plans["1f1b"]["pipeline_bubble"] == plans["gpipe"]["pipeline_bubble"] == 3 / 11
     assert plans["zero-bubble"]["pipeline_bubble"] == 3 / 27  # (P-1)/(3M+P-1), F = B = W
+    interleaved = plan.plan(plan.PlanInput(model=m, params=0, pp=4, microbatches=8, schedule="interleaved",
+                                           virtual_stages=2, hardware=HERE))
+    assert interleaved["pipeline_bubble"] == 3 / 19  # (P-1)/(VM+P-1)
     acts = {s: p["bytes_per_rank"]["activations"] for s, p in plans.items()}
     # Zero-bubble holds 1F1B's four micro-batches, and their layers' output gradients until each W.
     assert acts["1f1b"] < acts["zero-bubble"] < acts["gpipe"]

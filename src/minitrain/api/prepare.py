@@ -176,7 +176,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFn, *,
         Pipeline, comm=layout.pp, schedule=schedule, microbatches=microbatches, d_model=0, dtype=compute,
         device=topo.device, forward_context=functools.partial(_autocast, topo.device, precision))
     strategy, pipeline = parallelize(model, layout, pcfg, make_optimizer, plan, activation_checkpointing,
-                                     None if builder is None else lambda s: builder(s.module, no_sync=s.no_sync),
+                                     None if builder is None else lambda s, _chunks: builder(s.module, no_sync=s.no_sync),
                                      ep_plan=ep_plan if experts else None, cp_style=cp_style, cp_plan=cp_plan)
     settings = {"zero": zero, "precision": precision, "reduce_dtype": reduce_dtype, "dp": dp, "bucket_mb": bucket_mb,
                 "prefetch": prefetch, "tp": tp, "pp": pp, "microbatches": microbatches, "schedule": schedule,
@@ -306,6 +306,10 @@ def _pipeline_split(model: nn.Module, pp: int, pp_split, microbatches: int, sche
         raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    if schedule == "interleaved":
+        raise ValueError("schedule='interleaved' runs MiniGPT through minitrain train for now (--dist.schedule "
+                         "interleaved --dist.virtual_stages V); a model of your own pipelines with 1f1b, gpipe or "
+                         "zero-bubble")
     if pp == 1:
         return None
     if pp_split is None:

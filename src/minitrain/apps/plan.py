@@ -51,7 +51,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     planner.add_argument("--staleness", type=int, default=0, help="the servers' staleness bound K (what they hold of "
                          "gradients waiting for their step; default 0)")
     planner.add_argument("--microbatches", type=int, default=1, help="pipeline micro-batches (default 1)")
-    planner.add_argument("--schedule", choices=("1f1b", "gpipe", "zero-bubble"), default="1f1b",
+    planner.add_argument("--virtual-stages", type=int, default=2, help="--schedule interleaved: chunks per pipeline "
+                         "rank (default 2)")
+    planner.add_argument("--schedule", choices=("1f1b", "gpipe", "zero-bubble", "interleaved"), default="1f1b",
                          help="pipeline schedule: its bubble (zero-bubble's with F = B = W) and the micro-batches a "
                          "stage holds")
     planner.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation assumed (default 0.4)")
@@ -88,6 +90,9 @@ def run(args) -> int:
                           "E and --dp")
     if args.cp > 1:
         _check_context(args, model)
+    if args.schedule == "interleaved" and (args.virtual_stages < 2 or args.microbatches % args.pp):
+        raise ConfigError(f"--schedule interleaved needs --virtual-stages 2 or more and --microbatches a multiple of "
+                          f"--pp {args.pp}")
     if args.servers < 0 or args.staleness < 0:
         raise ConfigError("--servers and --staleness must be >= 0")
     if args.servers and (args.zero or args.tp > 1 or args.pp > 1 or args.ep > 1 or args.offload != "none"):
@@ -101,6 +106,7 @@ def run(args) -> int:
                          activation_checkpointing=args.activation_checkpointing, microbatches=args.microbatches,
                          schedule=args.schedule, mfu=args.mfu, hardware=hardware, offload=args.offload,
                          servers=args.servers, staleness=args.staleness, cp=args.cp, cp_style=args.cp_style,
+                         virtual_stages=args.virtual_stages if args.schedule == "interleaved" else 1,
                          seq_len=args.model_seq_len or 1024)
     result = plan.plan(inp)
     result["context_needed"] = None if result["fits"] else plan.context_needed(inp)

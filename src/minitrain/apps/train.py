@@ -164,7 +164,7 @@ def _train_and_report(cfg: RunConfig, train_worker) -> int:
     if result["pipeline"]:
         p = result["pipeline"]
         print(f"pipeline bubble per stage (median, measured): {' '.join(f'{b:.0%}' for b in p['bubble'])}; "
-              f"(P-1)/(M+P-1) = {p['expected_bubble']:.0%}; peak in-flight micro-batches per stage: "
+              f"{p['schedule']}'s formula {p['expected_bubble']:.0%}; peak in-flight micro-batches per stage: "
               f"{' '.join(map(str, p['peak_in_flight']))}")
     ckpts = f"; last checkpoint {result['checkpoints'][-1]}" if result["checkpoints"] else ""
     final = "n/a" if result["final_loss"] is None else f"{result['final_loss']:.4f}"

@@ -51,10 +51,14 @@ class DistConfig:
                         "divide the heads)")
     microbatches: int = opt(1, "micro-batches each batch is cut into (they must divide --batch-size): the pipeline "
                             "keeps stages busy with different ones; the bubble is (pp-1)/(microbatches+pp-1)")
+    virtual_stages: int = opt(1, "chunks of blocks per pipeline rank under --dist.schedule interleaved (2 or more; "
+                              "pp x virtual_stages must divide the blocks): a micro-batch goes round the ranks that "
+                              "many times and the bubble falls to (pp-1)/(V x microbatches + pp - 1)")
     schedule: str = opt("1f1b", "pipeline schedule: 1f1b (warm-up, one forward / one backward, cool-down: at most "
                         "pp micro-batches of activations held) | gpipe (all forwards, then all backwards: holds all) "
                         "| zero-bubble (ZB-H1: each backward split into the input's gradient and the weights', "
-                        "which fill 1f1b's cool-down; about a third of its bubble)")
+                        "which fill 1f1b's cool-down; about a third of its bubble) | interleaved (Megatron's virtual "
+                        "pipeline: --dist.virtual_stages chunks per rank)")
 
 
 def check_sync(cfg: RunConfig) -> None:
@@ -130,7 +134,8 @@ def _check_layout(cfg: RunConfig) -> None:
                 raise ConfigError(f"--tp {d.tp} does not divide {name} = {value}; tensor parallelism splits it "
                                   f"evenly across ranks{hint}")
     require_positive("dist.microbatches", d.microbatches)
-    require_choice("dist.schedule", d.schedule, ("1f1b", "gpipe", "zero-bubble"))
+    require_choice("dist.schedule", d.schedule, ("1f1b", "gpipe", "zero-bubble", "interleaved"))
+    _check_interleaved(cfg)
     if d.schedule == "zero-bubble":
         clashes = [f for f, on in (("--tp", d.tp > 1), ("--train.activation_checkpointing",
                                                          cfg.train.activation_checkpointing != "none"),
@@ -190,3 +195,25 @@ def context_problem(cp: int, style: str, seq_len: int, heads: int, clashes: list
         return (f"{style_flag} ulysses splits the {heads} heads over {cp_flag} {cp} ranks, which does not divide "
                 f"them; use {style_flag} ring, or a cp that divides the heads")
     return None
+
+
+def _check_interleaved(cfg: RunConfig) -> None:
+    """The interleaved schedule's virtual stages against the pipeline, the blocks and the micro-batches."""
+    d, m = cfg.dist, cfg.model
+    require_positive("dist.virtual_stages", d.virtual_stages)
+    if (d.schedule == "interleaved") != (d.virtual_stages > 1):
+        raise ConfigError(f"--dist.schedule {d.schedule} with --dist.virtual_stages {d.virtual_stages}: the "
+                          "interleaved schedule and 2 or more virtual stages go together")
+    if d.schedule != "interleaved":
+        return
+    if d.pp < 2 or m.n_layer % (d.pp * d.virtual_stages):
+        raise ConfigError(f"--dist.schedule interleaved cuts the {m.n_layer} blocks into --pp {d.pp} x "
+                          f"--dist.virtual_stages {d.virtual_stages} equal chunks: use --pp 2 or more and a number of "
+                          "chunks that divides the blocks")
+    if d.microbatches % d.pp:
+        raise ConfigError(f"--dist.schedule interleaved runs micro-batches in groups of --pp {d.pp}: "
+                          f"--microbatches {d.microbatches} must be a multiple of it")
+    if d.tp > 1 or cfg.train.zero >= 2:
+        raise ConfigError(f"--dist.schedule interleaved with --tp {d.tp} --zero {cfg.train.zero}: not combined yet "
+                          "(ZeRO-2/3 gather and reduce each unit around the model's own forward and backward, which a "
+                          "chunk's bypasses); use --dist.schedule 1f1b, or --zero 0 or 1")

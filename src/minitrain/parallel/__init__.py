@@ -31,9 +31,10 @@ from .zero.zero2 import Zero2
 
 def parallelize(model: nn.Module, topo: Topology, pcfg: ParallelConfig, make_optimizer: OptimizerFactory,
                 plan: ModelPlan | None = None, activation_checkpointing: str = "none",
-                pipeline: Callable[[FlatStrategy], Pipeline] | None = None,
+                pipeline: Callable[[FlatStrategy, list | None], Pipeline] | None = None,
                 compile: bool = False, ep_plan: dict | str | None = None,
-                cp_style: str = "ring", cp_plan: str | None = None) -> tuple[FlatStrategy, Pipeline | None]:
+                cp_style: str = "ring", cp_plan: str | None = None,
+                virtual_stages: int = 1) -> tuple[FlatStrategy, Pipeline | None]:
     """Apply every parallelism the layout asks for to a full model, identical on every rank (or at least
     on rank 0, whose parameters every replica receives), in the only order that works:
     0. every rank is given rank 0's parameters and buffers (the replicas and every part cut from the model start
@@ -54,8 +55,9 @@ def parallelize(model: nn.Module, topo: Topology, pcfg: ParallelConfig, make_opt
     4. data parallel / ZeRO over the data-parallel group (the replicas of this very slice): it
        flattens (and at ZeRO-3 shards) the parameters, so it comes last; it is told about the
        tensor- and pipeline-parallel groups so that norms cover the whole model.
-    `pipeline(strategy)` builds the executor when the model is pipelined or the batch cut into
-    micro-batches (None: no pipeline). Returns the strategy (its `module` is what forward runs on)
+    `pipeline(strategy, chunks)` builds the executor when the model is pipelined or the batch cut into
+    micro-batches (None: no pipeline); chunks: under the interleaved schedule (virtual_stages > 1), each chunk's
+    forward, from the plan's pipeline_chunks (which then cuts the model in place of pipeline_split). Returns the strategy (its `module` is what forward runs on)
     and the Pipeline, or None."""
     start_alike(model, topo.everyone)  # 0. every rank holds rank 0's model, before anything is cut from it
     whole = WholeModel.of(model)
@@ -67,7 +69,13 @@ def parallelize(model: nn.Module, topo: Topology, pcfg: ParallelConfig, make_opt
     if topo.tp.world_size > 1:
         apply_tensor_parallel(model, plan.tensor_parallel, topo.tp)
         whole.slices = tensor_parallel_slices(model)
-    if topo.pp.world_size > 1:
+    chunks = None
+    if topo.pp.world_size > 1 and virtual_stages > 1:  # interleaved: this rank's chunks, and how to run each
+        if plan.pipeline_chunks is None:
+            raise ValueError(f"the interleaved schedule needs {type(model).__name__}'s plan to say how to cut it into "
+                             "chunks (pipeline_chunks); use the 1f1b schedule")
+        chunks = plan.pipeline_chunks(model, topo.pp.rank, topo.pp.world_size, virtual_stages)
+    elif topo.pp.world_size > 1:
         plan.pipeline_split(model, topo.pp.rank, topo.pp.world_size)
     if topo.ep.world_size > 1:  # each rank keeps its share of every expert layer's experts, as slices
         shard_experts(model, topo.ep, ep_plan)
@@ -85,7 +93,7 @@ def parallelize(model: nn.Module, topo: Topology, pcfg: ParallelConfig, make_opt
     strategy.hooks += context
     if topo.ep.world_size > 1:
         strategy.use_experts(topo.ep)
-    executor = pipeline(strategy) if pipeline is not None else None
+    executor = pipeline(strategy, chunks) if pipeline is not None else None
     if executor is not None and executor.split is not None:  # zero-bubble's notes of the layers' outputs
         strategy.hooks += executor.split.handles
     return strategy, executor

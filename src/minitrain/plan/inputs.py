@@ -28,6 +28,7 @@ class PlanInput:
     activation_checkpointing: str = "none"
     microbatches: int = 1  # pipeline micro-batches per step
     schedule: str = "1f1b"
+    virtual_stages: int = 1  # interleaved: chunks per pipeline rank
     offload: str = "none"  # none | cpu | disk: where the optimizer's master and state live (train/offload_files.py)
     ep: int = 1  # expert parallelism (a mixture of experts): each rank holds 1/ep of the experts; divides dp
     cp: int = 1  # context parallelism: groups of cp ranks split every sequence (world = dp x tp x pp x cp)

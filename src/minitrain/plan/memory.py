@@ -33,6 +33,7 @@ import math
 from dataclasses import replace
 
 from ..config import ModelConfig
+from ..parallel.pipeline_parallel.schedules import interleaved, peak_in_flight
 from ..models.size import model_units
 from ..parallel.core.memory_math import memory_terms, term_bytes
 from ..train.optim import FlatAdamW
@@ -175,14 +176,17 @@ def activation_bytes(inp: PlanInput) -> int:
     b, s, h = inp.micro_batch, local_seq(inp), cfg.d_model
     elem = element_bytes(inp.precision)
     layers = math.ceil(cfg.n_layer / inp.pp)
-    # 1F1B: stage 0 holds min(pp, M); zero-bubble: every stage as many, each until its W; GPipe: all M.
+    # 1F1B: stage 0 holds min(pp, M); zero-bubble: every stage as many, each until its W; GPipe: all M;
+    # interleaved: stage 0's chunk micro-batches at its peak, each 1/V of the stage's layers.
     in_flight = inp.microbatches if inp.schedule == "gpipe" else min(inp.pp, inp.microbatches)
+    if inp.schedule == "interleaved":
+        in_flight = peak_in_flight(interleaved(inp.pp, inp.microbatches, inp.virtual_stages)[0]) / inp.virtual_stages
     per_microbatch = layers * layer_activation_bytes(cfg, b, elem, inp.activation_checkpointing, inp.cp,
                                                      inp.cp_style) // inp.tp
     # The token ids: inputs and targets one window of a loader's, or once cut for a context group two tensors.
     ids = 8 * b * (s + 1) if inp.cp == 1 else 16 * b * s
     ends = elem * (2 * b * s * h + 2 * b * s) + logprob_bytes(inp) + ids + 8 * s
-    return in_flight * per_microbatch + ends + replay_bytes(inp) + deferred_gradient_bytes(inp)
+    return round(in_flight * per_microbatch) + ends + replay_bytes(inp) + deferred_gradient_bytes(inp)
 
 
 def deferred_gradient_bytes(inp: PlanInput) -> int:

@@ -31,7 +31,7 @@ def plan(inp: PlanInput) -> dict:
     flops_rank = hw_fpt * tokens_rank / (inp.tp * inp.pp)
     peak = hw.peak_flops[inp.precision]
     compute_s = flops_rank / (peak * inp.mfu)
-    bubble = expected_bubble(inp.pp, inp.microbatches, inp.schedule) if inp.pp > 1 else 0.0
+    bubble = expected_bubble(inp.pp, inp.microbatches, inp.schedule, inp.virtual_stages) if inp.pp > 1 else 0.0
     comm = communication(inp)
     comm_s = sum(r["seconds"] for r in comm)
     step_s = compute_s / (1 - bubble) + comm_s

@@ -382,8 +382,9 @@ class SaveCadence:
 
 def pipeline_line(p: dict) -> str:
     """What a pipelined run is about to do, and the bubble it cannot avoid."""
-    line = (f"pipeline: {p['stages']} stage(s), {p['microbatches']} micro-batches per batch, {p['schedule']}; "
-            f"bubble (P-1)/(M+P-1) = {p['expected_bubble']:.0%} at best")
+    chunks = f" x {p['virtual_stages']} chunks" if p.get("virtual_stages", 1) > 1 else ""
+    line = (f"pipeline: {p['stages']} stage(s){chunks}, {p['microbatches']} micro-batches per batch, {p['schedule']}; "
+            f"bubble {p['expected_bubble']:.0%} at best")
     if p["microbatches"] < p["stages"]:
         line += f" (fewer micro-batches than stages: --microbatches {p['stages']} or more idles less)"
     return line

@@ -83,7 +83,7 @@ class Trainer:
         self.strategy, self.pipeline = parallelize(
             self.model, topo, parallel_config(cfg), flat_adamw_factory(cfg.train, self.offload), spec.plan,
             cfg.train.activation_checkpointing, self._pipeline_builder(), compile=cfg.train.compile,
-            cp_style=cfg.dist.cp_style)
+            cp_style=cfg.dist.cp_style, virtual_stages=cfg.dist.virtual_stages)
         # Data is split over data-parallel replicas only (a tensor- or context-parallel group shares its batch), or
         # under expert parallelism over every rank (topo.data).
         self._corpus_sha256: str | None = None  # computed at the first save (train_state)
@@ -137,9 +137,9 @@ class Trainer:
         d, t, topo = self.cfg.dist, self.cfg.train, self.topo
         if d.pp == 1 and d.microbatches == 1:
             return None
-        return lambda strategy: Pipeline(strategy.module, topo.pp, d.schedule, d.microbatches, self.cfg.model.d_model,
-                                         compute_dtype(t), topo.device, lambda: autocast(t, topo.device),
-                                         strategy.no_sync)
+        return lambda strategy, chunks: Pipeline(strategy.module, topo.pp, d.schedule, d.microbatches,
+                                                 self.cfg.model.d_model, compute_dtype(t), topo.device,
+                                                 lambda: autocast(t, topo.device), strategy.no_sync, chunks)
 
     def train_step(self, requests: StepRequests = StepRequests(), measure_sync: bool | None = None) -> StepRecord:
         """One step: forward and backward over grad_accum micro-batches, the gradient sync, the update, and the

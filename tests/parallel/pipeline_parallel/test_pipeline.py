@@ -32,7 +32,7 @@ TOL = 1e-12
 STEPS = 4
 
 
-@pytest.mark.parametrize("name", list(SCHEDULES))
+@pytest.mark.parametrize("name", [name for name in SCHEDULES if name != "interleaved"])
 def test_schedules_run_every_micro_batch_once_without_deadlock_and_with_the_formula_bubble(name):
     split = name == "zero-bubble"
     for stages in range(1, 7):
@@ -120,7 +120,8 @@ def _unpipelined():
     return ref.losses, first.by_name(first.grads), None
 
 
-RUNS = [(name, m) for name in SCHEDULES for m in (1, 2, 4, 12)]  # M < P, = P, > P; 12: one sequence per micro-batch
+RUNS = [(name, m) for name in SCHEDULES if name != "interleaved"  # (its own tests: it needs chunks)
+        for m in (1, 2, 4, 12)]  # M < P, = P, > P; 12: one sequence per micro-batch
 
 
 @pytest.mark.parametrize("pp", [2, 4])
@@ -212,19 +213,32 @@ def test_bad_pipeline_settings_exit_2_naming_them(argv, message):
     assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
-def _data_and_pipeline(topo, schedule):
-    cfg = _config(topo.world_size, 2, 4, schedule, 1)
+def _data_and_pipeline(topo, schedule, zero=1):
+    cfg = _config(topo.world_size, 2, 4, schedule, zero, **{"dist.virtual_stages": 2 if schedule == "interleaved" else 1})
     with Trainer(cfg, topo.with_layout(1, 2)) as trainer:
         losses = _run(trainer)[0]
-        return losses, trainer.strategy.full_params()
+        return losses, {n: q.detach().clone() for n, q in trainer.model.named_parameters()}
 
 
 def test_zero_bubble_at_zero_1_over_two_replicas_ends_on_1f1b_s_parameters_and_one_process_s():
     ref = plain_run(_config(4, 2, 4, "1f1b", 1), STEPS)  # one process on both replicas' batches
     ranks = {schedule: run_ranks(_data_and_pipeline, 4, schedule) for schedule in ("1f1b", "zero-bubble")}
     for rank in (0, 2):  # a rank of each stage holds that stage's parameters
-        assert (ranks["zero-bubble"][rank][1] - ranks["1f1b"][rank][1]).abs().max() <= TOL, rank
+        mine, theirs = ranks["zero-bubble"][rank][1], ranks["1f1b"][rank][1]
+        assert max((mine[n] - theirs[n]).abs().max().item() for n in mine) <= TOL, rank
     assert_close_to(ref, TOL, "zero-bubble, dp 2 x pp 2, ZeRO-1", losses=ranks["zero-bubble"][0][0])
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_interleaved_over_two_replicas_syncs_after_its_backwards_and_ends_on_1f1b_s_parameters(zero):
+    ref = plain_run(_config(4, 2, 4, "1f1b", zero), STEPS)  # one process on both replicas' batches
+    ranks = {schedule: run_ranks(_data_and_pipeline, 4, schedule, zero) for schedule in ("1f1b", "interleaved")}
+    whole = {schedule: {} for schedule in ranks}
+    for schedule, results in ranks.items():
+        for _, named in results:
+            whole[schedule].update(named)  # (the replicas agree: a later rank's copy replaces an equal one)
+        assert_close_to(ref, TOL, f"{schedule}, dp 2 x pp 2, ZeRO-{zero}", losses=results[0][0])
+    assert max((whole["interleaved"][n] - whole["1f1b"][n]).abs().max().item() for n in whole["1f1b"]) <= TOL
 
 
 def test_zero_bubble_refuses_what_changes_its_noted_outputs(tmp_path):
@@ -311,3 +325,72 @@ def test_a_hugging_face_llama_through_prepare_trains_alike_on_zero_bubble_and_1f
     (one_losses, one_state), = run_ranks(_llama_pipelined, 2, "1f1b")[:1]
     assert max(abs(a - b) for a, b in zip(losses, one_losses)) <= TOL
     assert max((state[k] - one_state[k]).abs().max().item() for k in state) <= TOL
+
+
+def test_the_interleaved_schedule_runs_every_chunk_once_with_its_bubble_and_messages_in_matching_order():
+    from minitrain.parallel.pipeline_parallel.schedules import interleaved
+
+    for P in range(2, 6):
+        for V in (2, 3):
+            for M in (P, 2 * P, 3 * P):
+                schedule = interleaved(P, M, V)
+                for actions in schedule:
+                    assert sorted(map(str, actions)) == sorted(str(Action(k, m, c)) for k in "FB" for m in range(M)
+                                                               for c in range(V))
+                bubbles = simulated_bubble(simulate(schedule, 1, 1), P)
+                assert max(abs(b - expected_bubble(P, M, "interleaved", V)) for b in bubbles) < 1e-12
+                # Point to point between two ranks matches in order (NCCL has no tags): what a rank sends another,
+                # in its order, is what that rank receives from it, in its order.
+                sent, received = {}, {}
+                for s_, actions in enumerate(schedule):
+                    for a in actions:
+                        v, forward = a.chunk * P + s_, a.kind == "F"
+                        if (v > 0) if forward else (v < P * V - 1):  # it receives
+                            peer = (s_ - 1) % P if forward else (s_ + 1) % P
+                            received.setdefault((peer, s_), []).append((a.kind, a.microbatch, v - 1 if forward else v + 1))
+                        if (v < P * V - 1) if forward else (v > 0):  # it sends
+                            peer = (s_ + 1) % P if forward else (s_ - 1) % P
+                            sent.setdefault((s_, peer), []).append((a.kind, a.microbatch, v))
+                assert sent == received, (P, V, M)
+    with pytest.raises(ValueError, match="a multiple of the 2 stages"):
+        interleaved(2, 3, 2)
+
+
+def _interleaved(topo, runs, zero=0):
+    """Each (schedule, virtual stages) run of 4 micro-batches on pp = world stages: losses, first-step gradients,
+    the pipeline record and this stage's parameters."""
+    out = []
+    for schedule, virtual in runs:
+        cfg = _config(topo.world_size, topo.world_size, 4, schedule, zero, **{"dist.virtual_stages": virtual})
+        with Trainer(cfg, topo.with_layout(1, topo.world_size)) as trainer:
+            named = {n: q.detach().clone() for n, q in trainer.model.named_parameters()}  # this rank's blocks
+            out.append((*_run(trainer), named))
+    return out
+
+
+def test_interleaved_over_two_chunks_equals_1f1b_and_one_process():
+    losses, grads, _ = _unpipelined()
+    for zero in (0, 1):
+        per_rank = run_ranks(_interleaved, 2, [("interleaved", 2), ("1f1b", 1)], zero)
+        whole = [{}, {}]  # each schedule's parameters, from both ranks (they hold other blocks under each)
+        for stage, ((il_losses, il_grads, record, il_params), (_, _, _, params)) in enumerate(per_rank):
+            assert max(abs(a - b) for a, b in zip(il_losses, losses)) <= TOL, (zero, stage)
+            assert all((g - grads[name]).abs().max() <= TOL for name, g in il_grads.items()), stage
+            assert record["virtual_stages"] == 2 and record["expected_bubble"] == 1 / 9
+            whole[0].update(il_params)
+            whole[1].update(params)
+        assert whole[0].keys() == whole[1].keys() == grads.keys()
+        assert max((whole[0][n] - whole[1][n]).abs().max().item() for n in grads) <= TOL, zero
+
+
+def test_interleaved_refuses_chunks_that_do_not_divide_the_blocks(tmp_path):
+    for flags, message in ((["--dist.virtual_stages", "3"], "equal chunks"),
+                           (["--microbatches", "3", "--batch-size", "12"], "a multiple of it"),
+                           (["--dist.virtual_stages", "1"], "go together"), (["--zero", "3"], "not combined yet")):
+        proc = run_main("train", "--nproc", "2", "--pp", "2", "--microbatches", "2", "--dist.schedule", "interleaved",
+                        "--dist.virtual_stages", "2", "--steps", "1", "--model.n_layer", "4", "--out",
+                        str(tmp_path / "run"), *flags)
+        assert proc.returncode == 2 and message in proc.stderr, (flags, proc.stderr)
+        assert len(proc.stderr.strip().splitlines()) == 1
+    shown = run_main("pp-schedule", "--pp", "2", "--microbatches", "4", "--schedule", "interleaved")
+    assert shown.returncode == 0 and "(P-1)/(VM+P-1) = 11.1% with V = 2" in shown.stdout, shown.stdout

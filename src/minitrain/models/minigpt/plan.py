@@ -19,6 +19,8 @@ recomputation names), and the learned position embedding is looked up at the pos
 """
 from __future__ import annotations
 
+import functools
+
 from torch import nn
 
 from .model import MiniGPT
@@ -39,16 +41,38 @@ TENSOR_PARALLEL = {
 
 
 def pipeline_split(model: MiniGPT, stage: int, stages: int) -> None:
-    if stages == 1:
-        return
-    keep = stage_blocks(len(model.blocks), stages)[stage]
+    if stages > 1:
+        _keep(model, set(stage_blocks(len(model.blocks), stages)[stage]), stage, stages)
+
+
+def _keep(model: MiniGPT, blocks: set[int], stage: int, stages: int) -> None:
+    """Delete the blocks this stage does not hold, the embeddings unless it is the first, the final LayerNorm and
+    head unless it is the last."""
     for name in list(model.blocks):
-        if int(name) not in keep:
+        if int(name) not in blocks:
             del model.blocks[name]
     if stage > 0:
         model.tok_emb = model.pos_emb = None
     if stage < stages - 1:
         model.ln_f = model.head = None
+
+
+def pipeline_chunks(model: MiniGPT, stage: int, stages: int, virtual: int) -> list:
+    """The interleaved schedule's split, in place: stage s keeps virtual stages s, s + P, ... (each a contiguous
+    run of blocks, stage_blocks over P x V), the embeddings if it holds the first, the final LayerNorm, head and
+    loss if it holds the last; returns each chunk's forward(x, targets or None), in chunk order."""
+    parts = stage_blocks(len(model.blocks), stages * virtual)
+    mine = [parts[c * stages + stage] for c in range(virtual)]
+    _keep(model, {i for chunk in mine for i in chunk}, stage, stages)
+    return [functools.partial(_run_chunk, model, chunk, stage == 0 and c == 0, stage == stages - 1 and c == virtual - 1)
+            for c, chunk in enumerate(mine)]
+
+
+def _run_chunk(model: MiniGPT, chunk: range, first: bool, last: bool, x, targets):
+    x = model.embed(x) if first else x
+    for i in chunk:
+        x = model.blocks[str(i)](x)
+    return model.output(x, targets) if last else x
 
 
 def blocks(model: MiniGPT) -> list[nn.Module]:
@@ -64,4 +88,5 @@ def positions(model: MiniGPT) -> list[tuple[nn.Module, int]]:
 
 
 MINIGPT_PLAN = ModelPlan(tensor_parallel=TENSOR_PARALLEL, pipeline_split=pipeline_split, blocks=blocks,
-                         selective=selective, attention=selective, positions=positions)
+                         selective=selective, attention=selective, positions=positions,
+                         pipeline_chunks=pipeline_chunks)

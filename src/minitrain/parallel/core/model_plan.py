@@ -23,6 +23,9 @@ class ModelPlan:
     tensor_parallel: dict | None = None
     # Keep only stage s of P (in place); the model's forward must then run the parts it still has.
     pipeline_split: Callable[[nn.Module, int, int], None] | None = None
+    # The interleaved schedule's split: keep stage s's V chunks of P x V (in place) and return each chunk's
+    # forward(x, targets or None), in chunk order.
+    pipeline_chunks: Callable[[nn.Module, int, int, int], list[Callable]] | None = None
     # The transformer blocks `block` activation checkpointing recomputes (None: the containers' elements).
     blocks: Callable[[nn.Module], list[nn.Module]] | None = None
     # (module, method name) pairs `selective` activation checkpointing recomputes.

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from ...runtime.comm import Comm, PendingCollective
-from .schedules import SCHEDULES, Action, expected_bubble, splits_backward
+from .schedules import Action, expected_bubble, make_schedule, splits_backward
 from .zero_bubble import SplitBackward
 
 
@@ -50,18 +50,22 @@ def stage_blocks(n_layer: int, stages: int) -> list[range]:
 
 class Pipeline:
     def __init__(self, module: nn.Module, comm: Comm, schedule: str, microbatches: int, d_model: int,
-                 dtype: torch.dtype, device: torch.device, forward_context: Callable, no_sync: Callable):
+                 dtype: torch.dtype, device: torch.device, forward_context: Callable, no_sync: Callable,
+                 chunks: list[Callable] | None = None):
         """module: this rank's stage (the strategy's module); comm: the pipeline group, one rank per stage;
         dtype: what activations travel in; forward_context: entered around each forward (autocast);
-        no_sync: the data-parallel strategy's context for backwards that must not sync gradients."""
+        no_sync: the data-parallel strategy's context for backwards that must not sync gradients; chunks: under the
+        interleaved schedule, forward(input, target or None) of each of this rank's chunks, in chunk order."""
         self.module, self.comm, self.device = module, comm, device
         self.stage, self.stages = comm.rank, comm.world_size
         self.first, self.last_stage = self.stage == 0, self.stage == self.stages - 1
         self.schedule, self.microbatches = schedule, microbatches
-        lists = SCHEDULES[schedule](self.stages, microbatches)
+        self.chunks, self.virtual = chunks, len(chunks) if chunks else 1
+        lists = make_schedule(schedule, self.stages, microbatches, self.virtual)
         self.actions: list[Action] = lists[self.stage]
-        # The last action that accumulates gradients: the data-parallel sync runs in it.
-        self.final_backward = max(i for i, a in enumerate(self.actions) if a.kind in ("B", "W"))
+        # The last action that accumulates gradients: the data-parallel sync runs in it. Interleaved, the last one
+        # touches one chunk's parameters only: every backward runs unsynced, and the sync follows them (run).
+        self.final_backward = -1 if chunks else max(i for i, a in enumerate(self.actions) if a.kind in ("B", "W"))
         self.split = SplitBackward(module) if splits_backward(lists) else None
         self.d_model, self.dtype = d_model, dtype
         self.forward_context, self.no_sync = forward_context, no_sync
@@ -81,10 +85,12 @@ class Pipeline:
         forward = forward or self.module
         xs, ys = x.to(self.device).chunk(M), y.to(self.device).chunk(M)
         shape = shape or (xs[0].size(0), xs[0].size(1), self.d_model)
-        held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # micro-batch -> (stage input, stage output)
-        # Zero-bubble: each micro-batch's noted module outputs until its B, then with their gradients until its W.
-        noted_of: dict[int, list] = {}
-        deferred: dict[int, tuple[list, list]] = {}
+        # (chunk, micro-batch) -> (its input, its output); zero-bubble: its noted module outputs until its B, then
+        # with their gradients until its W.
+        held: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        noted_of: dict[tuple[int, int], list] = {}
+        deferred: dict[tuple[int, int], tuple[list, list]] = {}
+        ahead, behind = (self.stage + 1) % self.stages, (self.stage - 1) % self.stages  # (round the ranks: chunks)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # on the device: no sync per micro-batch
         outgoing: list[tuple[torch.Tensor, int]] = []  # the previous action's send, started with the next receive
         in_flight: list[PendingCollective] = []
@@ -92,51 +98,61 @@ class Pipeline:
         self.comm.barrier()  # the span starts when every stage can start
         start = clock.mark()
         for i, action in enumerate(self.actions):
-            m = action.microbatch
+            m, key = action.microbatch, (action.chunk, action.microbatch)
+            first, last = self._first(action.chunk), self._last(action.chunk)
             incoming = self._incoming(action, shape)
             in_flight += self.comm.exchange(outgoing, incoming)
             outgoing = []
             began = clock.mark()  # after its input arrived: waiting for a neighbour is not busy
             if action.kind == "F":
-                inp = xs[m] if self.first else incoming[0][0].requires_grad_()
+                inp = xs[m] if first else incoming[0][0].requires_grad_()
+                run = self.chunks[action.chunk] if self.chunks else forward
                 with self.forward_context(), self.split.noting() if self.split else contextlib.nullcontext() as noted:
-                    out = forward(inp, ys[m] if self.last_stage else None)
-                noted_of[m] = noted
-                if self.last_stage:
+                    out = run(inp, ys[m] if last else None)
+                noted_of[key] = noted
+                if last:
                     loss_sum += out.detach().double()
                 else:
                     out = out.to(self.dtype)  # differentiable: the received gradient comes back in this dtype
-                    outgoing = [(out.detach(), self.stage + 1)]
-                held[m] = (inp, out)
+                    outgoing = [(out.detach(), ahead)]
+                held[key] = (inp, out)
                 peak = max(peak, len(held))
             elif action.kind == "W":  # this micro-batch's weight gradients, from what its B kept
-                noted, grads = deferred.pop(m)
-                del held[m]  # its graph goes with its last references
+                noted, grads = deferred.pop(key)
+                del held[key]  # its graph goes with its last references
                 with contextlib.nullcontext() if sync and i == self.final_backward else self.no_sync():
                     self.split.weight_part(noted, grads)
             else:
-                inp, out = held[m] if self.split else held.pop(m)
+                inp, out = held[key] if self.split else held.pop(key)
                 grad = torch.tensor(loss_multiplier / M, dtype=out.dtype, device=out.device) \
-                    if self.last_stage else incoming[0][0]
+                    if last else incoming[0][0]
                 if self.split is not None:  # B alone: the input's gradient now, the weights' in W
-                    noted = noted_of.pop(m)
-                    inp_grad, grads = self.split.input_part(out, grad, None if self.first else inp, noted)
-                    deferred[m] = (noted, grads)
+                    noted = noted_of.pop(key)
+                    inp_grad, grads = self.split.input_part(out, grad, None if first else inp, noted)
+                    deferred[key] = (noted, grads)
                 else:
                     with contextlib.nullcontext() if sync and i == self.final_backward else self.no_sync():
                         out.backward(grad)
                     inp_grad = inp.grad
-                if not self.first:
-                    outgoing = [(inp_grad, self.stage - 1)]
+                if not first:
+                    outgoing = [(inp_grad, behind)]
             # On a GPU the marks are events in the stream, so the action's kernels are charged to it without
             # the host waiting for them (no synchronisation per action).
             actions.append((action.kind, began, clock.mark()))
         in_flight += self.comm.exchange(outgoing, [])
         for send in in_flight:
             send.wait()
+        if sync and self.chunks:
+            self._sync_accumulated()
         self.comm.barrier()  # ...and ends when the last stage has finished
         self._marks = (start, clock.mark(), actions, peak)
         return loss_sum / M
+
+    def _sync_accumulated(self) -> None:
+        """The data-parallel sync of gradients accumulated unsynced: one engine run in which every parameter receives
+        a zero, so the strategy's hooks see them all arrive as in a backward (x + 0 is x)."""
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        torch.autograd.backward(params, [torch.zeros_like(p) for p in params])
 
     @property
     def measured(self) -> dict:
@@ -167,30 +183,43 @@ class Pipeline:
         outgoing: list[tuple[torch.Tensor, int]] = []
         in_flight: list[PendingCollective] = []
         for m in range(M):
-            incoming = [] if self.first else [(torch.empty(shape, dtype=self.dtype, device=self.device),
-                                                self.stage - 1)]
-            in_flight += self.comm.exchange(outgoing, incoming)
-            with self.forward_context():
-                out = self.module(xs[m] if self.first else incoming[0][0], ys[m] if self.last_stage else None)
-            if self.last_stage:
-                loss_sum += out.double()
-                outgoing = []
-            else:
-                outgoing = [(out.to(self.dtype), self.stage + 1)]
+            for c in range(self.virtual):  # a micro-batch round the ranks, chunk by chunk
+                first, last = self._first(c), self._last(c)
+                incoming = [] if first else [(torch.empty(shape, dtype=self.dtype, device=self.device),
+                                              (self.stage - 1) % self.stages)]
+                in_flight += self.comm.exchange(outgoing, incoming)
+                run = self.chunks[c] if self.chunks else self.module
+                with self.forward_context():
+                    out = run(xs[m] if first else incoming[0][0], ys[m] if last else None)
+                if last:
+                    loss_sum += out.double()
+                    outgoing = []
+                else:
+                    outgoing = [(out.to(self.dtype), (self.stage + 1) % self.stages)]
         in_flight += self.comm.exchange(outgoing, [])
         for send in in_flight:
             send.wait()
         return loss_sum / M
 
+    def _first(self, chunk: int) -> bool:
+        """Whether this rank's chunk is the first virtual stage (it reads the tokens)."""
+        return self.first and chunk == 0
+
+    def _last(self, chunk: int) -> bool:
+        """Whether this rank's chunk is the last virtual stage (it computes the loss)."""
+        return self.last_stage and chunk == self.virtual - 1
+
     def _incoming(self, action: Action, shape: tuple[int, ...]) -> list[tuple[torch.Tensor, int]]:
-        """The receive an action waits for: an activation from the previous stage, or a gradient from the next."""
-        if action.kind == "F" and not self.first:
-            return [(torch.empty(shape, dtype=self.dtype, device=self.device), self.stage - 1)]
-        if action.kind == "B" and not self.last_stage:
-            return [(torch.empty(shape, dtype=self.dtype, device=self.device), self.stage + 1)]
+        """The receive an action waits for: an activation from the previous (virtual) stage, or a gradient from the
+        next; round the ranks under the interleaved schedule (the last rank's chunk c feeds the first's c + 1)."""
+        if action.kind == "F" and not self._first(action.chunk):
+            return [(torch.empty(shape, dtype=self.dtype, device=self.device), (self.stage - 1) % self.stages)]
+        if action.kind == "B" and not self._last(action.chunk):
+            return [(torch.empty(shape, dtype=self.dtype, device=self.device), (self.stage + 1) % self.stages)]
         return []
 
     def summary(self) -> dict:
         """The layout and the formula the measurement compares with."""
         return {"schedule": self.schedule, "stages": self.stages, "microbatches": self.microbatches,
-                "expected_bubble": expected_bubble(self.stages, self.microbatches, self.schedule)}
+                "expected_bubble": expected_bubble(self.stages, self.microbatches, self.schedule, self.virtual),
+                "virtual_stages": self.virtual}

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..parallel.expert_parallel.load import ExpertLoad
+from ..parallel.expert_parallel.load import ExpertLoad, dropped_share, imbalance
 from ..parallel.expert_parallel.experts import HuggingFaceExperts, hugging_face_experts, routes_its_own_tokens
 from ..parallel.recompute import in_backward
 
@@ -36,13 +36,12 @@ class MoEStats:
     @property
     def imbalance(self) -> float:
         """The busiest expert's slots over the mean, at the worst layer: 1.0 is perfectly balanced."""
-        return max((max(layer) * len(layer) / sum(layer) for layer in self.load if sum(layer)), default=0.0)
+        return imbalance(self.load)
 
     @property
     def dropped_share(self) -> float:
         """The share of all slots dropped over capacity."""
-        slots = sum(sum(layer) for layer in self.load)
-        return sum(self.dropped) / slots if slots else 0.0
+        return dropped_share(self.load, self.dropped)
 
 
 def training_forward(module: nn.Module) -> bool:

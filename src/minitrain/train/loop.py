@@ -31,6 +31,7 @@ from .metrics import (
     straggler_report,
     sync_report,
 )
+from ..parallel.expert_parallel.load import dropped_share, imbalance
 from ..runtime.signals import StopRequest
 from .guards import SpikeError
 from .ps_run import train_with_parameter_servers
@@ -393,11 +394,9 @@ def pipeline_line(p: dict) -> str:
 def expert_load_text(layers: list[list[float]]) -> str:
     """The busiest expert's load against the mean, at the worst layer (1.00 is perfectly balanced), and the share
     of slots dropped over capacity."""
-    worst = max(max(layer[:-1]) / (sum(layer[:-1]) / len(layer[:-1])) if sum(layer[:-1]) else 0.0
-                for layer in layers)
-    slots = sum(sum(layer[:-1]) for layer in layers)
-    dropped = sum(layer[-1] for layer in layers) / slots if slots else 0.0
-    return f"experts max/mean {worst:.2f} dropped {dropped:.1%}"
+    loads = [layer[:-1] for layer in layers]
+    return (f"experts max/mean {imbalance(loads):.2f} dropped "
+            f"{dropped_share(loads, [layer[-1] for layer in layers]):.1%}")
 
 
 def progress_line(r: StepRecord, total: int, eta_s: float | None = None) -> str:

@@ -88,7 +88,8 @@ def _minigpt_ranks(topo):
         optimizer.zero_grad()
     state = {k: v.clone() for k, v in minitrain.full_state_dict(model).items()}
     minitrain.cleanup()
-    return state
+    given_back = all("attend" not in block.attn.__dict__ for block in model.blocks.values())  # its own attention
+    return state, given_back
 
 
 def test_minigpt_at_cp_2_by_its_plan_trains_as_one_process_does():
@@ -103,8 +104,9 @@ def test_minigpt_at_cp_2_by_its_plan_trains_as_one_process_does():
         optimizer.step()
         optimizer.zero_grad()
     want = plain.state_dict()
-    for state in run_ranks(_minigpt_ranks, 2):
+    for state, given_back in run_ranks(_minigpt_ranks, 2):
         assert max((state[k] - want[k]).abs().max().item() for k in want) <= 1e-12
+        assert given_back  # cleanup() took the group's attention off
 
 
 def _refusals(topo):

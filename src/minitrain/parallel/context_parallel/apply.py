@@ -23,26 +23,39 @@ from .ulysses import ulysses_attend
 STYLES = {"ring": ring_attend, "ulysses": ulysses_attend}
 
 
-def attention_over(comm: Comm, style: str):
+def attention_over(comm: Comm, style: str, layout: ContextLayout):
     """The attention function of `style` over `comm`: attend(q, k, v) on this rank's (B, heads, T/N, d)."""
     if style not in STYLES:
         raise ValueError(f"context-parallel style must be ring or ulysses, got {style!r}")
-    return functools.partial(STYLES[style], comm=comm, layout=ContextLayout(comm.rank, comm.world_size))
+    return functools.partial(STYLES[style], comm=comm, layout=layout)
+
+
+class ReplacedMethod:
+    """A method replaced on one module instance; remove() gives the module its own again."""
+
+    def __init__(self, module: nn.Module, name: str, replacement):
+        self.module, self.name, self.own = module, name, module.__dict__.get(name)
+        setattr(module, name, replacement)
+
+    def remove(self) -> None:
+        if self.own is None:
+            self.module.__dict__.pop(self.name, None)
+        else:
+            setattr(self.module, self.name, self.own)
 
 
 def apply_context_parallel(model: nn.Module, comm: Comm, plan: ModelPlan | None, style: str = "ring") -> list:
-    """Change `model` for context parallelism over `comm` by its plan; returns the hooks' handles (the strategy
-    removes them when it closes). ValueError naming what is missing when the plan does not say."""
-    attend = attention_over(comm, style)
+    """Change `model` for context parallelism over `comm` by its plan; returns what to remove (hooks, replaced
+    methods) when the strategy closes. ValueError naming what is missing when the plan does not say."""
+    layout = ContextLayout(comm.rank, comm.world_size)
+    attend = attention_over(comm, style, layout)
     cores = plan.attention(model) if plan is not None and plan.attention is not None else []
     if not cores:
         raise ValueError(f"context parallelism needs {type(model).__name__}'s attention cores (its plan's "
                          "`attention`, or cp_plan='auto' for a Hugging Face model): without them attention would "
                          "see only this rank's tokens")
-    for module, name in cores:
-        setattr(module, name, attend)
-    return whole_sequence_positions(plan.positions(model) if plan.positions is not None else [],
-                                    ContextLayout(comm.rank, comm.world_size))
+    replaced = [ReplacedMethod(module, name, attend) for module, name in cores]
+    return replaced + whole_sequence_positions(plan.positions(model) if plan.positions is not None else [], layout)
 
 
 def whole_sequence_positions(modules: list[tuple[nn.Module, int]], layout: ContextLayout) -> list:

@@ -99,7 +99,7 @@ def refuse_padding(_model: nn.Module, _args: tuple, kwargs: dict) -> None:
 def apply_to_hugging_face(model: nn.Module, comm: Comm, style: str) -> list:
     """Context parallelism over `comm` for a Hugging Face model (checked first); the handles to remove."""
     check_context_parallel(model)
-    attention = RegisteredAttention(model, attention_over(comm, style))
+    layout = ContextLayout(comm.rank, comm.world_size)
+    attention = RegisteredAttention(model, attention_over(comm, style, layout))
     padding = model.register_forward_pre_hook(refuse_padding, with_kwargs=True)
-    return [attention, padding,
-            *whole_sequence_positions(rotary_modules(model), ContextLayout(comm.rank, comm.world_size))]
+    return [attention, padding, *whole_sequence_positions(rotary_modules(model), layout)]

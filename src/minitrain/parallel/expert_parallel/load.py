@@ -19,3 +19,15 @@ class ExpertLoad:
     def mean_router_loss(self):
         """The router loss per forward (0 when none was counted)."""
         return self.router_loss / self.forwards if self.forwards else 0.0
+
+
+def imbalance(loads: list[list[float]]) -> float:
+    """The busiest expert's slots over the mean, at the worst layer (1.0 is perfectly balanced); per layer, each
+    expert's slots."""
+    return max((max(layer) * len(layer) / sum(layer) for layer in loads if sum(layer)), default=0.0)
+
+
+def dropped_share(loads: list[list[float]], dropped: list[float]) -> float:
+    """The share of all slots dropped over capacity."""
+    slots = sum(sum(layer) for layer in loads)
+    return sum(dropped) / slots if slots else 0.0

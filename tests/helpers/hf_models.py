@@ -10,21 +10,22 @@ VOCAB, SEQ = 64, 8
 KINDS = ("llama-tied", "llama", "gpt2")
 
 
-def make_model(kind: str, seed: int = 0):
-    """A 2-layer model of `kind` whose parameters are float64 and whose buffers keep their dtype (the rotary
+def make_model(kind: str, seed: int = 0, layers: int = 2):
+    """A model of `kind` (2 layers by default) whose parameters are float64 and whose buffers keep their dtype (the rotary
     inv_freq stays float32, as after loading a checkpoint in float64), with its final norm frozen."""
     import transformers
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(seed)
     if kind == "gpt2":
-        cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=2, n_head=2,
+        cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=layers, n_head=2,
                                       bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
                                       attn_pdrop=0.0)  # deterministic: the runs are compared value for value
         model = transformers.GPT2LMHeadModel(cfg)
     else:
-        cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=SEQ,
+        cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
+                                       num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                                       max_position_embeddings=SEQ,
                                        tie_word_embeddings=kind == "llama-tied", bos_token_id=0, eos_token_id=0)
         model = transformers.LlamaForCausalLM(cfg)
     for p in model.parameters():
@@ -89,10 +90,10 @@ def lm_loss(model, x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1))
 
 
-def reference_run(kind: str, optimizer: str, steps: list[torch.Tensor], max_norm: float) -> dict:
+def reference_run(kind: str, optimizer: str, steps: list[torch.Tensor], max_norm: float, layers: int = 2) -> dict:
     """Plain PyTorch on one process: the unwrapped model, torch.optim, torch.nn.utils.clip_grad_norm_, each
     step on the whole global batch. Returns losses, norms and the final state_dict."""
-    model = make_model(kind)
+    model = make_model(kind, layers=layers)
     opt = OPTIMIZERS[optimizer](param_groups(model))
     losses, norms = [], []
     for x in steps:

@@ -17,10 +17,9 @@ from ..parallel.context_parallel.layout import ContextLayout
 from .moe_stats import moe_counters
 from ..parallel.core.loss_scale import COMPUTE_DTYPES
 from ..parallel.core.offload import OffloadStore
-from ..parallel.pipeline_parallel.split import PipelineSplit, Stage, check_pieces, check_split, cross_stage_ties, split_model
+from ..parallel.pipeline_parallel.split import PipelineSplit, Stage, split_model
 from ..parallel.pipeline_parallel.executor import Pipeline
 from ..parallel.user_loop.replica_state import refuse_batch_statistics
-from ..parallel.pipeline_parallel.schedules import SCHEDULES
 from ..parallel.core.shard_optimizer import (ZERO_SHARDS, OptimizerFn, TorchShardOptimizer, check_elementwise,
                                         check_optimizer_fn)
 from ..parallel.tensor_parallel.plans import check_plan, hugging_face_plan
@@ -32,6 +31,7 @@ from .optimizer import PreparedOptimizer
 from .servers import ServerRankOptimizer, check_server_settings, make_server, split_world
 from .session import Prepared, current, held_apart
 from .context import check_context_inputs, context_plan
+from .pipeline import pipeline_split
 from .steps import note_feed
 
 
@@ -40,7 +40,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFn, *,
             precision: str = "fp32", reduce_dtype: str = "fp32", dp: str = "bucketed", bucket_mb: float = 25.0,
             prefetch: bool = True, activation_checkpointing: str | type = "none", tp: int = 1,
             tp_plan: dict | str | None = None, pp: int = 1, pp_split: PipelineSplit | list | str | None = None,
-            microbatches: int = 1, schedule: str = "1f1b", offload: str = "none", offload_dir: str | None = None,
+            microbatches: int = 1, schedule: str = "1f1b", virtual_stages: int | None = None, offload: str = "none", offload_dir: str | None = None,
             ep: int = 1, ep_plan: dict | str | None = None, cp: int = 1, cp_style: str = "ring",
             cp_plan: str | None = None, plan: ModelPlan | None = None, servers: int = 0,
             staleness: int = 0) -> tuple[nn.Module, PreparedOptimizer | ServerRankOptimizer]:
@@ -73,7 +73,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFn, *,
     pp: pipeline stages (pipeline parallel outermost: dp = world / (tp x pp)); the model is then cut into
         stages by pp_split (a PipelineSplit, the ordered names of its pieces, or "auto" for a Hugging Face
         model's own pipeline plan) and trained by minitrain.pipeline_step(model, inputs, targets, loss_fn)
-        instead of forward + backward; each batch is cut into `microbatches` run by `schedule` (1f1b | gpipe).
+        instead of forward + backward; each batch is cut into `microbatches` run by `schedule` (1f1b | gpipe |
+        zero-bubble | interleaved: each rank holds virtual_stages chunks of the blocks, default 2).
     offload: none | cpu (the master weights and the optimizer's elementwise state in host memory) | disk (in
         memory-mapped files under offload_dir, one per tensor and rank, removed by cleanup()); the same numbers
         as without, bit for bit.
@@ -110,19 +111,15 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFn, *,
     check_server_settings(servers, staleness, session.topo.world_size, session.topo.backend, precision,
                           {"zero": zero, "tp": tp, "pp": pp, "ep": ep, "offload": offload, "dp": dp})
     _check_degrees(session.topo.world_size, tp, tp_plan, pp, pp_split)
-    if schedule == "zero-bubble" and (tp > 1 or zero >= 2 or activation_checkpointing != "none"):
-        raise ValueError(f"schedule='zero-bubble' with tp={tp}, zero={zero}, activation_checkpointing="
-                         f"{activation_checkpointing!r}: its weight gradients are computed after the backward from "
-                         "each layer's noted output, which a split layer, a sharded gradient or a recomputed layer "
-                         "changes; use schedule='1f1b' with them")
     cp_plan = context_plan(model, plan, cp, cp_style, cp_plan, {"tp": tp, "pp": pp, "ep": ep, "servers": servers},
                             session.topo.world_size)
     _check_experts_alone(model, tp, pp)
     plan = _with_tp_plan(model, plan, tp, tp_plan)
-    split = _pipeline_split(model, pp, pp_split, microbatches, schedule)
+    split, virtual = pipeline_split(model, pp, pp_split, microbatches, schedule, virtual_stages,
+                                    {"tp": tp, "zero": zero, "activation_checkpointing": activation_checkpointing})
     if split is not None:
         plan = dataclasses.replace(plan or ModelPlan(),
-                                   pipeline_split=lambda m, stage, stages: split_model(m, split, stage, stages))
+                                   pipeline_split=lambda m, stage, stages: split_model(m, split, stage, stages, virtual))
     if offload not in ("none", "cpu", "disk"):
         raise ValueError(f"offload must be none, cpu or disk, got {offload!r}")
     experts = _expert_layers(model, ep, ep_plan, tp, pp, session.topo.world_size)
@@ -174,16 +171,17 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFn, *,
             return model, ServerRankOptimizer()
     builder = None if split is None else functools.partial(
         Pipeline, comm=layout.pp, schedule=schedule, microbatches=microbatches, d_model=0, dtype=compute,
-        device=topo.device, forward_context=functools.partial(_autocast, topo.device, precision))
+        device=topo.device, forward_context=functools.partial(_autocast, topo.device, precision), virtual=virtual)
     strategy, pipeline = parallelize(model, layout, pcfg, make_optimizer, plan, activation_checkpointing,
                                      None if builder is None else lambda s, _chunks: builder(s.module, no_sync=s.no_sync),
                                      ep_plan=ep_plan if experts else None, cp_style=cp_style, cp_plan=cp_plan)
     settings = {"zero": zero, "precision": precision, "reduce_dtype": reduce_dtype, "dp": dp, "bucket_mb": bucket_mb,
                 "prefetch": prefetch, "tp": tp, "pp": pp, "microbatches": microbatches, "schedule": schedule,
+                "virtual_stages": virtual,
                 "offload": offload, "ep": ep, "cp": cp, "cp_style": cp_style, "servers": servers,
                 "staleness": staleness,
                 "activation_checkpointing": getattr(activation_checkpointing, "__name__", activation_checkpointing)}
-    stage = None if split is None else Stage(model, split, layout.pp.rank, pp)
+    stage = None if split is None else Stage(model, split, layout.pp.rank, pp, virtual)
     names = [group_names for group_names, _ in groups]
     state = Prepared(strategy, settings, layout, pipeline, stage, groups=names,
                      hooks=hooks + refuse_batch_statistics(model, layout.dp.world_size), offload=store,
@@ -298,31 +296,6 @@ def _check_degrees(world: int, tp, tp_plan, pp, pp_split) -> None:
         if degree == 1 and given is not None:
             raise ValueError(f"{'tp_plan' if name == 'tp' else 'pp_split'} is given but {name}=1: nothing would be "
                              f"split; pass {name}=2 or more")
-
-
-def _pipeline_split(model: nn.Module, pp: int, pp_split, microbatches: int, schedule: str) -> PipelineSplit | None:
-    """The checked PipelineSplit for pp > 1 (None for pp = 1), before any rank splits anything."""
-    if not isinstance(microbatches, int) or microbatches < 1:
-        raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
-    if schedule == "interleaved":
-        raise ValueError("schedule='interleaved' runs MiniGPT through minitrain train for now (--dist.schedule "
-                         "interleaved --dist.virtual_stages V); a model of your own pipelines with 1f1b, gpipe or "
-                         "zero-bubble")
-    if pp == 1:
-        return None
-    if pp_split is None:
-        raise ValueError(f"pp={pp} needs pp_split: the ordered names of the model's pieces (embedding, the blocks "
-                         "container, final norm, head), or 'auto' for a Hugging Face model's own pipeline plan")
-    split = (PipelineSplit.auto(model) if pp_split == "auto" else
-             pp_split if isinstance(pp_split, PipelineSplit) else PipelineSplit(list(pp_split)))
-    ties = cross_stage_ties(model, split, pp)  # checks the split first
-    if ties:
-        raise ValueError(f"{ties[0]} are one tied weight on different pipeline stages (the embedding on the first, "
-                         "the head on the last); untie them (e.g. tie_word_embeddings=False) to pipeline this model")
-    check_pieces(model, split, check_split(model, split, pp))  # the pieces must compute what the model's forward does
-    return split
 
 
 def _check_experts_alone(model: nn.Module, tp: int, pp: int) -> None:

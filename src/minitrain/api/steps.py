@@ -56,8 +56,8 @@ def pipeline_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
         raise ValueError(f"a batch of {inputs.size(0)} does not cut into microbatches={M} equal micro-batches")
     note_feed(state, (inputs, targets))
     shape = _activation_shape(state, inputs[:inputs.size(0) // M])
-    loss = state.pipeline.run(inputs, targets, loss_scale(state), sync=True,
-                              forward=lambda inp, tgt: state.stage.forward(inp, tgt, loss_fn), shape=shape)
+    loss = state.pipeline.run(inputs, targets, loss_scale(state), sync=True, forward=state.stage.forwards(loss_fn),
+                              shape=shape)
     pp = state.topo.pp
     value = loss.reshape(1).to(device=state.topo.device, dtype=torch.float64)
     pp.broadcast(value, src=pp.world_size - 1)  # the last stage computed it

@@ -298,33 +298,68 @@ def test_a_pipeline_checkpoint_resumes_exactly_and_reshards_to_other_layouts(tmp
         assert max(abs(a - b) for a, b in zip(losses, full[RESUME_AT:])) <= TOL
 
 
-def _llama_pipelined(topo, schedule):
-    import functools
+MAX_NORM = 0.5  # small enough that clipping scales every step's gradients
 
+
+def _llama_pipelined(topo, schedule, layers=2):
     import minitrain
-    from tests.helpers.hf_models import OPTIMIZERS, batches, make_model
+    from tests.helpers.hf_models import OPTIMIZERS, batches, make_model, param_groups
+    from tests.helpers.refusal import refusal
 
     def loss_fn(logits, x):
         return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1))
 
     minitrain.init_distributed(topology=topo)
-    model, optimizer = minitrain.prepare(make_model("llama"), OPTIMIZERS["adamw"], pp=2, pp_split="auto",
-                                         microbatches=4, schedule=schedule)
-    losses = []
+    refused = {}
+    if schedule == "interleaved":  # what interleaving cannot do, said before anything is split
+        llama = make_model("llama", layers=layers)
+        for name, kwargs in {"chunks": {"virtual_stages": 3}, "groups": {"microbatches": 3},
+                             "zero": {"zero": 2}, "one": {"virtual_stages": 1}}.items():
+            refused[name] = refusal(lambda: minitrain.prepare(llama, OPTIMIZERS["adamw"], pp=2, pp_split="auto",
+                                                              **{"microbatches": 4, "schedule": "interleaved",
+                                                                 **kwargs}))
+        refused["1f1b"] = refusal(lambda: minitrain.prepare(llama, OPTIMIZERS["adamw"], pp=2, pp_split="auto",
+                                                            virtual_stages=2))
+    model = make_model("llama", layers=layers)
+    model, optimizer = minitrain.prepare(model, OPTIMIZERS["adamw"], param_groups=param_groups(model), pp=2,
+                                         pp_split="auto", microbatches=4, schedule=schedule)
+    losses, norms = [], []
     for x in batches(3, 8):
-        losses.append(minitrain.pipeline_step(model, x, x, functools.partial(loss_fn)))
+        losses.append(minitrain.pipeline_step(model, x, x, loss_fn))
+        norms.append(float(minitrain.clip_grad_norm_(model, MAX_NORM)))
         optimizer.step()
         optimizer.zero_grad()
     state = {k: v.clone() for k, v in minitrain.full_state_dict(model).items()}
     minitrain.cleanup()
-    return losses, state
+    return losses, norms, state, refused
+
+
+def _same(run, other) -> float:
+    """The largest difference of losses, norms and parameters between two runs' (losses, norms, state)."""
+    (losses, norms, state), (their_losses, their_norms, their_state) = run[:3], other[:3]
+    return max([abs(a - b) for a, b in zip(losses + norms, their_losses + their_norms)] +
+               [(state[k] - their_state[k]).abs().max().item() for k in their_state])
 
 
 def test_a_hugging_face_llama_through_prepare_trains_alike_on_zero_bubble_and_1f1b():
-    (losses, state), = run_ranks(_llama_pipelined, 2, "zero-bubble")[:1]
-    (one_losses, one_state), = run_ranks(_llama_pipelined, 2, "1f1b")[:1]
-    assert max(abs(a - b) for a, b in zip(losses, one_losses)) <= TOL
-    assert max((state[k] - one_state[k]).abs().max().item() for k in state) <= TOL
+    zero_bubble, one_f_one_b = (run_ranks(_llama_pipelined, 2, schedule)[0] for schedule in ("zero-bubble", "1f1b"))
+    assert _same(zero_bubble, one_f_one_b) <= TOL
+
+
+def test_a_hugging_face_llama_interleaved_through_prepare_equals_1f1b_and_one_process():
+    from tests.helpers.hf_models import batches, reference_run
+
+    interleaved, one_f_one_b = (run_ranks(_llama_pipelined, 2, schedule, 4)[0] for schedule in ("interleaved", "1f1b"))
+    ref = reference_run("llama", "adamw", batches(3, 8), MAX_NORM, layers=4)
+    one_process = (ref["losses"], ref["norms"], {k: v for k, v in ref["state"].items() if "rotary" not in k})
+    assert min(ref["norms"]) > MAX_NORM  # every step clipped
+    assert _same(interleaved, one_f_one_b) <= TOL and _same(interleaved, one_process) <= TOL
+    refused = interleaved[3]
+    assert "4 blocks of model.layers into pp x virtual_stages = 2 x 3" in refused["chunks"], refused
+    assert "microbatches=3 must be a multiple of it" in refused["groups"], refused
+    assert "zero=2: not combined yet" in refused["zero"], refused
+    assert "virtual_stages of 2 or more" in refused["one"], refused
+    assert "virtual_stages=2 is for schedule='interleaved', not '1f1b'" in refused["1f1b"], refused
 
 
 def test_the_interleaved_schedule_runs_every_chunk_once_with_its_bubble_and_messages_in_matching_order():

@@ -51,21 +51,22 @@ def stage_blocks(n_layer: int, stages: int) -> list[range]:
 class Pipeline:
     def __init__(self, module: nn.Module, comm: Comm, schedule: str, microbatches: int, d_model: int,
                  dtype: torch.dtype, device: torch.device, forward_context: Callable, no_sync: Callable,
-                 chunks: list[Callable] | None = None):
+                 chunks: list[Callable] | None = None, virtual: int = 1):
         """module: this rank's stage (the strategy's module); comm: the pipeline group, one rank per stage;
         dtype: what activations travel in; forward_context: entered around each forward (autocast);
-        no_sync: the data-parallel strategy's context for backwards that must not sync gradients; chunks: under the
-        interleaved schedule, forward(input, target or None) of each of this rank's chunks, in chunk order."""
+        no_sync: the data-parallel strategy's context for backwards that must not sync gradients; under the
+        interleaved schedule, chunks: forward(input, target or None) of each of this rank's chunks, in chunk order,
+        or virtual: how many chunks each rank holds, their forwards given to run."""
         self.module, self.comm, self.device = module, comm, device
         self.stage, self.stages = comm.rank, comm.world_size
         self.first, self.last_stage = self.stage == 0, self.stage == self.stages - 1
         self.schedule, self.microbatches = schedule, microbatches
-        self.chunks, self.virtual = chunks, len(chunks) if chunks else 1
+        self.chunks, self.virtual = chunks, len(chunks) if chunks else virtual
         lists = make_schedule(schedule, self.stages, microbatches, self.virtual)
         self.actions: list[Action] = lists[self.stage]
         # The last action that accumulates gradients: the data-parallel sync runs in it. Interleaved, the last one
         # touches one chunk's parameters only: every backward runs unsynced, and the sync follows them (run).
-        self.final_backward = -1 if chunks else max(i for i, a in enumerate(self.actions) if a.kind in ("B", "W"))
+        self.final_backward = -1 if self.virtual > 1 else max(i for i, a in enumerate(self.actions) if a.kind in ("B", "W"))
         self.split = SplitBackward(module) if splits_backward(lists) else None
         self.d_model, self.dtype = d_model, dtype
         self.forward_context, self.no_sync = forward_context, no_sync
@@ -73,16 +74,19 @@ class Pipeline:
         self._marks: tuple | None = None  # this step's clock marks, until they can be read (measured)
 
     def run(self, x: torch.Tensor, y: torch.Tensor, loss_multiplier: float, sync: bool,
-            forward: Callable | None = None, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+            forward: Callable | list[Callable] | None = None, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         """One pass of the schedule over a batch (every stage gets the same x, y from its loader; the first
         stage reads x, the last y). loss_multiplier: what backward multiplies the batch's mean loss by
         (loss scale / accumulation); each micro-batch's loss gets 1/M of it. Gradients are synced across
         data-parallel replicas in the final backward, if `sync`. forward(input, target or None): what runs a
-        micro-batch through this stage (default: the module itself); shape: of the activations stages
+        micro-batch through this stage (default: the module itself), or a list of them, one per chunk (default:
+        the chunks given at construction); shape: of the activations stages
         exchange (default: micro-batch x sequence x d_model). Returns the batch's mean loss, a float64 tensor on
         the device (read when convenient), on the last stage; 0 elsewhere."""
         M = self.microbatches
-        forward = forward or self.module
+        forwards = forward if isinstance(forward, list) else [forward] if forward else self.chunks or [self.module]
+        if len(forwards) != self.virtual:
+            raise ValueError(f"{len(forwards)} forwards for {self.virtual} chunks per rank")
         xs, ys = x.to(self.device).chunk(M), y.to(self.device).chunk(M)
         shape = shape or (xs[0].size(0), xs[0].size(1), self.d_model)
         # (chunk, micro-batch) -> (its input, its output); zero-bubble: its noted module outputs until its B, then
@@ -106,7 +110,7 @@ class Pipeline:
             began = clock.mark()  # after its input arrived: waiting for a neighbour is not busy
             if action.kind == "F":
                 inp = xs[m] if first else incoming[0][0].requires_grad_()
-                run = self.chunks[action.chunk] if self.chunks else forward
+                run = forwards[action.chunk]
                 with self.forward_context(), self.split.noting() if self.split else contextlib.nullcontext() as noted:
                     out = run(inp, ys[m] if last else None)
                 noted_of[key] = noted
@@ -142,7 +146,7 @@ class Pipeline:
         in_flight += self.comm.exchange(outgoing, [])
         for send in in_flight:
             send.wait()
-        if sync and self.chunks:
+        if sync and self.virtual > 1:
             self._sync_accumulated()
         self.comm.barrier()  # ...and ends when the last stage has finished
         self._marks = (start, clock.mark(), actions, peak)

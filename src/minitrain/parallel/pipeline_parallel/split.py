@@ -26,6 +26,7 @@ soft-caps the logits or slides an attention window, which a short probe cannot t
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -132,13 +133,22 @@ def check_split(model: nn.Module, split: PipelineSplit, stages: int) -> int:
     return containers[0]
 
 
-def split_model(model: nn.Module, split: PipelineSplit, stage: int, stages: int) -> None:
-    """Keep stage `stage` of `stages` in `model`, in place (the shape ModelPlan.pipeline_split has)."""
-    at = check_split(model, split, stages)
+def chunk_blocks(n_blocks: int, stage: int, stages: int, virtual: int = 1) -> list[range]:
+    """The blocks of each of this stage's chunks, in chunk order: the blocks balanced over stages x virtual
+    chunks, chunk c of stage s being virtual stage c x stages + s (one chunk per stage but for the interleaved
+    schedule)."""
+    parts = stage_blocks(n_blocks, stages * virtual)
+    return [parts[c * stages + stage] for c in range(virtual)]
+
+
+def split_model(model: nn.Module, split: PipelineSplit, stage: int, stages: int, virtual: int = 1) -> None:
+    """Keep stage `stage` of `stages` in `model`, in place (the shape ModelPlan.pipeline_split has): its chunks'
+    blocks, the pieces before them on the first stage, those after them on the last."""
+    at = check_split(model, split, stages * virtual)
     first, last = stage == 0, stage == stages - 1
     container_name = split.pieces[at]
     container = _lookup(model, container_name)
-    keep = stage_blocks(len(container), stages)[stage]
+    keep = {i for chunk in chunk_blocks(len(container), stage, stages, virtual) for i in chunk}
     kept = nn.ModuleDict({key: block for i, (key, block) in enumerate(_items(container)) if i in keep})
     for i, name in enumerate(split.pieces):
         parent_name, _, child = name.rpartition(".")
@@ -173,14 +183,17 @@ def cross_stage_ties(model: nn.Module, split: PipelineSplit, stages: int) -> lis
 
 
 def run_pieces(model: nn.Module, split: PipelineSplit, parts: list[tuple[str, nn.Module]], blocks_at: int,
-               x: torch.Tensor) -> torch.Tensor:
-    """Run `parts` (name, module) in order on x; the blocks container's blocks with split.block_kwargs."""
+               x: torch.Tensor, keys: set[str] | None = None) -> torch.Tensor:
+    """Run `parts` (name, module) in order on x; the blocks container's blocks (those named in `keys`, default
+    all) with split.block_kwargs."""
     for i, (_, module) in enumerate(parts):
         if i != blocks_at:
             x = module(x)
             continue
         kwargs = split.block_kwargs(model, x) if split.block_kwargs else {}
         for key, block in _items(module):
+            if keys is not None and key not in keys:
+                continue
             out = block(x, **kwargs)
             x = out[0] if isinstance(out, tuple) else out  # older transformers return (hidden, ...)
             if not isinstance(x, torch.Tensor):
@@ -271,18 +284,32 @@ def _described(value) -> str:
 
 
 class Stage:
-    """What this rank's stage runs: its pieces in order, and the loss on the last."""
+    """What this rank's stage runs: its pieces in order, and the loss on the last; under the interleaved schedule
+    its `virtual` chunks, the first chunk of the first stage running the pieces before the blocks, the last chunk
+    of the last stage those after them and the loss."""
 
-    def __init__(self, model: nn.Module, split: PipelineSplit, stage: int, stages: int):
+    def __init__(self, model: nn.Module, split: PipelineSplit, stage: int, stages: int, virtual: int = 1):
         self.model, self.split = model, split
-        self.first, self.last = stage == 0, stage == stages - 1
         self.parts = [(name, module) for name in split.pieces
                       if isinstance(module := _lookup(model, name), nn.Module)]
         self.blocks_at = next(i for i, (_, m) in enumerate(self.parts) if isinstance(m, nn.ModuleDict))
+        keys = list(self.parts[self.blocks_at][1].keys())  # the kept blocks, in order, under their own names
+        per = len(keys) // virtual  # interleaved chunks are equal (prepare checks)
+        self.chunks = [(set(keys[c * per:(c + 1) * per]), stage == 0 and c == 0,
+                        stage == stages - 1 and c == virtual - 1) for c in range(virtual)]
 
-    def forward(self, x: torch.Tensor, target: torch.Tensor | None, loss_fn: Callable) -> torch.Tensor:
-        x = run_pieces(self.model, self.split, self.parts, self.blocks_at, x)
-        return loss_fn(x, target) if self.last and target is not None else x
+    def forward(self, x: torch.Tensor, target: torch.Tensor | None, loss_fn: Callable,
+                chunk: int = 0) -> torch.Tensor:
+        keys, first, last = self.chunks[chunk]
+        before = self.parts[:self.blocks_at] if first else []
+        after = self.parts[self.blocks_at + 1:] if last else []
+        parts = [*before, self.parts[self.blocks_at], *after]
+        x = run_pieces(self.model, self.split, parts, len(before), x, keys)
+        return loss_fn(x, target) if last and target is not None else x
+
+    def forwards(self, loss_fn: Callable) -> list[Callable]:
+        """Each chunk's forward(input, target or None), in chunk order, as the executor runs them."""
+        return [functools.partial(self.forward, loss_fn=loss_fn, chunk=c) for c in range(len(self.chunks))]
 
     @torch.no_grad()
     def activation_shape(self, x: torch.Tensor) -> tuple[int, ...]:

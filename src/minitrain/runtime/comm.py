@@ -321,11 +321,21 @@ class Comm:
         flight (wait on them before touching their tensors). Starting a send together with the next
         receive, rather than send then receive, is what keeps two ranks that exchange both ways from
         each blocking in its send: NCCL runs one pair's sends and receives on one stream."""
+        in_flight, arriving = self.post(sends, recvs)
+        for receive in arriving:
+            receive.wait()
+        return in_flight
+
+    def post(self, sends: list[tuple[torch.Tensor, int]],
+             recvs: list[tuple[torch.Tensor, int]]) -> tuple[list[PendingCollective], list[PendingCollective]]:
+        """exchange's batch, started and not waited for: (the sends, the receives) in flight. Wait on a receive
+        before reading its buffer, on a send before touching its tensor. Under NCCL, which coalesces the batch
+        into one work, the receives are that work and the sends none."""
         self._on_device(*(t for t, _ in sends + recvs))
         ops = ([dist.P2POp(dist.isend, t, group=self.group, group_peer=dst) for t, dst in sends]
                + [dist.P2POp(dist.irecv, t, group=self.group, group_peer=src) for t, src in recvs])
         if not ops:
-            return []
+            return [], []
         nbytes = sum(_nbytes(t) for t, _ in sends + recvs)
         fp = self._fingerprint("send/recv", tuple(t for t, _ in sends + recvs))
         launched = self.clock.mark()
@@ -334,17 +344,14 @@ class Comm:
         except RuntimeError as e:
             raise self.failure("send/recv", nbytes, e, fp) from e
         if len(works) != len(ops):
-            # NCCL coalesces the batch into one work for every op: wait for all of it (on NCCL, wait() only
-            # orders the compute stream after the transfers; the host does not block).
-            for work in works:
-                PendingCollective(self, "send/recv", nbytes, work, fp=fp, launched=launched).wait()
-            return []
+            # (On NCCL, wait() only orders the compute stream after the transfers; the host does not block.)
+            return [], [PendingCollective(self, "send/recv", nbytes, work, fp=fp, launched=launched)
+                        for work in works]
         # Each send keeps its tensor until waited on: the buffer must outlive the transfer.
-        in_flight = [PendingCollective(self, "send", _nbytes(t), w, payload=t, fp=fp, launched=launched)
-                     for (t, _), w in zip(sends, works)]
-        for (t, _), w in zip(recvs, works[len(sends):]):
-            PendingCollective(self, "recv", _nbytes(t), w, fp=fp, launched=launched).wait()
-        return in_flight
+        return ([PendingCollective(self, "send", _nbytes(t), w, payload=t, fp=fp, launched=launched)
+                 for (t, _), w in zip(sends, works)],
+                [PendingCollective(self, "recv", _nbytes(t), w, payload=t, fp=fp, launched=launched)
+                 for (t, _), w in zip(recvs, works[len(sends):])])
 
     def barrier(self) -> None:
         if not self.alone:

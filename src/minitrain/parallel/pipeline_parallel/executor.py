@@ -99,13 +99,14 @@ class Pipeline:
         outgoing: list[tuple[torch.Tensor, int]] = []  # the previous action's send, started with the next receive
         in_flight: list[PendingCollective] = []
         actions, peak, clock = [], 0, self.comm.clock
+        posted = None  # the next action's receive, posted ahead (_receive)
         self.comm.barrier()  # the span starts when every stage can start
         start = clock.mark()
         for i, action in enumerate(self.actions):
             m, key = action.microbatch, (action.chunk, action.microbatch)
             first, last = self._first(action.chunk), self._last(action.chunk)
-            incoming = self._incoming(action, shape)
-            in_flight += self.comm.exchange(outgoing, incoming)
+            incoming, posted, sent = self._receive(i, outgoing, posted, shape)
+            in_flight += sent
             outgoing = []
             began = clock.mark()  # after its input arrived: waiting for a neighbour is not busy
             if action.kind == "F":
@@ -152,11 +153,30 @@ class Pipeline:
         self._marks = (start, clock.mark(), actions, peak)
         return loss_sum / M
 
+    def _receive(self, i: int, outgoing: list, posted: tuple | None, shape: tuple[int, ...]) -> tuple:
+        """Start the previous action's send and wait for action i's input. Returns (its [(buffer, peer)], the
+        next action's receive if posted ahead, the sends in flight). Gloo moves a message only into a posted
+        receive, so on the CPU the next action's receive is posted before this one computes and its transfer
+        overlaps the computation; under NCCL a receive posted ahead would hold the pair's stream, and with it our
+        own next send, until the neighbour sends, which may wait for that very send."""
+        if posted is None:
+            incoming = self._incoming(self.actions[i], shape)
+            sent, arriving = self.comm.post(outgoing, incoming)
+        else:
+            (incoming, arriving), (sent, _) = posted, self.comm.post(outgoing, [])
+        for receive in arriving:
+            receive.wait()
+        ahead = self.device.type == "cpu" and i + 1 < len(self.actions)
+        following = self._incoming(self.actions[i + 1], shape) if ahead else []
+        return incoming, (following, self.comm.post([], following)[1]) if following else None, sent
+
     def _sync_accumulated(self) -> None:
         """The data-parallel sync of gradients accumulated unsynced: one engine run in which every parameter receives
-        a zero, so the strategy's hooks see them all arrive as in a backward (x + 0 is x)."""
+        a zero, so the strategy's hooks see them all arrive as in a backward (x + 0 is x). One zero, expanded to each
+        parameter's shape without memory of its own."""
         params = [p for p in self.module.parameters() if p.requires_grad]
-        torch.autograd.backward(params, [torch.zeros_like(p) for p in params])
+        zero = torch.zeros((), dtype=params[0].dtype, device=params[0].device) if params else None
+        torch.autograd.backward(params, [zero.expand_as(p) for p in params])
 
     @property
     def measured(self) -> dict:

@@ -159,16 +159,15 @@ class Pipeline:
         receive, so on the CPU the next action's receive is posted before this one computes and its transfer
         overlaps the computation; under NCCL a receive posted ahead would hold the pair's stream, and with it our
         own next send, until the neighbour sends, which may wait for that very send."""
-        if posted is None:
-            incoming = self._incoming(self.actions[i], shape)
-            sent, arriving = self.comm.post(outgoing, incoming)
-        else:
-            (incoming, arriving), (sent, _) = posted, self.comm.post(outgoing, [])
-        for receive in arriving:
-            receive.wait()
+        incoming, arriving = posted if posted is not None else (self._incoming(self.actions[i], shape), None)
         ahead = self.device.type == "cpu" and i + 1 < len(self.actions)
         following = self._incoming(self.actions[i + 1], shape) if ahead else []
-        return incoming, (following, self.comm.post([], following)[1]) if following else None, sent
+        sent, received = self.comm.post(outgoing, (incoming if arriving is None else []) + following)  # one batch
+        if arriving is None:
+            arriving, received = (received[:len(incoming)], received[len(incoming):]) if following else (received, [])
+        for receive in arriving:
+            receive.wait()
+        return incoming, (following, received) if following else None, sent
 
     def _sync_accumulated(self) -> None:
         """The data-parallel sync of gradients accumulated unsynced: one engine run in which every parameter receives

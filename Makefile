@@ -9,10 +9,12 @@ VENV   ?= .venv
 TORCH  ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 MUTATE_ARGS ?=
+CHAOS_SEEDS ?= 1 2 3
+CHAOS_ARGS ?= --faults 10 --steps 200
 BENCH_ARGS ?=
 BIN    := $(VENV)/bin
 
-.PHONY: demo test mutate bench install clean
+.PHONY: demo test mutate chaos bench install clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +38,15 @@ test: install
 # MUTATE_ARGS="--only ID ..." runs some, MUTATE_ARGS=--list shows them.
 mutate: install
 	$(BIN)/python tools/mutate.py $(MUTATE_ARGS)
+
+# A long run under random faults of every kind, one campaign per seed (tools/chaos.py): each must end bit for bit
+# where the uninterrupted run ends. The reports become the tables in docs/fault-tolerance.md. Minutes per seed.
+chaos: install
+	for seed in $(CHAOS_SEEDS); do \
+		$(BIN)/python tools/chaos.py --seed $$seed $(CHAOS_ARGS) --json benchmarks/results/chaos_seed$$seed.json \
+			|| exit 1; \
+	done
+	$(BIN)/python benchmarks/tables.py
 
 # Every benchmark behind a table in README.md or docs/, rerun as its result file records, then the tables
 # regenerated from the results (benchmarks/run_all.py; BENCH_ARGS="--only FILE ..." or "--list"). Slow.

@@ -85,7 +85,7 @@ def elastic_trial(cluster: Cluster, root: Path, rdzv: str, uninterrupted: Path) 
     root.mkdir(parents=True)
     try:
         run = elastic_run(cluster, ELASTIC, root / "run", root, nproc=2, kill_after=40, steps_between=5,
-                          rdzv_conf=rdzv, timeout_s=300)
+                          rdzv_conf=rdzv, quiet_s=300)
     except TimeoutError as e:
         return {"passed": False, "error": str(e)[-600:]}
     rcs = [f.returncode for f in run.finished]

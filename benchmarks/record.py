@@ -17,9 +17,10 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def command(script: str, argv: list[str] | None) -> str:
-    """The command line, from the repository root, that reruns `script` with these arguments."""
+    """The command line, from the repository root, that reruns `script` (in benchmarks/ or tools/) with these
+    arguments."""
     args = sys.argv[1:] if argv is None else list(argv)
-    return shlex.join(["python", f"benchmarks/{Path(script).name}", *args])
+    return shlex.join(["python", Path(script).resolve().relative_to(RESULTS.parent.parent).as_posix(), *args])
 
 
 def _cpu_model() -> str:

@@ -238,6 +238,42 @@ def torchrun_restarts(docs: list[dict]) -> list[str]:
     return _table(["torchrun rendezvous", "env", *(column(doc["label"]) for doc in docs)], "<<" + ">" * len(docs), rows)
 
 
+def chaos_campaigns(docs: list[dict]) -> list[str]:
+    """One row per campaign (tools/chaos.py, a seed each): what it survived, what it redid, how long it took to
+    train again."""
+    def seconds(values) -> str:
+        return f"{statistics.median(values):.1f} / {max(values):.1f}" if values else "n/a"
+
+    rows = []
+    for doc in sorted(docs, key=lambda d: d["seed"]):
+        recoveries = [f["recovery_s"] for f in doc["faults"] if f["recovery_s"] is not None]
+        rows.append([str(doc["seed"]), str(doc["steps"]), f"{doc['survived']} of {len(doc['faults'])}",
+                     str(len({f["kind"] for f in doc["faults"]})), str(doc["launches"]), str(doc["recomputed_steps"]),
+                     seconds(recoveries), f"{doc['checkpoints_written']} ({doc['checkpoint_bytes_written'] / 2**20:.0f} MiB)",
+                     "bit for bit" if doc["passed"] else "FAILED: " + "; ".join(doc["failures"]),
+                     f"{doc['seconds'] / 60:.1f}"])
+    return _table(["seed", "steps", "faults survived", "kinds", "launches", "steps recomputed",
+                   "recovery s (median / worst)", "checkpoints written", "end against the uninterrupted run",
+                   "minutes"], ">>>>>>><<>", rows)
+
+
+def chaos_faults(docs: list[dict]) -> list[str]:
+    """The same campaigns by kind of fault: how often drawn, the steps redone and the seconds to the next step."""
+    by_kind: dict[str, list[dict]] = {}
+    for doc in docs:
+        for f in doc["faults"]:
+            by_kind.setdefault(f["kind"], []).append(f)
+    rows = []
+    for kind, faults in sorted(by_kind.items()):
+        recomputed = [f["recomputed"] for f in faults if f["recomputed"] is not None]
+        recoveries = [f["recovery_s"] for f in faults if f["recovery_s"] is not None]
+        rows.append([f"`{kind}`", str(len(faults)), f"{sum(f['fired_at'] is not None for f in faults)}",
+                     f"{statistics.median(recomputed):g} / {max(recomputed)}" if recomputed else "n/a",
+                     f"{statistics.median(recoveries):.1f} / {max(recoveries):.1f}" if recoveries else "n/a"])
+    return _table(["fault", "drawn", "fired", "steps recomputed (median / worst)", "recovery s (median / worst)"],
+                  "<>>>>", rows)
+
+
 def _passed(trials: list[dict]) -> str:
     return f"{sum(t['passed'] for t in trials)}/{len(trials)}"
 
@@ -776,6 +812,8 @@ TABLES = {
     "zero3_read_guard": ("zero3_read_guard.json", zero3_read_guard),
     "host_adam_vs_deepspeed": ("host_adam_vs_deepspeed_t*.json", host_adam_vs_deepspeed),
     "nanogpt_port": ("nanogpt_port.json", nanogpt_port),
+    "chaos_campaigns": ("chaos_seed*.json", chaos_campaigns),
+    "chaos_faults": ("chaos_seed*.json", chaos_faults),
     "learner_path": ("learner_path.json", learner_path),
 }
 # A table of figures quoted from others reads their result files: a tuple of globs, each table's in turn.

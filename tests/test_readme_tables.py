@@ -41,6 +41,9 @@ KEYS = {"prepare_vs_peers": TIMED | {"world", "warmup"}, "prepare_vs_peers_w4": 
         "step_costs": {"device", "format", "preset", "params", "steps", "warmup", "ms"},
         "before_after": {"before", "repeats", "format", "results"},
         "multinode": {"repeats", "elastic_trials", "rdzv_conf", "exactness", "elastic"},
+        "chaos_campaigns": {"seed", "steps", "faults", "survived", "launches", "recomputed_steps", "seconds",
+                            "checkpoints_written", "checkpoint_bytes_written", "passed", "failures"},
+        "chaos_faults": {"seed", "faults"},
         "throughput_gpu": {"device", "format", "results"}, "gpu_throughput_before": {"device", "format", "results"}, "gpu_before_after": {"device", "nccl", "memory", "timings"},
         "offload_gpu": {"device", "timings", "preset", "precision", "batch"},
         "gpu_memory": {"device", "memory"}, "gpu_timings": {"device", "nccl", "timings"},
@@ -142,7 +145,7 @@ def test_every_result_file_belongs_to_a_table_and_has_its_keys():
         # Older files recorded neither; a file that records one records both.
         assert ("command" in doc) == ("machine" in doc), path.name
         if "machine" in doc:
-            assert doc["command"].startswith(("python benchmarks/", GPU_SESSION)), path.name
+            assert doc["command"].startswith(("python benchmarks/", "python tools/chaos.py", GPU_SESSION)), path.name
             assert MACHINE <= doc["machine"].keys(), path.name
 
 

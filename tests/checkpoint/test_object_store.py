@@ -366,6 +366,30 @@ def test_a_damaged_local_copy_is_fetched_again_not_returned(s3, tmp_path):
     assert checkpoint.verify(again)[1]["step"] == 2
 
 
+@pytest.mark.multirank
+def test_the_ranks_of_a_machine_fetch_the_store_s_checkpoint_once_between_them(s3, tmp_path, monkeypatch):
+    # Under torchrun every rank resolves --resume auto itself: four at once into one OUT/checkpoints. Each fetch
+    # is slowed so that, unserialized, all four would fetch and race to write `latest`.
+    from concurrent.futures import ThreadPoolExecutor
+
+    url = f"s3://{BUCKET}/together"
+    _committed(s3, tmp_path, url)
+    fetches, real_fetch = [], remote.transfer.fetch
+
+    def slow_fetch(*args):
+        fetches.append(args)
+        time.sleep(0.5)
+        return real_fetch(*args)
+
+    monkeypatch.setattr(remote.transfer, "fetch", slow_fetch)
+    local = tmp_path / "machine" / "checkpoints"
+    with ThreadPoolExecutor(4) as pool:
+        found = list(pool.map(lambda _: remote.newest_locally(url, local), range(4)))
+    assert len(fetches) == 1 and sum(path is not None for path in found) == 1, (fetches, found)
+    assert (local / "latest").read_text().strip() == "step-000002"
+    assert checkpoint.find_latest(local.parent).name == "step-000002"
+
+
 def _train_on_own_disks(topo, root: str, url: str, *extra: str) -> dict:
     """One rank of a cluster whose machines share no OUT: each rank trains with an OUT of its own."""
     from minitrain.apps.cli import build_parser, resolve_config

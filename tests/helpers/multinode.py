@@ -8,6 +8,7 @@ the single-machine reference (tests.helpers.dist.run_ranks).
 """
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -19,6 +20,7 @@ if __package__ in (None, ""):  # run as a script by torchrun: make `tests` impor
 
 from minitrain.apps.cli import build_parser, resolve_config
 from minitrain.train.loop import train_worker
+from tests.helpers.events import until, written
 from tests.helpers.netns import Cluster, Finished
 
 THIS = str(Path(__file__).resolve())
@@ -80,28 +82,25 @@ class ElasticRun:
     finished: list[Finished]
 
 
-def _wait_for(what: str, condition, timeout_s: float, cluster: Cluster):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.1)
-    cluster.kill_all()
-    raise TimeoutError(f"elastic run: no {what} within {timeout_s:g} s; killed every node")
+def _wait_for(what: str, condition, quiet_s: float, cluster: Cluster, activity):
+    """condition()'s first true value; the wait ends (every node killed) only once the run has written nothing for
+    quiet_s (tests/helpers/events.py): a loaded machine's slow rendezvous and restarts are waited for."""
+    return until(f"{what} in the elastic run", condition, quiet_s, activity, on_timeout=cluster.kill_all)
 
 
 def elastic_run(cluster: Cluster, argv: list[str], out: Path, log_dir: Path, *, nproc: int, kill_after: int,
-                steps_between: int, rdzv_conf: str = ELASTIC_RDZV, timeout_s: float = 240.0) -> ElasticRun:
+                steps_between: int, rdzv_conf: str = ELASTIC_RDZV, quiet_s: float = 240.0) -> ElasticRun:
     """`minitrain train ARGV --out OUT` on nodes 0 and 1 under `torchrun --nnodes 1:2`: once step KILL_AFTER is
     logged, node 1 is SIGKILLed whole (agent and ranks); node 0 restarts at the smaller world; after
-    STEPS_BETWEEN steps there, node 1 starts again and the next restart takes it back in."""
+    STEPS_BETWEEN steps there, node 1 starts again and the next restart takes it back in. Each wait lasts as long as
+    the agents or ranks write something (logs, metrics, checkpoints) at least every quiet_s seconds."""
     entry = ["-m", "minitrain", "train", *argv, "--out", str(out)]
     options = {"nnodes": "1:2", "nproc": nproc, "run_id": "elastic", "max_restarts": 2,
                "rdzv_conf": rdzv_conf, "env": ELASTIC_ENV}
     agents = [cluster.agent(node, entry, log=log_dir / f"node{node}", **options) for node in (0, 1)]
-    _wait_for(f"step {kill_after}", lambda: any(r["step"] >= kill_after for r in metric_rows(out)), timeout_s,
-              cluster)
+    activity = functools.partial(written, log_dir, out)
+    _wait_for(f"step {kill_after}", lambda: any(r["step"] >= kill_after for r in metric_rows(out)), quiet_s,
+              cluster, activity)
     killed_at = time.time()
     cluster.kill_node(1)
     agents[1].wait()
@@ -110,14 +109,17 @@ def elastic_run(cluster: Cluster, argv: list[str], out: Path, log_dir: Path, *, 
         return [r for r in metric_rows(out) if r["time"] > t and world in (None, len(r["busy_s_per_rank"]))]
 
     # At the smaller world: a step the full world logged as node 1 died is rolled back with the resume.
-    first = _wait_for("step after the node loss", lambda: after(killed_at, world=nproc), timeout_s, cluster)[0]
+    first = _wait_for("step after the node loss", lambda: after(killed_at, world=nproc), quiet_s, cluster,
+                      activity)[0]
     _wait_for(f"{steps_between} steps at the smaller world", lambda: len(after(killed_at)) >= steps_between,
-              timeout_s, cluster)
+              quiet_s, cluster, activity)
     back_at = time.time()
     agents.append(cluster.agent(1, entry, log=log_dir / "node1-back", **options))
-    grown = _wait_for("step at the full world again", lambda: after(back_at, world=2 * nproc), timeout_s,
-                      cluster)[0]
-    finished = cluster.wait([agents[0], agents[2]], log_dir, timeout_s, names=("node0", "node1-back"))
+    grown = _wait_for("step at the full world again", lambda: after(back_at, world=2 * nproc), quiet_s, cluster,
+                      activity)[0]
+    _wait_for("end of the run", lambda: all(a.poll() is not None for a in (agents[0], agents[2])), quiet_s, cluster,
+              activity)
+    finished = cluster.wait([agents[0], agents[2]], log_dir, 60, names=("node0", "node1-back"))  # (both have ended)
     return ElasticRun(segments(metric_rows(out)), first["time"] - killed_at, grown["time"] - back_at, finished)
 
 

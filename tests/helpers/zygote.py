@@ -17,6 +17,7 @@ import sys
 import time
 
 import torch
+import torch._dynamo  # noqa: F401 - what a torch optimizer's first construction imports: a second per rank otherwise
 
 import minitrain  # noqa: F401 - imported once, before the forks
 

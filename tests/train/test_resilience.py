@@ -133,3 +133,31 @@ def test_loader_state_from_two_ranks_continues_at_another_world_size(world_after
         want = torch.cat([ld.next_batch()[0] for ld in before])
         got = torch.cat([ld.next_batch()[0] for ld in after])
         assert sorted(map(tuple, want.tolist())) == sorted(map(tuple, got.tolist()))
+
+
+def test_a_fault_plan_fires_each_process_fault_once_across_restarts_and_a_bad_batch_at_every_run(tmp_path):
+    import errno
+
+    from minitrain.config import ConfigError, FaultConfig
+    from minitrain.config.faults import Fault, planned_faults
+    from minitrain.train.faults import Faults
+
+    cfg = FaultConfig(plan="lr-spike@12,nan@7:1,disk-full@10:1", lr_multiplier=1000.0, ledger=str(tmp_path / "ledger"))
+    assert planned_faults(cfg) == [Fault("lr-spike", 12, 0), Fault("nan", 7, 1), Fault("disk-full", 10, 1)]
+    with pytest.raises(ConfigError, match="'nan@x'"):
+        planned_faults(FaultConfig(plan="nan@x"))
+    first, restarted = Faults(cfg, rank=1, resumed=False), Faults(cfg, rank=1, resumed=True)
+    assert first.lr_factor(12) == 1000.0 and restarted.lr_factor(12) == 1.0  # the ledger: once across processes
+    with pytest.raises(OSError) as full:
+        first.after_shard_written(10)
+    assert full.value.errno == errno.ENOSPC
+    restarted.after_shard_written(10)  # fired already: the restarted run's save goes through
+    assert sorted(p.name for p in (tmp_path / "ledger").iterdir()) == ["disk-full@10:1", "lr-spike@12:1"]
+    restarted.on_resume()
+    assert math.isnan(restarted.loss_factor(7)) and math.isnan(restarted.loss_factor(7))  # every run of its step
+    assert Faults(cfg, rank=0, resumed=False).loss_factor(7) == 1.0  # another rank's batch
+    # Without a ledger a process fault never fires in a resumed run, and fires once in a fresh one.
+    plain = FaultConfig(kind="lr-spike", step=12, lr_multiplier=1000.0)
+    fresh = Faults(plain, rank=0, resumed=False)
+    assert [fresh.lr_factor(12), fresh.lr_factor(12)] == [1000.0, 1.0]
+    assert Faults(plain, rank=0, resumed=True).lr_factor(12) == 1.0

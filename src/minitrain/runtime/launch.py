@@ -120,9 +120,11 @@ def _rank_context():
     forked from it with them loaded, instead of importing them again (torch's import is a large part
     of a rank's start). The server itself is a fresh process that only imported modules: it holds no
     CUDA context and has run no thread pool, so forking from it is safe (it is how
-    torch.multiprocessing's "forkserver" start method is meant to be used)."""
+    torch.multiprocessing's "forkserver" start method is meant to be used). torch._dynamo too: a torch optimizer's
+    first construction imports it, a second of CPU per rank otherwise (before any process group, as topology.py
+    needs)."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "minitrain.train.loop", "minitrain.runtime._forkserver"])
+    ctx.set_forkserver_preload(["torch", "torch._dynamo", "minitrain.train.loop", "minitrain.runtime._forkserver"])
     return ctx
 
 

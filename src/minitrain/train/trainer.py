@@ -211,17 +211,19 @@ class Trainer:
         # through the forward's activations (FSDP2's sharded gradients are freed by zero_grad(set_to_none=True)).
         strategy.zero_grad(release=True)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.topo.device)
+        bad_batch = self.faults.loss_factor(self.step + 1)  # NaN at a deliberate nan fault's step, else 1
         for micro in range(cfg.grad_accum):
             last = micro == cfg.grad_accum - 1
             with watch.phase("data"):
                 x, y = (self._local(self._to_device(t)) for t in self.loader.next_batch())  # every stage reads it
             if self.pipeline is not None:  # micro-batches through the stages; it syncs in the last backward
                 with watch.phase("forward_backward"):
-                    loss_sum += self.pipeline.run(x, y, loss_scale / cfg.grad_accum, sync=last)
+                    loss_sum += self.pipeline.run(x, y, loss_scale / cfg.grad_accum * bad_batch, sync=last)
                 continue
             with contextlib.nullcontext() if last else strategy.no_sync():  # sync once per step
                 with watch.phase("forward"), autocast(cfg, self.topo.device):  # backward follows its dtypes
                     loss = strategy.module(x, y)
+                    loss = loss if bad_batch == 1.0 else loss * bad_batch
                 # Mean over this rank's tokens / accumulation; the strategy averages over ranks,
                 # so the gradient is the mean over the global token count.
                 with watch.phase("backward"):
@@ -303,4 +305,4 @@ class Trainer:
         self.spikes = SpikeGuard(t.spike_factor, t.spike_window, state.get("recent_losses"))
         if self.loss_scaler and state.get("loss_scaler"):
             self.loss_scaler.load_state(state["loss_scaler"])
-        self.faults.armed = False  # deliberate faults never fire in a run that loaded a checkpoint
+        self.faults.on_resume()  # without a ledger, deliberate faults never fire in a run that loaded a checkpoint

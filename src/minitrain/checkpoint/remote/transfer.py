@@ -4,6 +4,7 @@ and verified into a local directory (for a resume, or for a command that reads a
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -16,6 +17,8 @@ from ..files import _write_durably, find_latest, read_manifest, verify
 from ..format import LATEST, MANIFEST, MANIFEST_SHA, CheckpointError, step_dir_name, step_of
 from .client import is_url, retried, store
 from .commits import LATEST_NAME, commit_name, committed_steps, latest_step, manifest_sha256, object_prefix, read_commit
+
+FETCH_LOCK = ".fetch.lock"  # in OUT/checkpoints: one fetch at a time per machine
 
 
 def upload_files(step_dir: Path, url: str, names: list[str]) -> None:
@@ -181,17 +184,25 @@ def newest_locally(url: str, local_root: Path) -> Path | None:
     """For --resume auto with a store: when the store's current checkpoint (latest.json) is ahead of the one
     OUT/checkpoints would resume from (its `latest`, verified), or OUT has none (the node and its disk were lost),
     fetch it into local_root, point local `latest` at it and return it; else None (resume from the local one: a
-    store behind it, e.g. after a failed upload, is not used)."""
+    store behind it, e.g. after a failed upload, is not used). The ranks of a machine (under torchrun, each resolves
+    its resume) fetch one at a time: the first fetches, the others then find it here."""
     step = latest_step(url)
-    if step is None:
+    if step is None or _local_is_as_new(local_root, step):
         return None
     local_root = Path(local_root)
+    local_root.mkdir(parents=True, exist_ok=True)
+    with open(local_root / FETCH_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if _local_is_as_new(local_root, step):  # fetched by another process of this machine meanwhile
+            return None
+        fetched = fetch(url, step, local_root)
+        _write_durably(local_root / LATEST, fetched.name + "\n")  # what --resume auto looks at first
+        return fetched
+
+
+def _local_is_as_new(local_root: Path, step: int) -> bool:
     try:
-        chosen = find_latest(local_root.parent)
+        chosen = find_latest(Path(local_root).parent)
     except CheckpointError:
-        chosen = None  # saved here, but nothing verifies: the store's is the one to resume from
-    if chosen is not None and step_of(chosen) >= step:
-        return None
-    fetched = fetch(url, step, local_root)
-    _write_durably(local_root / LATEST, fetched.name + "\n")  # what --resume auto looks at first
-    return fetched
+        return False  # saved here, but nothing verifies: the store's is the one to resume from
+    return chosen is not None and step_of(chosen) >= step

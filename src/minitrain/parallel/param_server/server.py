@@ -151,7 +151,7 @@ class ParameterServer:
         self.version, self.started = step, True
         self.last = (NO_UPDATE_YET, self.last[1])
         if self.faults is not None:
-            self.faults.armed = False  # deliberate faults never fire in a run that loaded a checkpoint
+            self.faults.on_resume()  # without a ledger, deliberate faults never fire in a run that loaded a checkpoint
 
     def _apply(self, step: int) -> None:
         """The update of `step`: the mean of its gradients (summed in worker order), clipped by the global norm."""

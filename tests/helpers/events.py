@@ -3,19 +3,22 @@ run writes something, so that a loaded machine's slow progress is waited for and
 fails."""
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 
 def written(*roots: Path) -> int:
-    """The bytes of every file under `roots` (logs, metrics, checkpoints): it grows while a run makes progress."""
+    """The bytes of every file under `roots` (logs, metrics, checkpoints): it grows while a run makes progress. A file
+    or directory renamed or removed while it is listed (a checkpoint's .tmp- directory) is passed over."""
     total = 0
     for root in roots:
-        for path in Path(root).rglob("*"):
-            try:
-                total += path.stat().st_size if path.is_file() else 0
-            except OSError:  # a file renamed or removed as it was listed
-                continue
+        for directory, _, files in os.walk(root, onerror=lambda _error: None):
+            for name in files:
+                try:
+                    total += os.stat(os.path.join(directory, name)).st_size
+                except OSError:
+                    continue
     return total
 
 

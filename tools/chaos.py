@@ -92,8 +92,8 @@ def draw(seed: int, count: int, steps: int) -> list[Fault]:
         kinds += rng.sample(KINDS, len(KINDS))
     gap = (steps - 40) // count
     if gap < EVERY + 2:
-        raise SystemExit(f"chaos: {count} faults over {steps} steps leave {gap} steps between faults; give at least "
-                         f"{40 + count * (EVERY + 2)} steps")
+        raise ValueError(f"{count} faults over {steps} steps leave {gap} steps between faults; give --steps "
+                         f"{40 + count * (EVERY + 2)} or more, or fewer --faults")
     faults = []
     for i, kind in enumerate(kinds[:count]):
         step = 20 + i * gap + rng.randrange(gap - EVERY)
@@ -269,7 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.faults < 1 or args.steps < 1:
         parser.error("--faults and --steps must be positive")
-    campaign = Campaign(args.seed, args.steps, draw(args.seed, args.faults, args.steps))
+    try:
+        campaign = Campaign(args.seed, args.steps, draw(args.seed, args.faults, args.steps))
+    except ValueError as e:
+        parser.error(str(e))
     work = Path(args.work or tempfile.mkdtemp(prefix=f"chaos-{args.seed}-"))
     work.mkdir(parents=True, exist_ok=True)
     from tests.helpers.s3_server import s3_server

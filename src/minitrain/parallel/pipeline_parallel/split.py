@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -283,6 +284,13 @@ def _described(value) -> str:
     return f"a {list(value.shape)} tensor" if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
 
 
+class Chunk(NamedTuple):
+    """One of a stage's chunks (one per stage but under the interleaved schedule)."""
+    blocks: set[str]  # the keys of its blocks in the stage's container
+    first: bool  # the first chunk of the first stage: it runs the pieces before the blocks
+    last: bool  # the last chunk of the last stage: the pieces after them, and the loss
+
+
 class Stage:
     """What this rank's stage runs: its pieces in order, and the loss on the last; under the interleaved schedule
     its `virtual` chunks, the first chunk of the first stage running the pieces before the blocks, the last chunk
@@ -295,17 +303,17 @@ class Stage:
         self.blocks_at = next(i for i, (_, m) in enumerate(self.parts) if isinstance(m, nn.ModuleDict))
         keys = list(self.parts[self.blocks_at][1].keys())  # the kept blocks, in order, under their own names
         per = len(keys) // virtual  # interleaved chunks are equal (prepare checks)
-        self.chunks = [(set(keys[c * per:(c + 1) * per]), stage == 0 and c == 0,
-                        stage == stages - 1 and c == virtual - 1) for c in range(virtual)]
+        self.chunks = [Chunk(set(keys[c * per:(c + 1) * per]), stage == 0 and c == 0,
+                             stage == stages - 1 and c == virtual - 1) for c in range(virtual)]
 
     def forward(self, x: torch.Tensor, target: torch.Tensor | None, loss_fn: Callable,
                 chunk: int = 0) -> torch.Tensor:
-        keys, first, last = self.chunks[chunk]
-        before = self.parts[:self.blocks_at] if first else []
-        after = self.parts[self.blocks_at + 1:] if last else []
+        this = self.chunks[chunk]
+        before = self.parts[:self.blocks_at] if this.first else []
+        after = self.parts[self.blocks_at + 1:] if this.last else []
         parts = [*before, self.parts[self.blocks_at], *after]
-        x = run_pieces(self.model, self.split, parts, len(before), x, keys)
-        return loss_fn(x, target) if last and target is not None else x
+        x = run_pieces(self.model, self.split, parts, len(before), x, this.blocks)
+        return loss_fn(x, target) if this.last and target is not None else x
 
     def forwards(self, loss_fn: Callable) -> list[Callable]:
         """Each chunk's forward(input, target or None), in chunk order, as the executor runs them."""

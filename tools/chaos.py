@@ -221,6 +221,7 @@ def verdict(campaign: Campaign, out: Path, ref: Path, watch: Observer, work: Pat
             checkpoint.verify(step_dir)
         except Exception as e:  # noqa: BLE001  (any failure to verify is the finding)
             failures.append(f"{step_dir.name} on disk does not verify: {e}")
+    failures += [f"{left.name} left half-written in OUT/checkpoints" for left in (out / "checkpoints").glob(".tmp-*")]
     url = f"s3://{BUCKET}/run"
     for step in commits.committed_steps(url):
         try:

@@ -93,8 +93,16 @@ def elastic_run(cluster: Cluster, argv: list[str], out: Path, log_dir: Path, *, 
     """`minitrain train ARGV --out OUT` on nodes 0 and 1 under `torchrun --nnodes 1:2`: once step KILL_AFTER is
     logged, node 1 is SIGKILLed whole (agent and ranks); node 0 restarts at the smaller world; after
     STEPS_BETWEEN steps there, node 1 starts again and the next restart takes it back in. Each wait lasts as long as
-    the agents or ranks write something (logs, metrics, checkpoints) at least every quiet_s seconds."""
-    entry = ["-m", "minitrain", "train", *argv, "--out", str(out)]
+    the agents or ranks write something (logs, metrics, checkpoints) at least every quiet_s seconds.
+
+    The smaller world then holds (--fault.plan hold@STEP): its ranks wait at the start of that step until torchrun
+    stops them for the node that joins, however long that node takes to start, and the restart takes it in from
+    there. (Without the hold, a fast smaller world ran its last 360 steps in 4 s, while node 1's agent was still
+    starting on a loaded machine, and the job ended before it came back.) The step is STEPS_BETWEEN past the loss:
+    the full world, still running while the test reacts to KILL_AFTER, must not reach it first."""
+    hold = kill_after + steps_between + 1
+    entry = ["-m", "minitrain", "train", *argv, "--fault.plan", f"hold@{hold}", "--fault.ledger",
+             str(log_dir / "fault-ledger"), "--out", str(out)]
     options = {"nnodes": "1:2", "nproc": nproc, "run_id": "elastic", "max_restarts": 2,
                "rdzv_conf": rdzv_conf, "env": ELASTIC_ENV}
     agents = [cluster.agent(node, entry, log=log_dir / f"node{node}", **options) for node in (0, 1)]
@@ -111,8 +119,8 @@ def elastic_run(cluster: Cluster, argv: list[str], out: Path, log_dir: Path, *, 
     # At the smaller world: a step the full world logged as node 1 died is rolled back with the resume.
     first = _wait_for("step after the node loss", lambda: after(killed_at, world=nproc), quiet_s, cluster,
                       activity)[0]
-    _wait_for(f"{steps_between} steps at the smaller world", lambda: len(after(killed_at)) >= steps_between,
-              quiet_s, cluster, activity)
+    _wait_for(f"step {hold - 1} at the smaller world", lambda: [r for r in after(killed_at, world=nproc)
+                                                                 if r["step"] == hold - 1], quiet_s, cluster, activity)
     back_at = time.time()
     agents.append(cluster.agent(1, entry, log=log_dir / "node1-back", **options))
     grown = _wait_for("step at the full world again", lambda: after(back_at, world=2 * nproc), quiet_s, cluster,

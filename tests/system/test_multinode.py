@@ -83,7 +83,7 @@ ELASTIC = ["--dtype", "float64", "--zero", "1", "--global-batch", "8", "--steps"
 def test_elastic_run_loses_a_node_goes_on_smaller_takes_it_back_and_ends_as_the_same_resumes_would(
         cluster, tmp_path):
     run = tmp_path / "elastic"
-    result = elastic_run(cluster, ELASTIC, run, tmp_path, nproc=2, kill_after=40, steps_between=5)
+    result = elastic_run(cluster, ELASTIC, run, tmp_path, nproc=2, kill_after=40, steps_between=20)
     for agent in result.finished:
         assert agent.returncode == 0, f"{agent.node} exited {agent.returncode}:\n{agent.stderr[-4000:]}"
         assert "terminate called" not in agent.stderr

@@ -8,7 +8,7 @@ from .fields import opt, require_choice, require_positive
 
 # The deliberate failures train/faults.py knows (--fault.kind, and the kinds of --fault.plan).
 FAULT_KINDS = ("", "sigkill", "sigterm", "kill-in-save", "save-error", "disk-full", "lr-spike", "nan", "slow",
-               "slow-turns", "truncate-offload")
+               "slow-turns", "truncate-offload", "hold")
 
 
 @dataclass
@@ -16,7 +16,8 @@ class FaultConfig:
     """Deliberate failures for testing fault tolerance (train/faults.py fires them)."""
 
     kind: str = opt("", "'' = none | sigkill | sigterm | kill-in-save | save-error | disk-full | lr-spike | nan | "
-                    "slow | slow-turns | truncate-offload; fires once (nan at every run of its step, a bad batch; "
+                    "slow | slow-turns | truncate-offload | hold (every rank waits at the step's start for a stop "
+                    "signal); fires once (nan at every run of its step, a bad batch; "
                     "slow: every step from fault.step; slow-turns: the ranks take turns sleeping, rank r of n at "
                     "steps r, r + n, r + 2n, ...), never in a resumed run unless fault.ledger says what fired")
     step: int = opt(0, "the step at which the fault fires")

@@ -19,6 +19,9 @@ Kinds:
                 step % world == r (a different straggler at every step: what bounded staleness absorbs)
   truncate-offload  the rank's disk-offload files are cut to half their size as the step starts (another program
                 clobbering the offload directory)
+  hold          every rank waits at the start of the step until the run is asked to stop (a stop signal: torchrun's
+                SIGTERM when a node joins an elastic job), then takes the step and stops there: a test that needs
+                the run still going when something slow happens beside it waits for that, not for wall time
 """
 from __future__ import annotations
 
@@ -26,21 +29,23 @@ import errno
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from ..config import FaultConfig  # its kinds are config.FAULT_KINDS, the ones listed above
 from ..config.faults import Fault, planned_faults
 
-EVERY_RANK = ("lr-spike", "slow-turns")  # a learning rate must agree everywhere; turns are taken by every rank
+EVERY_RANK = ("lr-spike", "slow-turns", "hold")  # a learning rate must agree everywhere; turns, holds everyone's
 TIED_TO_STEPS = ("nan", "slow", "slow-turns")  # fire whenever their steps run, not once
 
 
 class Faults:
     def __init__(self, cfg: FaultConfig, rank: int, resumed: bool, offload_files: Path | None = None,
-                 world: int = 1):
+                 world: int = 1, stop_requested: Callable[[], bool] = lambda: False):
         """offload_files: the directory of this run's disk-offload files (truncate-offload), if any. world: the
-        ranks that take turns (slow-turns)."""
+        ranks that take turns (slow-turns). stop_requested: whether a stop signal has come (what a hold waits for)."""
         self.cfg, self.rank, self.offload_files, self.world = cfg, rank, offload_files, world
+        self.stop_requested = stop_requested
         self.faults = [f for f in planned_faults(cfg) if f.kind in EVERY_RANK or f.rank == rank]
         self.ledger = Path(cfg.ledger) if cfg.ledger else None
         self.resumed = resumed
@@ -76,6 +81,9 @@ class Faults:
     def at_step_start(self, step: int) -> None:
         if any(self._slow(f, step) for f in self.faults) and not (self.resumed and self.ledger is None):
             time.sleep(self.cfg.slow_s)
+        if self._fires(("hold",), step):
+            while not self.stop_requested():
+                time.sleep(0.05)
         if self._fires(("sigkill",), step):
             os.kill(os.getpid(), signal.SIGKILL)
         if self._fires(("sigterm",), step):

@@ -77,7 +77,8 @@ class TrainingRun:
         # disk of its own, that machine's.
         self.tidies_out = topo.rank == min(check_shared_out(self.out, topo, cfg.ckpt.dir))
         # The parameter norm, a figure no step needs, on the steps that print a progress line (and the last).
-        self.trainer = Trainer(cfg, topo, param_norm_every=cfg.train.log_every)
+        self.trainer = Trainer(cfg, topo, param_norm_every=cfg.train.log_every,
+                               stop_requested=lambda: bool(self.stop_request.signum))
         self.topo = topo = self.trainer.topo  # the groups it trains on (under expert parallelism, its own)
         self.start_path = resume_path(cfg)
         if self.start_path is not None:

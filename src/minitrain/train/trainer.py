@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -61,10 +62,12 @@ class Trainer:
     """One rank's training state (model, strategy, data position, guards) and its step. close() (or leaving a
     `with Trainer(...)` block) takes the strategy's hooks off the model, so a dropped trainer is freed."""
 
-    def __init__(self, cfg: RunConfig, topo: Topology, spec: ModelSpec | None = None, param_norm_every: int = 1):
+    def __init__(self, cfg: RunConfig, topo: Topology, spec: ModelSpec | None = None, param_norm_every: int = 1,
+                 stop_requested: Callable[[], bool] = lambda: False):
         """spec: the model family to build and its plan (default: the one cfg.model describes, models.spec_for).
         param_norm_every: the records carry the parameter norm every this-many steps and at the last step (0: at the
-        last only; step_statistics.py); `minitrain train` passes its progress lines' --train.log_every."""
+        last only; step_statistics.py); `minitrain train` passes its progress lines' --train.log_every.
+        stop_requested: whether a stop signal has come (a deliberate hold waits for it, faults.py)."""
         if cfg.dist.ep > 1 and topo.ep.world_size == 1:  # the experts' groups and their replicas (collective)
             topo = topo.with_experts(cfg.dist.ep)
         if cfg.dist.cp > 1 and topo.cp.world_size == 1:  # the groups that split sequences, and their readers
@@ -99,7 +102,7 @@ class Trainer:
         self.spikes = SpikeGuard(t.spike_factor, t.spike_window)
         self.faults = Faults(cfg.fault, topo.rank, resumed=False,
                              offload_files=offload_directory(cfg) if cfg.train.offload == "disk" else None,
-                             world=topo.world_size)
+                             world=topo.world_size, stop_requested=stop_requested)
         self.stats = StepStatistics(topo, self.strategy, self.pipeline, tokens_per_step=self.tokens_per_step,
                                     grad_accum=t.grad_accum, scales_loss=self.loss_scaler is not None,
                                     expert_layers=spec.expert_layers(self.model), param_norm_every=param_norm_every,

@@ -140,26 +140,30 @@ def run_chaos(campaign: Campaign, out: Path, work: Path, link: Cable, env: dict)
     outside = [f for f in campaign.faults if f.kind not in IN_THE_RANKS]
     final = out / "checkpoints" / checkpoint.step_dir_name(campaign.steps)
     job, progress = None, (0, time.monotonic())
-    while not (final / "manifest.json").exists() or (job is not None and job.finished() is None):
-        if job is None or job.finished() is not None:
-            if campaign.launches > 3 * len(campaign.faults) + 5:
-                raise RuntimeError(f"gave up after {campaign.launches} launches; see {work}/job-*.log")
-            campaign.launches += 1
-            job = Job(argv, NPROC, max_restarts=len(campaign.faults) + 2, port=free_port(),
-                      log=work / f"job-{campaign.launches}.log", env=env)
-        watch.poll()
-        step = watch.current_step()
-        if step != progress[0]:
-            progress = (step, time.monotonic())
-        elif time.monotonic() - progress[1] > STALL_S:
-            job.end()
-            raise RuntimeError(f"no step logged for {STALL_S:g} s after step {step}; see {job.log}")
-        due = next((f for f in outside if f.fired_at is None and step >= f.step), None)
-        if due is not None and _inject(due, job, out, link):
-            due.fired_at = time.time()
-            if due.kind == "node-lost":
-                time.sleep(2.0)  # the node is down a while before the scheduler brings it back
-        time.sleep(0.1)
+    try:
+        while not (final / "manifest.json").exists() or (job is not None and job.finished() is None):
+            if job is None or job.finished() is not None:
+                if campaign.launches > 3 * len(campaign.faults) + 5:
+                    raise RuntimeError(f"gave up after {campaign.launches} launches; see {work}/job-*.log")
+                campaign.launches += 1
+                job = Job(argv, NPROC, max_restarts=len(campaign.faults) + 2, port=free_port(),
+                          log=work / f"job-{campaign.launches}.log", env=env)
+            watch.poll()
+            step = watch.current_step()
+            if step != progress[0]:
+                progress = (step, time.monotonic())
+            elif time.monotonic() - progress[1] > STALL_S:
+                job.end()
+                raise RuntimeError(f"no step logged for {STALL_S:g} s after step {step}; see {job.log}")
+            due = next((f for f in outside if f.fired_at is None and step >= f.step), None)
+            if due is not None and _inject(due, job, out, link):
+                due.fired_at = time.time()
+                if due.kind == "node-lost":
+                    time.sleep(2.0)  # the node is down a while before the scheduler brings it back
+            time.sleep(0.1)
+    finally:  # stopped early (an error, SIGTERM): the job is taken down with the campaign
+        if job is not None and job.finished() is None:
+            job.lose_node()
     for f in campaign.faults:  # the ranks' faults: when the ledger says they fired
         if f.kind in IN_THE_RANKS and f.kind not in ("nan", "slow-rank"):
             marks = list(ledger.glob(f"{IN_THE_RANKS[f.kind]}@{f.step}:*"))
@@ -268,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the report there, with the command and the machine (`make chaos`: "
                                        "benchmarks/results/chaos_seed{S}.json, the table in docs/fault-tolerance.md)")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the running job is taken down (run_chaos)
     if args.faults < 1 or args.steps < 1:
         parser.error("--faults and --steps must be positive")
     try:

@@ -3,6 +3,8 @@ from pathlib import Path
 
 import pytest
 
+from minitrain import checkpoint
+
 from minitrain.train.loop import TrainingRun
 from minitrain.train.run_config import run_config
 
@@ -70,6 +72,10 @@ def test_resume_auto_skips_a_corrupt_checkpoint_naming_the_file(tmp_path):
     resumed = _train(out, "--steps", "6", "--resume", "auto", "--ckpt-every-steps", "2")
     assert "skipping step-000004" in resumed.stderr and "rank-00001.safetensors is corrupt" in resumed.stderr
     assert "resumed from" in resumed.stdout and "step-000002 at step 2" in resumed.stdout
+    # Set aside, its files kept for a look: what is left under a step's name verifies (step 4 saved again).
+    assert "set aside" in resumed.stdout and (out / "checkpoints" / "corrupt-step-000004" / shard.name).is_file()
+    for step_dir in sorted((out / "checkpoints").glob("step-*")):
+        checkpoint.verify(step_dir)
 
     for step in ("step-000002", "step-000004", "step-000006"):  # nothing left that verifies
         (out / "checkpoints" / step / "manifest.json").write_text("{}")

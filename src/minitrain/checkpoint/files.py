@@ -149,6 +149,30 @@ def find_latest(out_dir: str | os.PathLike, warnings: list[str] | None = None) -
     return None
 
 
+def set_aside_corrupt(root: str | os.PathLike, after_step: int) -> list[Path]:
+    """After a resume from `after_step`: rename every complete checkpoint of a later step that does not verify (the
+    resume went back past it) to corrupt-step-NNNNNN beside it, so that no listing takes it for a checkpoint again
+    and its files stay for a look. Returns the new paths (one renamed meanwhile by another process is passed over)."""
+    moved = []
+    for step_dir in complete_steps(Path(root)):
+        if step_of(step_dir) <= after_step:
+            continue
+        try:
+            verify(step_dir)
+            continue  # a later line's, whole: prune's business
+        except CheckpointError:
+            pass
+        target = step_dir.with_name(f"corrupt-{step_dir.name}")
+        if target.exists():  # set aside once before: keep both
+            target = step_dir.with_name(f"corrupt-{step_dir.name}-{os.getpid()}")
+        try:
+            os.rename(step_dir, target)
+        except FileNotFoundError:
+            continue
+        moved.append(target)
+    return moved
+
+
 def prune(root: str | os.PathLike, keep_last: int) -> list[Path]:
     """Delete all but the newest keep_last complete checkpoints of the run's current line, never the one
     `latest` names. Checkpoints of steps after `latest`'s belong to a line abandoned by resuming from an

@@ -83,6 +83,8 @@ class TrainingRun:
         self.start_path = resume_path(cfg)
         if self.start_path is not None:
             self.trainer.load_checkpoint(self.start_path)
+            for moved in checkpoint.set_aside_corrupt(self.ckpt_root, self.trainer.step) if self.tidies_out else []:
+                self.say(f"set aside {moved}: it does not verify, and the run resumed from an older checkpoint")
         self.writer = (MetricsWriter(self.out / "metrics.jsonl",
                                      resume_step=self.trainer.step if self.start_path else None)
                        if topo.is_main else None)

@@ -37,6 +37,7 @@ import random
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -115,9 +116,8 @@ def plan(faults: list[Fault], only_data: bool) -> str:
 
 
 def run_reference(faults: list[Fault], steps: int, out: Path, env: dict) -> None:
-    """The uninterrupted run with the data faults only (the same launcher's ranks as the chaos run's)."""
-    import subprocess
-
+    """The uninterrupted run with the data faults only, on minitrain's own launcher (the chaos run's ranks are
+    torchrun's; the two train alike, bit for bit: tests/system/test_fault_tolerance.py)."""
     log = out.parent / "reference.log"
     with open(log, "w") as f:
         code = subprocess.run([sys.executable, "-m", "minitrain", "train", "--nproc", str(NPROC), *common_args(steps),
@@ -153,7 +153,7 @@ def run_chaos(campaign: Campaign, out: Path, work: Path, link: Cable, env: dict)
             if step != progress[0]:
                 progress = (step, time.monotonic())
             elif time.monotonic() - progress[1] > STALL_S:
-                job.end()
+                job.lose_node()
                 raise RuntimeError(f"no step logged for {STALL_S:g} s after step {step}; see {job.log}")
             due = next((f for f in outside if f.fired_at is None and step >= f.step), None)
             if due is not None and _inject(due, job, out, link):

@@ -57,7 +57,6 @@ class Job:
         self.proc.wait()
         self.finished()
 
-    end = lose_node
 
 
 def _descendants(pid: int) -> list[int]:

@@ -40,9 +40,9 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFn, *,
             precision: str = "fp32", reduce_dtype: str = "fp32", dp: str = "bucketed", bucket_mb: float = 25.0,
             prefetch: bool = True, activation_checkpointing: str | type = "none", tp: int = 1,
             tp_plan: dict | str | None = None, pp: int = 1, pp_split: PipelineSplit | list | str | None = None,
-            microbatches: int = 1, schedule: str = "1f1b", virtual_stages: int | None = None, offload: str = "none", offload_dir: str | None = None,
-            ep: int = 1, ep_plan: dict | str | None = None, cp: int = 1, cp_style: str = "ring",
-            cp_plan: str | None = None, plan: ModelPlan | None = None, servers: int = 0,
+            microbatches: int = 1, schedule: str = "1f1b", virtual_stages: int | None = None, offload: str = "none",
+            offload_dir: str | None = None, ep: int = 1, ep_plan: dict | str | None = None, cp: int = 1,
+            cp_style: str = "ring", cp_plan: str | None = None, plan: ModelPlan | None = None, servers: int = 0,
             staleness: int = 0) -> tuple[nn.Module, PreparedOptimizer | ServerRankOptimizer]:
     """Make `model` train data parallel over every rank (ZeRO stage `zero`), with the user's optimizer,
     and with tp > 1 its layers split over groups of tp adjacent ranks (tensor parallel, Megatron-style).

@@ -37,15 +37,16 @@ the model's load_state_dict accepts and checks it key by key. The placement
 rule behind all of it: parallel/state/placement.py.
 """
 from .consolidate import consolidated_state_dict
-from .files import (RNG_KEYS, complete_steps, find_latest, prune, set_aside_corrupt, read_manifest, read_tensor, resolve, rng_state,
-                    set_rng_state, sha256_of, verify, verify_files)
+from .files import (RNG_KEYS, complete_steps, find_latest, prune, read_manifest, read_tensor, resolve, rng_state,
+                    set_aside_corrupt, set_rng_state, sha256_of, verify, verify_files)
 from .format import FORMAT, LATEST, MANIFEST, CheckpointError, shard_file_name, step_dir_name, step_of
 from .reading import assemble_flat, load, plan_reads, read_local
 from .writing import (AsyncSave, PeerSaveError, ShardWrite, begin, commit, model_entries, save, shared_by_all,
                       sharing_ranks)
 
 __all__ = ["FORMAT", "LATEST", "MANIFEST", "RNG_KEYS", "AsyncSave", "CheckpointError", "PeerSaveError", "ShardWrite",
-           "assemble_flat", "begin", "commit", "complete_steps", "consolidated_state_dict", "find_latest", "set_aside_corrupt", "load", "model_entries", "plan_reads",
-           "prune", "read_local", "read_manifest", "read_tensor", "resolve", "rng_state", "save", "set_rng_state",
+           "assemble_flat", "begin", "commit", "complete_steps", "consolidated_state_dict", "find_latest", "load", "model_entries", "plan_reads",
+           "prune", "read_local", "read_manifest", "read_tensor", "resolve", "rng_state", "save", "set_aside_corrupt",
+           "set_rng_state",
            "sha256_of", "shard_file_name", "shared_by_all", "sharing_ranks", "step_dir_name", "step_of", "verify",
            "verify_files"]

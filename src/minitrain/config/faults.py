@@ -54,8 +54,6 @@ def planned_faults(f: FaultConfig) -> list[Fault]:
 
 def check_fault(f: FaultConfig, nproc: int) -> None:
     require_choice("fault.kind", f.kind, FAULT_KINDS)
-    if f.kind:
-        require_positive("fault.step", f.step)
     if not f.slow_s >= 0 or f.slow_steps < 0:
         raise ConfigError(f"fault.slow_s and fault.slow_steps must be >= 0, got {f.slow_s} and {f.slow_steps}")
     for fault in planned_faults(f):

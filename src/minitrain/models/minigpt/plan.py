@@ -25,7 +25,7 @@ from torch import nn
 
 from .model import MiniGPT
 from ...parallel.core.model_plan import ModelPlan
-from ...parallel.pipeline_parallel.executor import stage_blocks
+from ...parallel.pipeline_parallel.executor import chunk_blocks, stage_blocks
 from ...parallel.tensor_parallel.plans import Colwise
 
 # In the plan format any model's plan uses (parallel/tensor_parallel/plans.py): module-name patterns to styles.
@@ -61,8 +61,7 @@ def pipeline_chunks(model: MiniGPT, stage: int, stages: int, virtual: int) -> li
     """The interleaved schedule's split, in place: stage s keeps virtual stages s, s + P, ... (each a contiguous
     run of blocks, stage_blocks over P x V), the embeddings if it holds the first, the final LayerNorm, head and
     loss if it holds the last; returns each chunk's forward(x, targets or None), in chunk order."""
-    parts = stage_blocks(len(model.blocks), stages * virtual)
-    mine = [parts[c * stages + stage] for c in range(virtual)]
+    mine = chunk_blocks(len(model.blocks), stage, stages, virtual)
     _keep(model, {i for chunk in mine for i in chunk}, stage, stages)
     return [functools.partial(_run_chunk, model, chunk, stage == 0 and c == 0, stage == stages - 1 and c == virtual - 1)
             for c, chunk in enumerate(mine)]

@@ -48,6 +48,14 @@ def stage_blocks(n_layer: int, stages: int) -> list[range]:
     return [range(bounds[s], bounds[s + 1]) for s in range(stages)]
 
 
+def chunk_blocks(n_blocks: int, stage: int, stages: int, virtual: int = 1) -> list[range]:
+    """The blocks of each of this stage's chunks, in chunk order: the blocks balanced over stages x virtual
+    chunks, chunk c of stage s being virtual stage c x stages + s (one chunk per stage but for the interleaved
+    schedule)."""
+    parts = stage_blocks(n_blocks, stages * virtual)
+    return [parts[c * stages + stage] for c in range(virtual)]
+
+
 class Pipeline:
     def __init__(self, module: nn.Module, comm: Comm, schedule: str, microbatches: int, d_model: int,
                  dtype: torch.dtype, device: torch.device, forward_context: Callable, no_sync: Callable,

@@ -34,7 +34,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .executor import stage_blocks
+from .executor import chunk_blocks
 
 BlockKwargs = Callable[[nn.Module, torch.Tensor], dict]
 
@@ -132,14 +132,6 @@ def check_split(model: nn.Module, split: PipelineSplit, stages: int) -> int:
         raise ValueError(f"parameter {loose[0]!r} is in no piece of pp_split {split.pieces}: name the module it "
                          "belongs to, in forward order")
     return containers[0]
-
-
-def chunk_blocks(n_blocks: int, stage: int, stages: int, virtual: int = 1) -> list[range]:
-    """The blocks of each of this stage's chunks, in chunk order: the blocks balanced over stages x virtual
-    chunks, chunk c of stage s being virtual stage c x stages + s (one chunk per stage but for the interleaved
-    schedule)."""
-    parts = stage_blocks(n_blocks, stages * virtual)
-    return [parts[c * stages + stage] for c in range(virtual)]
 
 
 def split_model(model: nn.Module, split: PipelineSplit, stage: int, stages: int, virtual: int = 1) -> None:

@@ -7,10 +7,12 @@ the head on the last), from the same initial weights, and run one batch of 8 seq
 `PipelineStage` per rank and `Schedule1F1B` (its loss function is the same mean cross-entropy, and it
 scales the gradients by 1/M as we do). Timed: forward + backward of the batch (no optimizer: neither
 is pipeline work), barrier to barrier over the pipeline group, median over steps after warmup; the
-first loss of both is printed as a check that they compute the same thing. Ratio = ours / PyTorch's
-within each repeat; repeats alternate which goes first.
+first loss of both is printed as a check that they compute the same thing. Both run in one launch, each over
+its own copy of the weights, in turns on the same batches (which goes first alternating batch by batch), so a
+slow spell of the shared machine slows both; ratio = the median over batches of ours / PyTorch's on that batch,
+and its median over repeats (one launch each).
 
-    .venv/bin/python benchmarks/pipeline.py [--pp 2] [--microbatches 4] [--steps 8] [--repeats 3] [--out FILE]
+    .venv/bin/python benchmarks/pipeline.py [--pp 2] [--microbatches 4] [--steps 16] [--repeats 3] [--out FILE]
 
 With --virtual-stages V (2 or more) the schedules are interleaved: ours with MiniGPT's plan's chunks
 (`pipeline_chunks`: pp x V chunks, rank s holding s, s + P, ...), PyTorch's `ScheduleInterleaved1F1B` with one
@@ -27,7 +29,7 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
-from against_peer import compare, time_steps, write_and_print  # benchmarks/against_peer.py
+from against_peer import compare_in_turn, time_in_turn, write_and_print  # benchmarks/against_peer.py
 from record import RESULTS  # benchmarks/record.py
 
 
@@ -89,34 +91,53 @@ def _torch_interleaved(model, chunks, topo, microbatches):
     return _torch_step(ScheduleInterleaved1F1B(stages, microbatches, loss_fn=_loss_fn), pp)
 
 
-def worker(topo, pp_size: int, microbatches: int, impl: str, steps: int, virtual: int = 1, layers: int = 8) -> dict:
+def _stage_model(cfg, rank: int, pp_size: int, virtual: int):
+    """MiniGPT from the run's seed, split for this rank: (the model, its chunks' forwards or None)."""
+    torch.manual_seed(cfg.train.seed)
+    model = MiniGPT(cfg.model)
+    if virtual > 1:
+        return model, pipeline_chunks(model, rank, pp_size, virtual)
+    pipeline_split(model, rank, pp_size)  # MiniGPT's plan: this rank's stage, in place
+    return model, None
+
+
+def _our_step(model, chunks, topo, cfg, microbatches):
+    pipeline = Pipeline(model, topo.pp, "interleaved" if chunks else "1f1b", microbatches, cfg.model.d_model,
+                        torch.float32, topo.device, contextlib.nullcontext, contextlib.nullcontext, chunks,
+                        measure=False)  # as prepare runs it: no bubble measured, as PyTorch's schedules
+
+    def step(x, y):
+        loss = pipeline.run(x, y, 1.0, sync=True)  # as a training step's last micro-batch runs it
+        return loss if pipeline.last_stage else None
+
+    return step
+
+
+def worker(topo, pp_size: int, microbatches: int, steps: int, virtual: int = 1, layers: int = 8) -> dict:
+    """Both pipelines in this process, each over its own copy of the same initial weights, timed in turns on the
+    same batches (`time_in_turn`)."""
     topo = topo.with_layout(1, pp_size)
     cfg = run_config(cli_values={**MODEL, "dist.nproc": topo.world_size, "dist.pp": pp_size,
                                    "dist.microbatches": microbatches,
                                    **({"model.n_layer": layers} if virtual > 1 else {})})
-    torch.manual_seed(cfg.train.seed)
-    model = MiniGPT(cfg.model)
-    chunks = pipeline_chunks(model, topo.pp.rank, pp_size, virtual) if virtual > 1 else None
-    if chunks is None:
-        pipeline_split(model, topo.pp.rank, pp_size)  # MiniGPT's plan: this rank's stage, in place
-    if impl == "minitrain":
-        pipeline = Pipeline(model, topo.pp, "interleaved" if chunks else "1f1b", microbatches, cfg.model.d_model,
-                            torch.float32, topo.device, contextlib.nullcontext, contextlib.nullcontext, chunks)
+    ours, torch_model = (_stage_model(cfg, topo.pp.rank, pp_size, virtual) for _ in range(2))
+    theirs = (_torch_interleaved(*torch_model, topo, microbatches) if virtual > 1
+              else _torch_schedule(torch_model[0], topo, cfg, microbatches))
 
-        def step(x, y):
-            loss = pipeline.run(x, y, 1.0, sync=True)
-            return loss if pipeline.last_stage else None
-    else:
-        step = (_torch_interleaved(model, chunks, topo, microbatches) if chunks
-                else _torch_schedule(model, topo, cfg, microbatches))
+    def zero_grad(set_to_none=True):
+        for model in (ours[0], torch_model[0]):
+            model.zero_grad(set_to_none=set_to_none)
+
     loader = ShardedLoader(load_corpus(cfg), cfg.model.seq_len, cfg.train.batch_size, 0, 1, cfg.train.seed)
-    return time_steps(step, model.zero_grad, loader, topo.pp, steps, WARMUP)
+    return time_in_turn({"minitrain": _our_step(*ours, topo, cfg, microbatches), "torch": theirs}, zero_grad, loader,
+                        topo.pp, steps, WARMUP)
+
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--virtual-stages", type=int, default=1, help="2 or more: the interleaved schedules")
     parser.add_argument("--layers", type=int, default=8, help="blocks of the model when interleaved (default 8)")
@@ -126,9 +147,9 @@ def main(argv=None) -> int:
     out = args.out or RESULTS / (f"pipeline_interleaved_pp{args.pp}_m{args.microbatches}_v{V}.json" if V > 1
                                  else f"pipeline_pp{args.pp}_m{args.microbatches}.json")
     # The loss lives on the last stage: take that rank's result.
-    report, ratio = compare(lambda impl: launch(worker, args.pp, args.pp, args.microbatches, impl, args.steps, V,
-                                                args.layers, backend="gloo", timeout_s=1800)[-1], "torch",
-                            args.repeats)
+    report, ratio = compare_in_turn(lambda: launch(worker, args.pp, args.pp, args.microbatches, args.steps, V,
+                                                   args.layers, backend="gloo", timeout_s=1800)[-1], "torch",
+                                    args.repeats)
     model = {**MODEL, "model.n_layer": args.layers} if V > 1 else MODEL
     write_and_print(out, __file__, argv,
                     {"model": model, "pp": args.pp, "microbatches": args.microbatches,

@@ -171,7 +171,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFn, *,
             return model, ServerRankOptimizer()
     builder = None if split is None else functools.partial(
         Pipeline, comm=layout.pp, schedule=schedule, microbatches=microbatches, d_model=0, dtype=compute,
-        device=topo.device, forward_context=functools.partial(_autocast, topo.device, precision), virtual=virtual)
+        device=topo.device, forward_context=functools.partial(_autocast, topo.device, precision), virtual=virtual,
+        measure=False)  # (no bubble to report in a loop of the user's own)
     strategy, pipeline = parallelize(model, layout, pcfg, make_optimizer, plan, activation_checkpointing,
                                      None if builder is None else lambda s, _chunks: builder(s.module, no_sync=s.no_sync),
                                      ep_plan=ep_plan if experts else None, cp_style=cp_style, cp_plan=cp_plan)

@@ -24,7 +24,8 @@ Measured per step (`measured`): each stage's busy time (its compute) against the
 schedule (barrier to barrier over the pipeline group), so bubble = 1 - busy / span, comparable with
 (P - 1) / (M + P - 1); and the most micro-batches whose activations it held at once. The times are the
 comm's clock's (clock.py): the wall clock on the CPU, CUDA events on a GPU, read after the step's host
-synchronisation, so no action waits for the device.
+synchronisation, so no action waits for the device. The trainer measures every step (its metrics report the
+bubble); `prepare`'s pipeline does not, and spares the step the two barriers.
 """
 from __future__ import annotations
 
@@ -59,12 +60,14 @@ def chunk_blocks(n_blocks: int, stage: int, stages: int, virtual: int = 1) -> li
 class Pipeline:
     def __init__(self, module: nn.Module, comm: Comm, schedule: str, microbatches: int, d_model: int,
                  dtype: torch.dtype, device: torch.device, forward_context: Callable, no_sync: Callable,
-                 chunks: list[Callable] | None = None, virtual: int = 1):
+                 chunks: list[Callable] | None = None, virtual: int = 1, measure: bool = True):
         """module: this rank's stage (the strategy's module); comm: the pipeline group, one rank per stage;
         dtype: what activations travel in; forward_context: entered around each forward (autocast);
         no_sync: the data-parallel strategy's context for backwards that must not sync gradients; under the
         interleaved schedule, chunks: forward(input, target or None) of each of this rank's chunks, in chunk order,
-        or virtual: how many chunks each rank holds, their forwards given to run."""
+        or virtual: how many chunks each rank holds, their forwards given to run; measure: time each step's
+        schedule (`measured`) between two barriers over the pipeline group, which cost a step about as much as the
+        rest of the executor's own work: off where nothing reads the measurement."""
         self.module, self.comm, self.device = module, comm, device
         self.stage, self.stages = comm.rank, comm.world_size
         self.first, self.last_stage = self.stage == 0, self.stage == self.stages - 1
@@ -77,7 +80,7 @@ class Pipeline:
         self.final_backward = -1 if self.virtual > 1 else max(i for i, a in enumerate(self.actions) if a.kind in ("B", "W"))
         self.split = SplitBackward(module) if splits_backward(lists) else None
         self.d_model, self.dtype = d_model, dtype
-        self.forward_context, self.no_sync = forward_context, no_sync
+        self.forward_context, self.no_sync, self.measure = forward_context, no_sync, measure
         self._measured: dict = {}  # the last step's bubble, busy and span seconds, peak in-flight micro-batches
         self._marks: tuple | None = None  # this step's clock marks, until they can be read (measured)
 
@@ -108,7 +111,8 @@ class Pipeline:
         in_flight: list[PendingCollective] = []
         actions, peak, clock = [], 0, self.comm.clock
         posted = None  # the next action's receive, posted ahead (_receive)
-        self.comm.barrier()  # the span starts when every stage can start
+        if self.measure:
+            self.comm.barrier()  # the span starts when every stage can start
         start = clock.mark()
         for i, action in enumerate(self.actions):
             m, key = action.microbatch, (action.chunk, action.microbatch)
@@ -157,8 +161,9 @@ class Pipeline:
             send.wait()
         if sync and self.virtual > 1:
             self._sync_accumulated()
-        self.comm.barrier()  # ...and ends when the last stage has finished
-        self._marks = (start, clock.mark(), actions, peak)
+        if self.measure:
+            self.comm.barrier()  # ...and ends when the last stage has finished
+            self._marks = (start, clock.mark(), actions, peak)
         return loss_sum / M
 
     def _receive(self, i: int, outgoing: list, posted: tuple | None, shape: tuple[int, ...]) -> tuple:

@@ -4,12 +4,17 @@
 
 The run: ZeRO-3 on 4 ranks in float64 under torchrun (`--max-restarts`, `--resume auto`: a rank's death restarts
 the ranks), a checkpoint every 10 steps in OUT/checkpoints and uploaded to an S3 server (moto's, in this process,
-behind a relay that can be cut). This program is the scheduler: a job that ends early (a lost node, a stop signal,
+behind a relay that can be cut). With --nodes 2 (the default where Linux network namespaces can be made: root and
+iproute2) the ranks run on two pretend machines (tests/helpers/netns.py), two each, every node under its own
+torchrun agent, gloo between their addresses and the store reached over their network; the membership is fixed at
+two nodes, so the world is never smaller and the run can end as one that lost nothing. This program is the scheduler: a job that ends early (a lost node, a stop signal,
 torchrun out of restarts) is launched again with `--resume auto`. The seed draws K faults, each kind once before any
 kind twice, at steps at least (N - 40) / K apart:
 
   sigkill            a rank SIGKILLed (torchrun restarts the ranks)
-  node-lost          the whole job SIGKILLed, launched again 2 s later (a node lost and back)
+  node-lost          a node SIGKILLed whole (torchrun and its ranks) and started again 2 s later: on two nodes the
+                     job's next rendezvous takes it back in (node 0, which hosts the rendezvous, takes the job
+                     with it: launched again); on one, the whole job
   signal             SIGTERM, SIGINT or SIGHUP to the job's process group (ranks save and stop; relaunched)
   kill-in-save       a rank SIGKILLed inside a save, its shard written, the checkpoint not yet in place
   disk-full          a rank's shard write fails with ENOSPC
@@ -31,6 +36,7 @@ all of it holds; the last line is the verdict.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -49,7 +55,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from chaos_job import Job, Observer  # noqa: E402  (tools/chaos_job.py)
+from chaos_job import Job, NodesJob, Observer  # noqa: E402  (tools/chaos_job.py)
 from tests.helpers.cable import Cable  # noqa: E402
 
 KINDS = ("sigkill", "node-lost", "signal", "kill-in-save", "disk-full", "store-down", "corrupt-checkpoint", "nan",
@@ -127,8 +133,8 @@ def run_reference(faults: list[Fault], steps: int, out: Path, env: dict) -> None
         raise SystemExit(f"chaos: the reference run failed (exit {code}); see {log}")
 
 
-def run_chaos(campaign: Campaign, out: Path, work: Path, link: Cable, env: dict) -> Observer:
-    """Launch, inject, relaunch until the run has saved its last step."""
+def run_chaos(campaign: Campaign, out: Path, work: Path, link: Cable, env: dict, cluster=None) -> Observer:
+    """Launch, inject, relaunch until the run has saved its last step (on the cluster's two nodes, if given)."""
     from minitrain import checkpoint
     from minitrain.runtime.launch import free_port
 
@@ -146,8 +152,9 @@ def run_chaos(campaign: Campaign, out: Path, work: Path, link: Cable, env: dict)
                 if campaign.launches > 3 * len(campaign.faults) + 5:
                     raise RuntimeError(f"gave up after {campaign.launches} launches; see {work}/job-*.log")
                 campaign.launches += 1
-                job = Job(argv, NPROC, max_restarts=len(campaign.faults) + 2, port=free_port(),
-                          log=work / f"job-{campaign.launches}.log", env=env)
+                log, restarts = work / f"job-{campaign.launches}.log", len(campaign.faults) + 2
+                job = (NodesJob(cluster, argv, NPROC, restarts, log, env, campaign.launches) if cluster else
+                       Job(argv, NPROC, restarts, free_port(), log, env))
             watch.poll()
             step = watch.current_step()
             if step != progress[0]:
@@ -158,8 +165,6 @@ def run_chaos(campaign: Campaign, out: Path, work: Path, link: Cable, env: dict)
             due = next((f for f in outside if f.fired_at is None and step >= f.step), None)
             if due is not None and _inject(due, job, out, link):
                 due.fired_at = time.time()
-                if due.kind == "node-lost":
-                    time.sleep(2.0)  # the node is down a while before the scheduler brings it back
             time.sleep(0.1)
     finally:  # stopped early (an error, SIGTERM): the job is taken down with the campaign
         if job is not None and job.finished() is None:
@@ -194,7 +199,14 @@ def _inject(f: Fault, job: Job, out: Path, link: Cable) -> bool:
             f.detail = shard.parent.name
         os.kill(pid, signal.SIGKILL)
     elif f.kind == "node-lost":
-        job.lose_node()
+        node = job.node_of(f.rank)
+        if node is None:
+            return False
+        job.lose_node(node)
+        f.detail = f"node {node}"
+        time.sleep(2.0)  # the node is down a while before the scheduler brings it back
+        if node > 0:  # (node 0 hosts the rendezvous: the job went with it, and is launched again whole)
+            job.bring_back(node)
     elif f.kind == "signal":
         job.signal_group(SIGNALS[f.detail])
     elif f.kind == "store-down":
@@ -271,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
                                        "when the campaign passes)")
     parser.add_argument("--json", help="also write the report there, with the command and the machine (`make chaos`: "
                                        "benchmarks/results/chaos_seed{S}.json, the table in docs/fault-tolerance.md)")
+    parser.add_argument("--nodes", type=int, choices=(1, 2), help="pretend machines the ranks run on (default 2 "
+                                                                   "where network namespaces can be made, else 1)")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the running job is taken down (run_chaos)
     if args.faults < 1 or args.steps < 1:
@@ -283,15 +297,24 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     from tests.helpers.s3_server import s3_server
 
+    from tests.helpers import netns
+
+    cannot = netns.unavailable()
+    if args.nodes == 2 and cannot:
+        parser.error(f"--nodes 2: {cannot}")
+    nodes = args.nodes or (1 if cannot else 2)
     started = time.monotonic()
-    with s3_server(BUCKET):
-        link = Cable(int(os.environ["AWS_ENDPOINT_URL"].rsplit(":", 1)[1]))
-        env = {**os.environ, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{link.port}", "OMP_NUM_THREADS": "1"}
-        print(f"chaos: seed {args.seed}, {args.faults} faults over {args.steps} steps: "
+    with s3_server(BUCKET), netns.Cluster(2) if nodes == 2 else contextlib.nullcontext() as cluster:
+        server = int(os.environ["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])
+        link = Cable(server, namespace=f"{cluster.name}-n0") if cluster else Cable(server)
+        env = {**os.environ, "AWS_ENDPOINT_URL": f"http://{cluster.addr(0) if cluster else '127.0.0.1'}:{link.port}",
+               "OMP_NUM_THREADS": "1"}
+        print(f"chaos: seed {args.seed}, {args.faults} faults over {args.steps} steps on {nodes} node(s)"
+              + ("" if nodes == 2 else f" ({cannot})" if cannot else "") + ": "
               + ", ".join(f"{f.kind}@{f.step}" for f in campaign.faults), flush=True)
         run_reference(campaign.faults, args.steps, work / "reference", env)
         try:
-            watch = run_chaos(campaign, work / "run", work, link, env)
+            watch = run_chaos(campaign, work / "run", work, link, env, cluster)
             failures = verdict(campaign, work / "run", work / "reference", watch, work)
         except (RuntimeError, TimeoutError) as e:
             watch, failures = Observer(work / "run"), [str(e)]
@@ -302,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         from record import write_result  # benchmarks/record.py
 
         write_result(args.json, __file__, argv, {**result, "faults_drawn": args.faults, "nproc": NPROC,
-                                                "every": EVERY})
+                                                "nodes": nodes, "every": EVERY})
     print_table(result)
     for failure in failures:
         print(f"chaos: {failure}")

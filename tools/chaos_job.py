@@ -3,6 +3,7 @@ session of its own, its ranks found by their RANK), and the run's metrics.jsonl 
 change. (The link to the S3 server that a campaign cuts is the tests' relay, tests/helpers/cable.py.)"""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -25,14 +26,7 @@ class Job:
 
     def rank_pid(self, rank: int) -> int | None:
         """The pid of the process running rank `rank` now (torchrun's worker with RANK=rank in its environment)."""
-        for pid in _descendants(self.proc.pid):
-            try:
-                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if f"RANK={rank}".encode() in environ:
-                return pid
-        return None
+        return _rank_pid(self.proc.pid, rank)
 
     def signal_group(self, signum: int) -> None:
         try:
@@ -46,7 +40,10 @@ class Job:
             self.out.close()
         return code
 
-    def lose_node(self) -> None:
+    def node_of(self, rank: int) -> int:
+        return 0
+
+    def lose_node(self, node: int | None = None) -> None:
         """SIGKILL torchrun and every process under it at once (it starts its ranks in sessions of their own, so a
         signal to its group reaches it alone), as the loss of the machine would."""
         for pid in [*_descendants(self.proc.pid), self.proc.pid]:
@@ -57,6 +54,83 @@ class Job:
         self.proc.wait()
         self.finished()
 
+
+
+class NodesJob:
+    """The same job on two pretend nodes (network namespaces, tests/helpers/netns.py), NPROC / 2 ranks each under a
+    torchrun agent of its own, meeting in a c10d rendezvous on node 0. A fixed two-node membership: a node lost and
+    back rejoins the job's next round, the world never smaller, so the run can end bit for bit as one that never
+    lost a node. A node whose agent ends takes the job with it, as a scheduler ends a job step when one of its
+    tasks fails (Slurm's --kill-on-bad-exit); the campaign then launches it again."""
+
+    NODES = 2
+    GRACE_S = 30.0
+
+    def __init__(self, cluster, argv: list[str], nproc: int, max_restarts: int, log: Path, env: dict, launch: int):
+        self.cluster, self.log, self.env = cluster, log, env
+        self.entry, self.nproc, self.max_restarts = ["-m", "minitrain", "train", *argv], nproc, max_restarts
+        self.run_id = f"chaos-{launch}"
+        self.agents = [self._start(node, log) for node in range(self.NODES)]
+
+    def _start(self, node: int, log: Path):
+        from tests.helpers.multinode import ELASTIC_ENV, ELASTIC_RDZV  # a lost node noticed in seconds
+
+        return self.cluster.agent(node, self.entry, nnodes=str(self.NODES), nproc=self.nproc // self.NODES,
+                                  run_id=self.run_id, log=log.with_name(f"{log.stem}-node{node}"),
+                                  max_restarts=self.max_restarts, rdzv_conf=ELASTIC_RDZV,
+                                  env={**self.env, **ELASTIC_ENV})
+
+    def rank_pid(self, rank: int) -> int | None:
+        return next(filter(None, (_rank_pid(agent.pid, rank) for agent in self.agents)), None)
+
+    def node_of(self, rank: int) -> int | None:
+        """The node whose agent runs rank `rank` now (the rendezvous orders the nodes as they join)."""
+        return next((node for node, agent in enumerate(self.agents) if _rank_pid(agent.pid, rank)), None)
+
+    def signal_group(self, signum: int) -> None:
+        """The signal to every node's agent (each forwards it to its ranks), as a scheduler cancelling the job."""
+        for agent in self.agents:
+            try:
+                os.killpg(agent.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def finished(self) -> int | None:
+        """None while every node's agent runs. Once one has ended, the others are ended too (at once if it failed;
+        if it succeeded, after up to GRACE_S, as they finish the same last step): 0 if all succeeded, else the
+        first failure's status."""
+        codes = [agent.poll() for agent in self.agents]
+        if all(code is None for code in codes):
+            return None
+        first = next(code for code in codes if code is not None)
+        if first == 0:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                for agent in self.agents:
+                    agent.wait(timeout=self.GRACE_S)
+        self.lose_node()
+        codes = [agent.wait() for agent in self.agents]
+        return first if first != 0 else next((code for code in codes if code != 0), 0)
+
+    def lose_node(self, node: int | None = None) -> None:
+        """SIGKILL everything on NODE (every node when None), as the machine's loss would."""
+        for n in range(self.NODES) if node is None else (node,):
+            self.cluster.kill_node(n)
+            self.agents[n].wait()
+
+    def bring_back(self, node: int) -> None:
+        """Start NODE's agent again: the job's next rendezvous round takes it in."""
+        self.agents[node] = self._start(node, self.log.with_name(f"{self.log.stem}-back"))
+
+
+def _rank_pid(root: int, rank: int) -> int | None:
+    for pid in _descendants(root):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ:
+            return pid
+    return None
 
 
 def _descendants(pid: int) -> list[int]:

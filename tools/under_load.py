@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import signal
 import subprocess
 import sys
 import time
@@ -31,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command or args.hogs < 0 or args.runs < 1:
         parser.error("give a command after --, --hogs >= 0 and --runs >= 1")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stopped: the command and the hogs go too (finally)
     hogs = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(args.hogs)]
     for hog in hogs:
         hog.start()

@@ -1,7 +1,9 @@
 """A TCP relay in a thread between clients and a server (the S3 server of the tests) that a test can pull: with
 `down`, every new connection is closed as it is made; cut() also drops the open ones (kept-alive connections
 broken, then refusals: what a store's outage looks like to a client), and restore() takes them again; with
-`slow`, every chunk sent to the server waits that many seconds (an upload in flight for a while)."""
+`slow`, every chunk sent to the server waits that many seconds (an upload in flight for a while). With `namespace`,
+it listens inside that network namespace (a pretend node's, tests/helpers/netns.py) on every address, so that the
+nodes reach the server, which stays outside, through it."""
 from __future__ import annotations
 
 import contextlib
@@ -11,9 +13,15 @@ import time
 
 
 class Cable:
-    def __init__(self, target_port: int):
+    def __init__(self, target_port: int, namespace: str | None = None):
         self.target, self.down, self.slow = ("127.0.0.1", target_port), False, 0.0
-        self.listener = socket.create_server(("127.0.0.1", 0))
+        if namespace is None:
+            self.listener = socket.create_server(("127.0.0.1", 0))
+        else:
+            from tests.helpers.netns import inside
+
+            with inside(namespace):
+                self.listener = socket.create_server(("0.0.0.0", 0))
         self.port = self.listener.getsockname()[1]
         self._open: list[socket.socket] = []
         self._lock = threading.Lock()

@@ -7,6 +7,8 @@ so `kill_node` ends them all at once, the way a machine that loses power does.
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import shutil
 import subprocess
@@ -17,6 +19,7 @@ from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "netns_cluster.sh"
 RDZV_PORT = 29400
+CLONE_NEWNET = 0x40000000  # setns(2)'s namespace type: network
 
 
 def unavailable() -> str | None:
@@ -33,6 +36,21 @@ def unavailable() -> str | None:
         return f"`ip netns add` failed here: {made.stderr.strip()}"
     subprocess.run(["ip", "netns", "del", probe], check=False, capture_output=True)
     return None
+
+
+@contextlib.contextmanager
+def inside(namespace: str):
+    """This thread in network namespace NAMESPACE (one made by `ip netns add`) for the block: a socket made in it
+    belongs to it for good, so a process outside can serve the nodes (setns(2) moves the calling thread only)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(f"/var/run/netns/{namespace}") as there, open("/proc/thread-self/ns/net") as here:
+        if libc.setns(there.fileno(), CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"cannot enter network namespace {namespace}")
+        try:
+            yield
+        finally:
+            if libc.setns(here.fileno(), CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), "cannot return to this process's network namespace")
 
 
 @dataclass

@@ -193,3 +193,38 @@ def test_a_comm_refuses_collectives_after_its_topology_closed():
     # After close, a Comm no longer holds its group: a call must fail, not land on another default group.
     for said in run_ranks(_collective_after_close, 2):
         assert said == "CollectiveError: all_reduce on world after its topology was closed (Topology.close)"
+
+
+@pytest.mark.parametrize("agent_store", [False, True])
+def test_ranks_whose_agents_count_restarts_differently_meet_where_rank_0_serves_a_new_store(agent_store):
+    """A node lost and back under torchrun's c10d rendezvous (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): its new agent
+    counts restarts from 0 while the others count on, so the restart count cannot name the attempt. Rank 0 serves a
+    new store every attempt there, so no name is needed: ranks 0 and 1, told restart counts 2 and 0, meet. Where the
+    agent's store outlives attempts, the count still keeps attempts apart (their keys do not meet)."""
+    import threading
+    from datetime import timedelta
+
+    from minitrain.runtime.launch import free_port
+    from minitrain.runtime.topology import _rendezvous_store
+
+    port = free_port()
+    server = None
+    if agent_store:  # the agent's store, which the ranks join as clients
+        import torch.distributed as dist
+
+        server = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False)
+    stores = {}
+
+    def join(rank, restarts):
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": str(restarts),
+               "TORCHELASTIC_USE_AGENT_STORE": str(agent_store)}
+        stores[rank] = _rendezvous_store(rank, 2, timedelta(seconds=30), env)
+
+    threads = [threading.Thread(target=join, args=(rank, restarts)) for rank, restarts in ((0, 2), (1, 0))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    stores[0].set("address-of-0", "here")
+    assert stores[1].check(["address-of-0"]) is not agent_store
+    del server

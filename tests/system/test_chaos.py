@@ -1,7 +1,8 @@
 """A short chaos campaign (tools/chaos.py): one run of ZeRO-3 on 4 ranks under torchrun meets three faults drawn by a
 fixed seed (the store unreachable, SIGHUP to the job, a checkpoint corrupted on disk and a rank killed) and must end
-bit for bit where the uninterrupted run ends, every step logged once, every checkpoint left verifying. `make chaos`
-runs the long campaigns (docs/fault-tolerance.md)."""
+bit for bit where the uninterrupted run ends, every step logged once, every checkpoint left verifying. On one node:
+`make chaos` runs the long campaigns, on two pretend nodes where it can (docs/fault-tolerance.md); the two-node
+rendezvous of a node that comes back is tests/runtime/test_launch.py's and test_multinode's elastic run's."""
 from __future__ import annotations
 
 import json
@@ -25,7 +26,7 @@ LIMIT_S = 900
 @pytest.mark.multirank  # its ranks start under torchrun, from the tool
 def test_a_short_campaign_ends_bit_for_bit_as_the_uninterrupted_run(tmp_path):
     proc = subprocess.Popen([sys.executable, "tools/chaos.py", "--seed", "7", "--faults", "3", "--steps", "80",
-                             "--work", str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             "--nodes", "1", "--work", str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         out, _ = proc.communicate(timeout=LIMIT_S)

@@ -60,18 +60,23 @@ def under_torchrun() -> bool:
     return all(v in os.environ for v in TORCHRUN_VARS)
 
 
-def _rendezvous_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
+def _rendezvous_store(rank: int, world: int, timeout: timedelta, env=os.environ) -> dist.Store:
     """The key-value store ranks meet in, as `env://` would make it, but with a key prefix per
-    torchrun restart. torchrun's default (static) rendezvous keeps one store across restarts, and
-    `env://` adds no prefix, so a restarted rank could read the previous attempt's addresses and
-    fail connecting to a dead port, whether or not TORCH_DISABLE_SHARE_RDZV_TCP_STORE is set (how
-    often: docs/fault-tolerance.md, benchmarks/torchrun_restarts.py)."""
-    agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+    torchrun restart where the store outlives one. torchrun's default (static) rendezvous keeps one store
+    across restarts, its agent's, and `env://` adds no prefix, so a restarted rank could read the previous
+    attempt's addresses and fail connecting to a dead port (how often: docs/fault-tolerance.md,
+    benchmarks/torchrun_restarts.py). Where rank 0 serves the store (c10d with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
+    it is a new one every attempt, with no earlier keys to mistake, and no prefix is taken from the restart count:
+    each agent counts its own, and a node's agent started again (a node lost and back) counts from 0 while the
+    others do not."""
+    agent_hosts_it = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world,
                           is_master=not agent_hosts_it and rank == 0, timeout=timeout, multi_tenant=True)
+    if not agent_hosts_it:
+        return dist.PrefixStore("minitrain", store)
     # An elastic membership change (a node joining) restarts the workers without counting a restart, and the
     # store outlives that too: the new world size tells those attempts apart (a join always grows the world).
-    attempt = f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}-world-{world}"
+    attempt = f"{env.get('TORCHELASTIC_RESTART_COUNT', '0')}-world-{world}"
     return dist.PrefixStore(f"minitrain/attempt-{attempt}", store)
 
 

@@ -247,14 +247,14 @@ def chaos_campaigns(docs: list[dict]) -> list[str]:
     rows = []
     for doc in sorted(docs, key=lambda d: d["seed"]):
         recoveries = [f["recovery_s"] for f in doc["faults"] if f["recovery_s"] is not None]
-        rows.append([str(doc["seed"]), str(doc["steps"]), f"{doc['survived']} of {len(doc['faults'])}",
+        rows.append([str(doc["seed"]), str(doc.get("nodes", 1)), str(doc["steps"]), f"{doc['survived']} of {len(doc['faults'])}",
                      str(len({f["kind"] for f in doc["faults"]})), str(doc["launches"]), str(doc["recomputed_steps"]),
                      seconds(recoveries), f"{doc['checkpoints_written']} ({doc['checkpoint_bytes_written'] / 2**20:.0f} MiB)",
                      "bit for bit" if doc["passed"] else "FAILED: " + "; ".join(doc["failures"]),
                      f"{doc['seconds'] / 60:.1f}"])
-    return _table(["seed", "steps", "faults survived", "kinds", "launches", "steps recomputed",
+    return _table(["seed", "nodes", "steps", "faults survived", "kinds", "launches", "steps recomputed",
                    "recovery s (median / worst)", "checkpoints written", "end against the uninterrupted run",
-                   "minutes"], ">>>>>>><<>", rows)
+                   "minutes"], ">>>>>>>><<>", rows)
 
 
 def chaos_faults(docs: list[dict]) -> list[str]:

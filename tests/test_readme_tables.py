@@ -41,7 +41,7 @@ KEYS = {"prepare_vs_peers": TIMED | {"world", "warmup"}, "prepare_vs_peers_w4": 
         "step_costs": {"device", "format", "preset", "params", "steps", "warmup", "ms"},
         "before_after": {"before", "repeats", "format", "results"},
         "multinode": {"repeats", "elastic_trials", "rdzv_conf", "exactness", "elastic"},
-        "chaos_campaigns": {"seed", "steps", "faults", "survived", "launches", "recomputed_steps", "seconds",
+        "chaos_campaigns": {"seed", "nodes", "steps", "faults", "survived", "launches", "recomputed_steps", "seconds",
                             "checkpoints_written", "checkpoint_bytes_written", "passed", "failures"},
         "chaos_faults": {"seed", "faults"},
         "throughput_gpu": {"device", "format", "results"}, "gpu_throughput_before": {"device", "format", "results"}, "gpu_before_after": {"device", "nccl", "memory", "timings"},

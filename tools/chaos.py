@@ -150,7 +150,7 @@ def run_chaos(campaign: Campaign, out: Path, work: Path, link: Cable, env: dict,
         while not (final / "manifest.json").exists() or (job is not None and job.finished() is None):
             if job is None or job.finished() is not None:
                 if campaign.launches > 3 * len(campaign.faults) + 5:
-                    raise RuntimeError(f"gave up after {campaign.launches} launches; see {work}/job-*.log")
+                    raise RuntimeError(f"gave up after {campaign.launches} launches; see {work}/job-*")
                 campaign.launches += 1
                 log, restarts = work / f"job-{campaign.launches}.log", len(campaign.faults) + 2
                 job = (NodesJob(cluster, argv, NPROC, restarts, log, env, campaign.launches) if cluster else
@@ -161,10 +161,10 @@ def run_chaos(campaign: Campaign, out: Path, work: Path, link: Cable, env: dict,
                 progress = (step, time.monotonic())
             elif time.monotonic() - progress[1] > STALL_S:
                 job.lose_node()
-                raise RuntimeError(f"no step logged for {STALL_S:g} s after step {step}; see {job.log}")
+                raise RuntimeError(f"no step logged for {STALL_S:g} s after step {step}; see {job.logs()}")
             due = next((f for f in outside if f.fired_at is None and step >= f.step), None)
             if due is not None and _inject(due, job, out, link):
-                due.fired_at = time.time()
+                due.fired_at = due.fired_at or time.time()  # (a lost node's: when it went down, before its return)
             time.sleep(0.1)
     finally:  # stopped early (an error, SIGTERM): the job is taken down with the campaign
         if job is not None and job.finished() is None:
@@ -202,6 +202,7 @@ def _inject(f: Fault, job: Job, out: Path, link: Cable) -> bool:
         node = job.node_of(f.rank)
         if node is None:
             return False
+        f.fired_at = time.time()
         job.lose_node(node)
         f.detail = f"node {node}"
         time.sleep(2.0)  # the node is down a while before the scheduler brings it back

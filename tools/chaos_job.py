@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 
@@ -43,6 +44,9 @@ class Job:
     def node_of(self, rank: int) -> int:
         return 0
 
+    def logs(self) -> str:
+        return str(self.log)
+
     def lose_node(self, node: int | None = None) -> None:
         """SIGKILL torchrun and every process under it at once (it starts its ranks in sessions of their own, so a
         signal to its group reaches it alone), as the loss of the machine would."""
@@ -69,8 +73,11 @@ class NodesJob:
     def __init__(self, cluster, argv: list[str], nproc: int, max_restarts: int, log: Path, env: dict, launch: int):
         self.cluster, self.log, self.env = cluster, log, env
         self.entry, self.nproc, self.max_restarts = ["-m", "minitrain", "train", *argv], nproc, max_restarts
-        self.run_id = f"chaos-{launch}"
+        self.run_id, self.returns = f"chaos-{launch}", 0
         self.agents = [self._start(node, log) for node in range(self.NODES)]
+
+    def logs(self) -> str:
+        return f"{self.log.parent}/{self.log.stem}-*"
 
     def _start(self, node: int, log: Path):
         from tests.helpers.multinode import ELASTIC_ENV, ELASTIC_RDZV  # a lost node noticed in seconds
@@ -112,14 +119,20 @@ class NodesJob:
         return first if first != 0 else next((code for code in codes if code != 0), 0)
 
     def lose_node(self, node: int | None = None) -> None:
-        """SIGKILL everything on NODE (every node when None), as the machine's loss would."""
+        """SIGKILL everything on NODE (every node when None), as the machine's loss would: again while the namespace
+        still holds a process (a rank its agent started as the first kill went round)."""
         for n in range(self.NODES) if node is None else (node,):
-            self.cluster.kill_node(n)
-            self.agents[n].wait()
+            for _ in range(100):
+                self.cluster.kill_node(n)
+                if not self.cluster.pids(n):
+                    break
+                time.sleep(0.05)
+            self.agents[n].wait(timeout=60)
 
     def bring_back(self, node: int) -> None:
         """Start NODE's agent again: the job's next rendezvous round takes it in."""
-        self.agents[node] = self._start(node, self.log.with_name(f"{self.log.stem}-back"))
+        self.returns += 1
+        self.agents[node] = self._start(node, self.log.with_name(f"{self.log.stem}-back{self.returns}"))
 
 
 def _rank_pid(root: int, rank: int) -> int | None:

@@ -97,13 +97,17 @@ class Cluster:
         return subprocess.Popen(cmd, stdout=open(f"{log}.out", "w"), stderr=open(f"{log}.err", "w"),
                                 env=env, start_new_session=True)
 
+    def pids(self, node: int) -> list[int]:
+        """The processes running on the node now."""
+        listing = subprocess.run(["ip", "netns", "pids", f"{self.name}-n{node}"], capture_output=True,
+                                 text=True, check=False)
+        return [int(pid) for pid in listing.stdout.split()]
+
     def kill_node(self, node: int) -> None:
         """SIGKILL everything running on the node (its agent and its ranks), as a machine loss looks."""
-        pids = subprocess.run(["ip", "netns", "pids", f"{self.name}-n{node}"], capture_output=True,
-                              text=True, check=False)
-        for pid in pids.stdout.split():
+        for pid in self.pids(node):
             try:
-                os.kill(int(pid), 9)
+                os.kill(pid, 9)
             except ProcessLookupError:
                 pass
 

@@ -38,6 +38,7 @@ def test_every_pod_runs_the_same_torchrun_agent_sized_to_the_job(job):
     [container] = pods[0]["containers"]
     env = _env(container)
     assert int(env["NNODES"]) == len(pods)
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"  # a restarted Pod rejoins the rendezvous
     assert int(env["NPROC_PER_NODE"]) == int(container["resources"]["limits"]["nvidia.com/gpu"])
     script = container["args"][0]
     assert script.startswith("exec ")  # torchrun is PID 1: the Pod's SIGTERM reaches it

@@ -7,8 +7,9 @@ the ranks), a checkpoint every 10 steps in OUT/checkpoints and uploaded to an S3
 behind a relay that can be cut). With --nodes 2 (the default where Linux network namespaces can be made: root and
 iproute2) the ranks run on two pretend machines (tests/helpers/netns.py), two each, every node under its own
 torchrun agent, gloo between their addresses and the store reached over their network; the membership is fixed at
-two nodes, so the world is never smaller and the run can end as one that lost nothing. This program is the scheduler: a job that ends early (a lost node, a stop signal,
-torchrun out of restarts) is launched again with `--resume auto`. The seed draws K faults, each kind once before any
+two nodes, so the world is never smaller and the run can end as one that lost nothing. This program is the
+scheduler: a job that ends early (a lost node, a stop signal, torchrun out of restarts) is launched again with
+`--resume auto`. The seed draws K faults, each kind once before any
 kind twice, at steps at least (N - 40) / K apart:
 
   sigkill            a rank SIGKILLed (torchrun restarts the ranks)
@@ -296,9 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     work = Path(args.work or tempfile.mkdtemp(prefix=f"chaos-{args.seed}-"))
     work.mkdir(parents=True, exist_ok=True)
-    from tests.helpers.s3_server import s3_server
-
     from tests.helpers import netns
+    from tests.helpers.s3_server import s3_server
 
     cannot = netns.unavailable()
     if args.nodes == 2 and cannot:
